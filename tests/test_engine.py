@@ -1,0 +1,196 @@
+"""The engine end to end on a tiny random Llama: both process modes, aborts,
+KV accounting, bad input, a dead engine, and nothing left behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+
+from tracevllm import LLM, SamplingParams
+from tracevllm.engine.exceptions import EngineDeadError
+
+
+def _greedy(max_tokens: int = 8, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def mp_llm(tiny_model_dir: str):
+    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=64, enable_multiprocessing=True)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inproc_llm(tiny_model_dir: str):
+    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=64, enable_multiprocessing=False)
+    yield llm
+    llm.shutdown()
+
+
+PROMPTS = ["Hello there, how", "The capital of France", "1 2 3 4 5 6 7 8 9 10 11 12 13 14"]
+
+
+def test_modes_agree_and_outputs_are_shaped_like_vllm(mp_llm: LLM, inproc_llm: LLM) -> None:
+    a = mp_llm.generate(PROMPTS, _greedy(10), use_tqdm=False)
+    b = inproc_llm.generate(PROMPTS, _greedy(10), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    tok = mp_llm.get_tokenizer()
+    for prompt, out in zip(PROMPTS, a):
+        assert out.finished and out.prompt == prompt
+        assert out.prompt_token_ids == tok.encode(prompt)
+        c = out.outputs[0]
+        assert len(c.token_ids) == 10 and c.finish_reason == "length" and c.stop_reason is None
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    # Request ids count up across calls, as vLLM's counter.
+    assert int(a[0].request_id) < int(a[1].request_id) < int(a[2].request_id)
+
+
+def test_kv_blocks_all_return_after_requests(mp_llm: LLM) -> None:
+    core = mp_llm.llm_engine.engine_core
+    before = core.get_kv_cache_stats()
+    assert before["free"] == before["total"]
+    mp_llm.generate(PROMPTS * 3, _greedy(12), use_tqdm=False)
+    after = core.get_kv_cache_stats()
+    assert after["free"] == after["total"] and after["used"] == 0
+
+
+def test_abort_frees_blocks(inproc_llm: LLM) -> None:
+    engine = inproc_llm.llm_engine
+    engine.add_request("abort-me", "a long running request", _greedy(40))
+    engine.step()
+    stats = engine.engine_core.get_kv_cache_stats()
+    assert stats["used"] > 0
+    engine.abort_request(["abort-me"])
+    assert not engine.has_unfinished_requests()
+    engine.step()  # the core drops the aborted request
+    stats = engine.engine_core.get_kv_cache_stats()
+    assert stats["used"] == 0 and stats["free"] == stats["total"]
+
+
+def test_stop_string_stops_and_frees(inproc_llm: LLM) -> None:
+    base = inproc_llm.generate([PROMPTS[0]], _greedy(12), use_tqdm=False)[0].outputs[0]
+    # Stop at the text of the 4th generated token.
+    tok = inproc_llm.get_tokenizer()
+    stop = tok.decode(base.token_ids[3:4])
+    if not stop.strip():
+        pytest.skip("the 4th token is whitespace only")
+    out = inproc_llm.generate([PROMPTS[0]], _greedy(12, stop=[stop]), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert stop not in c.text and len(c.token_ids) < 12
+    stats = inproc_llm.llm_engine.engine_core.get_kv_cache_stats()
+    assert stats["used"] == 0
+
+
+def test_stop_token_ids_and_min_tokens(inproc_llm: LLM) -> None:
+    base = inproc_llm.generate([PROMPTS[1]], _greedy(8), use_tqdm=False)[0].outputs[0]
+    stop_id = base.token_ids[2]
+    out = inproc_llm.generate([PROMPTS[1]], _greedy(8, stop_token_ids=[stop_id]), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_id
+    assert c.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+    # min_tokens keeps it going past an early stop id.
+    first = base.token_ids.index(stop_id)
+    out = inproc_llm.generate(
+        [PROMPTS[1]], _greedy(8, stop_token_ids=[stop_id], min_tokens=first + 2), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) > first + 1
+
+
+def test_n_and_seeded_sampling(inproc_llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    a = inproc_llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert len(a.outputs) == 3 and [c.index for c in a.outputs] == [0, 1, 2]
+    # Reproducible, and independent of what else shares the batch.
+    crowd = [PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    mixed = [_greedy(6), params, SamplingParams(temperature=0.9, max_tokens=9)]
+    b = inproc_llm.generate(crowd, mixed, use_tqdm=False)[1]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+
+
+def test_logprobs(inproc_llm: LLM) -> None:
+    out = inproc_llm.generate([PROMPTS[0]], _greedy(4, logprobs=3), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.logprobs is not None and len(c.logprobs) == 4
+    for token_id, position in zip(c.token_ids, c.logprobs):
+        # Greedy: the sampled token is rank 1 and the most likely.
+        assert position[token_id].rank == 1
+        assert len(position) == 3
+        assert max(p.logprob for p in position.values()) == position[token_id].logprob
+    assert c.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for t, p in zip(c.token_ids, c.logprobs))
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ("", _greedy(), "empty"),
+        ({"prompt_token_ids": []}, _greedy(), "empty"),
+        ("hi", None, "max_tokens"),
+        ({"prompt_token_ids": [1, 10**9]}, _greedy(), "out of vocabulary"),
+        ({"prompt_token_ids": [-1]}, _greedy(), "out of vocabulary"),
+        ({"prompt_token_ids": [5] * 5000}, _greedy(), "maximum model length"),
+        ("hi", _greedy(max_tokens=64 * 16), "KV cache blocks"),
+    ],
+)
+def test_bad_input_is_refused_and_engine_keeps_serving(
+    mp_llm: LLM, prompt: object, params: SamplingParams | None, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        if params is None:
+            SamplingParams(max_tokens=0)
+        mp_llm.generate([PROMPTS[0], prompt], params, use_tqdm=False)  # type: ignore[list-item]
+    assert not mp_llm.llm_engine.has_unfinished_requests()
+    assert mp_llm.generate([PROMPTS[0]], _greedy(3), use_tqdm=False)[0].finished
+
+
+def test_bad_engine_arguments(tiny_model_dir: str, tmp_path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model=str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="safetensors|config.json"):
+        LLM(model=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model=tiny_model_dir, block_size=3)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model=tiny_model_dir, max_model_len=10**7)
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_dead_engine_raises_and_shutdown_leaves_nothing(tiny_model_dir: str) -> None:
+    before = _children()
+    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=32, enable_multiprocessing=True)
+    client = llm.llm_engine.engine_core
+    socket_dir = client.resources.socket_dir
+    assert socket_dir and glob.glob(os.path.join(socket_dir, "*"))
+    os.kill(client.engine_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        llm.generate(["still there?"], _greedy(50), use_tqdm=False)
+    assert time.monotonic() - t0 < 10
+    llm.shutdown()
+    assert not os.path.exists(socket_dir)
+    assert _children() - before == set()
+
+
+def test_shutdown_stops_process_and_removes_sockets(tiny_model_dir: str) -> None:
+    before = _children()
+    with LLM(model=tiny_model_dir, num_gpu_blocks_override=32, enable_multiprocessing=True) as llm:
+        client = llm.llm_engine.engine_core
+        socket_dir = client.resources.socket_dir
+        pid = client.engine_pid
+        assert pid in _children()
+        llm.generate(["hi"], _greedy(2), use_tqdm=False)
+    assert not os.path.exists(socket_dir)
+    assert _children() - before == set()

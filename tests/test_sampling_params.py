@@ -1,0 +1,60 @@
+"""SamplingParams validation: bad values fail at the entry, naming the field."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from tracevllm.sampling_params import SamplingParams, SamplingType
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"n": 2, "temperature": 0.0}, "n"),
+        ({"logprobs": -1}, "logprobs"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_defaults_and_normalisation() -> None:
+    p = SamplingParams(temperature=0.0, top_p=0.5, top_k=5, stop="END", seed=-1)
+    # Greedy resets the other knobs, as vLLM does.
+    assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
+    assert p.stop == ["END"]
+    assert p.seed is None
+    assert p.sampling_type == SamplingType.GREEDY
+    assert p.output_text_buffer_length == len("END") - 1
+    assert SamplingParams(temperature=0.7, seed=3).sampling_type == SamplingType.RANDOM_SEED
+    assert SamplingParams(top_k=-1).top_k == -1
+
+
+def test_eos_joins_stop_ids_unless_ignored() -> None:
+    p = SamplingParams(stop_token_ids=[7])
+    p.update_from_tokenizer(2)
+    assert p.all_stop_token_ids == {2, 7}
+    q = SamplingParams(stop_token_ids=[7], ignore_eos=True)
+    q.update_from_tokenizer(2)
+    assert q.all_stop_token_ids == {7}
+    assert q.eos_token_id == 2
+
+
+def test_msgpack_round_trip_keeps_private_fields() -> None:
+    p = SamplingParams(temperature=0.5, seed=11, stop=["x"], max_tokens=9)
+    p.update_from_tokenizer(2)
+    q = msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams)
+    assert q == p
+    assert q.all_stop_token_ids == {2}

@@ -1,0 +1,1 @@
+"""Attention backends behind one interface (vllm/v1/attention/)."""

@@ -1,0 +1,235 @@
+"""Engine configuration: one dataclass per concern, gathered in ``VllmConfig``.
+
+Mirrors vllm/config/ (``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
+``DeviceConfig``, ``AttentionConfig``, ``ObservabilityConfig`` and the
+``VllmConfig`` that holds them). Config flows down from ``EngineArgs``
+(engine/arg_utils.py); nothing below reads the environment. Left out: parallel,
+LoRA, speculative, structured-output and compilation configs. ``TraceConfig``
+is tracevllm's own (how much to trace and where to write it).
+
+Every config is a plain picklable dataclass: the whole ``VllmConfig`` is handed
+to the engine-core process when it is spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# The architectures models/llama.py implements (config.json "architectures").
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The model: a local HF directory (config.json + *.safetensors + tokenizer).
+
+    ``model`` is already resolved to a directory by ``EngineArgs`` (the default
+    model and ``.gguf`` files are converted once, see model_loader.py).
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    # Set in __post_init__ from dtype and hf_config.
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if not self.hf_config:
+            path = os.path.join(self.model, "config.json")
+            with open(path) as f:
+                self.hf_config = json.load(f)
+        archs = self.hf_config.get("architectures") or []
+        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"Model architectures {archs} are not supported by tracevllm. "
+                f"Supported architectures: {list(SUPPORTED_ARCHITECTURES)}."
+            )
+        # fp32 on CPU (DESIGN.md §5): "auto" means float32 here, as vLLM's CPU
+        # backend upcasts half types it cannot run fast.
+        allowed = ("auto", "float32", "float16", "bfloat16")
+        if self.dtype not in allowed:
+            raise ValueError(f"dtype must be one of {allowed}, got {self.dtype!r}.")
+        self.torch_dtype = "float32" if self.dtype == "auto" else self.dtype
+        derived = self.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = derived
+        elif not 0 < self.max_model_len <= derived:
+            raise ValueError(
+                f"max_model_len must be in [1, {derived}] (the model's "
+                f"max_position_embeddings), got {self.max_model_len}."
+            )
+
+    # --- what the rest of the engine asks of the model ---------------------
+    @property
+    def architecture(self) -> str:
+        archs: list[str] = self.hf_config["architectures"]
+        return next(a for a in archs if a in SUPPORTED_ARCHITECTURES)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.hf_config["hidden_size"])
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(self.hf_config.get("max_position_embeddings", 2048))
+
+    def get_num_layers(self) -> int:
+        return int(self.hf_config["num_hidden_layers"])
+
+    def get_num_attention_heads(self) -> int:
+        return int(self.hf_config["num_attention_heads"])
+
+    def get_num_kv_heads(self) -> int:
+        return int(
+            self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]
+        )
+
+    def get_head_size(self) -> int:
+        head_dim = self.hf_config.get("head_dim")
+        if head_dim:
+            return int(head_dim)
+        return self.hidden_size // self.get_num_attention_heads()
+
+    def get_max_model_len(self) -> int:
+        assert self.max_model_len is not None
+        return self.max_model_len
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The paged KV cache. vLLM: block size 16, prefix caching on, sha256."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    # Fix the number of KV blocks instead of deriving it from memory.
+    num_gpu_blocks_override: int | None = None
+    # Memory for the KV cache, all layers (vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE).
+    kv_cache_memory_bytes: int = 1 << 30
+    # Set by EngineCore._initialize_kv_caches.
+    num_gpu_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(
+                f"block_size must be a power of two in [1, 256], got {self.block_size}."
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                "num_gpu_blocks_override must be at least 2 (block 0 is the null "
+                f"block), got {self.num_gpu_blocks_override}."
+            )
+        if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
+            raise ValueError(
+                "prefix_caching_hash_algo must be 'sha256' or 'builtin', "
+                f"got {self.prefix_caching_hash_algo!r}."
+            )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Batching limits. Defaults are vLLM's for the LLM class on CPU."""
+
+    max_num_batched_tokens: int = 4096
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    # Cap on one request's prefill tokens per step (0: no cap).
+    long_prefill_token_threshold: int = 0
+    # "fcfs" or "priority" (vLLM's SchedulerPolicy).
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0, "
+                f"got {self.long_prefill_token_threshold}."
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled: "
+                "a prompt must fit in one step."
+            )
+
+    @property
+    def max_num_scheduled_tokens(self) -> int:
+        return self.max_num_batched_tokens
+
+
+@dataclass(slots=True)
+class DeviceConfig:
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class AttentionConfig:
+    # "torch" (reference, CPU default) or "triton" (kernels/, CUDA default).
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in (None, "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'torch' or 'triton', got {self.backend!r}."
+            )
+
+
+@dataclass(slots=True)
+class ObservabilityConfig:
+    # Send spans to an OTLP collector too (vLLM's --otlp-traces-endpoint).
+    otlp_traces_endpoint: str | None = None
+
+
+@dataclass(slots=True)
+class TraceConfig:
+    """tracevllm's own: how much to trace and where files go.
+
+    detail: "off" (no-op tracer), "request" (request and step spans) or "full"
+    (adds per-layer KV write/read and model internals).
+    """
+
+    detail: str = "off"
+    out_dir: str | None = None
+    # Draw each step's views in the terminal as it runs (tracevllm trace).
+    live_views: bool = False
+
+    def __post_init__(self) -> None:
+        if self.detail not in ("off", "request", "full"):
+            raise ValueError(
+                f"trace detail must be 'off', 'request' or 'full', got {self.detail!r}."
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.detail != "off"
+
+
+@dataclass(slots=True)
+class VllmConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    attention_config: AttentionConfig = field(default_factory=AttentionConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    trace_config: TraceConfig = field(default_factory=TraceConfig)

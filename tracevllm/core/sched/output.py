@@ -1,0 +1,102 @@
+"""What the scheduler hands the model runner each step.
+
+Mirrors vllm/v1/core/sched/output.py (``NewRequestData``,
+``CachedRequestData``, ``SchedulerOutput``). The first time a request is
+scheduled the runner gets everything about it (``NewRequestData``); after
+that only what changed (``CachedRequestData``), because the runner keeps its
+own persistent copy of each request (``InputBatch``). Left out: multimodal,
+LoRA, pooling, spec-decode, structured output and KV-connector fields.
+Block ids are a tuple with one list per KV cache group; tracevllm has one group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tracevllm.request import Request
+    from tracevllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    # Trace context of the request, so runner spans can link to it.
+    trace_headers: dict[str, str] | None = None
+    # For a request resumed after preemption, its tokens so far.
+    prefill_token_ids: list[int] | None = None
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            trace_headers=dict(request.trace_headers) if request.trace_headers else None,
+        )
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the runner has seen before, as parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Requests that were preempted and are scheduled again: the runner must
+    # replace (not extend) their block ids.
+    resumed_req_ids: set[str] = field(default_factory=set)
+    # Only used by pipeline parallelism in vLLM; kept for shape.
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    # All token ids of resumed requests (the runner dropped its copy).
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Blocks appended this step (None: none).
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @classmethod
+    def make_empty(cls) -> CachedRequestData:
+        return cls()
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Requests scheduled for the first time (or again after preemption).
+    scheduled_new_reqs: list[NewRequestData]
+    # Requests the runner already holds.
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # req_id -> draft tokens (speculative decoding; empty for now).
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    # Leading blocks shared by every running request (cascade attention hint).
+    num_common_prefix_blocks: list[int]
+    # Requests that finished since the last step: the runner drops them.
+    finished_req_ids: set[str]
+    # Requests preempted this step.
+    preempted_req_ids: set[str] | None = None
+    # tracevllm: the step number, for spans and views.
+    step_id: int = 0
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData.make_empty(),
+            num_scheduled_tokens={},
+            total_num_scheduled_tokens=0,
+            scheduled_spec_decode_tokens={},
+            num_common_prefix_blocks=[],
+            finished_req_ids=set(),
+        )

@@ -1,0 +1,433 @@
+"""The scheduler: each step, which requests run and how many tokens each.
+
+Mirrors vllm/v1/core/sched/scheduler.py (``Scheduler``), synchronous path.
+There are no prefill and decode phases: every request has
+``num_computed_tokens`` and ``num_tokens``, and each step hands out a token
+budget so the first catches up with the second. That one rule covers chunked
+prefill, prefix caching and preemption. Left out: KV connectors, encoder
+inputs, LoRA, structured output, speculative decoding, async scheduling
+(output placeholders), streaming input, pause states, pipeline parallelism
+and the ``skipped_waiting`` queue that only those features fill.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+from tracevllm import tracing
+from tracevllm.config import VllmConfig
+from tracevllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from tracevllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tracevllm.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from tracevllm.core.sched.utils import check_stop, remove_all
+from tracevllm.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from tracevllm.metrics.stats import SchedulerStats
+from tracevllm.outputs import ModelRunnerOutput
+from tracevllm.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
+        self.vllm_config = vllm_config
+        self.scheduler_config = vllm_config.scheduler_config
+        self.cache_config = vllm_config.cache_config
+        self.log_stats = log_stats
+        self.max_num_running_reqs = self.scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = self.scheduler_config.max_num_scheduled_tokens
+        self.max_model_len = vllm_config.model_config.get_max_model_len()
+        self.policy = SchedulingPolicy(self.scheduler_config.policy)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        # Finished since the last update_from_output(), per client (vLLM keeps
+        # this only for data parallelism; the frontend here uses it too).
+        self.finished_req_ids_dict: dict[int, set[str]] = defaultdict(set)
+        self.prev_step_scheduled_req_ids: set[str] = set()
+        self.step_id = 0
+        self.num_preempted_reqs = 0  # in the last step, for make_stats
+
+        num_gpu_blocks = self.cache_config.num_gpu_blocks
+        assert num_gpu_blocks is not None, "EngineCore sets num_gpu_blocks first"
+        self.block_size = self.cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks=num_gpu_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            enable_caching=self.cache_config.enable_prefix_caching,
+            log_stats=log_stats,
+        )
+
+    @tracing.instrument("Scheduler.schedule")
+    def schedule(self) -> SchedulerOutput:
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        token_budget = self.max_num_scheduled_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        scheduled_timestamp = time.monotonic()
+        self.step_id += 1
+
+        # --8<-- [start:schedule_running]
+        # Pass 1, RUNNING requests in order: a decode needs one token, an
+        # unfinished (chunked) prefill the rest of its prompt. If the pool is
+        # out of blocks, preempt from the back until this request fits.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < threshold < num_new_tokens:
+                num_new_tokens = threshold
+            num_new_tokens = min(num_new_tokens, token_budget)
+            # No input position at or past max_model_len.
+            num_new_tokens = min(
+                num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens
+            )
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                if self.policy == SchedulingPolicy.PRIORITY:
+                    # The lowest priority (largest value), latest arrival. If it
+                    # was already scheduled this step, take back its tokens.
+                    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+                    self.running.remove(victim)
+                    if victim in scheduled_running_reqs:
+                        scheduled_running_reqs.remove(victim)
+                        token_budget += num_scheduled_tokens.pop(victim.request_id)
+                        req_to_new_blocks.pop(victim.request_id)
+                        req_index -= 1
+                else:
+                    # FCFS: the last admitted, which is not scheduled yet.
+                    victim = self.running.pop()
+                self._preempt_request(victim, scheduled_timestamp)
+                preempted_reqs.append(victim)
+                if victim is request:
+                    break  # nothing left to preempt: it waits instead
+            if new_blocks is None:
+                break
+
+            scheduled_running_reqs.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+        # --8<-- [end:schedule_running]
+
+        # --8<-- [start:schedule_waiting]
+        # Pass 2, WAITING requests (new or preempted), only if nothing was
+        # preempted this step: admitting work while evicting it would thrash.
+        # No preemption here; the first request that does not fit ends the pass.
+        if not preempted_reqs:
+            while self.waiting and token_budget > 0:
+                if len(self.running) == self.max_num_running_reqs:
+                    break
+                request = self.waiting.peek_request()
+                # A waiting request always has num_computed_tokens == 0 here
+                # (vLLM's other branch is for KV connectors): look up its prefix.
+                new_computed_blocks, num_computed_tokens = (
+                    self.kv_cache_manager.get_computed_blocks(request)
+                )
+                # num_tokens, not num_prompt_tokens: a resumed request recomputes
+                # its outputs too.
+                num_new_tokens = request.num_tokens - num_computed_tokens
+                if 0 < threshold < num_new_tokens:
+                    num_new_tokens = threshold
+                if not self.scheduler_config.enable_chunked_prefill and (
+                    num_new_tokens > token_budget
+                ):
+                    break
+                num_new_tokens = min(num_new_tokens, token_budget)
+
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_computed_tokens,
+                    new_computed_blocks=new_computed_blocks,
+                )
+                if new_blocks is None:
+                    break
+
+                request = self.waiting.pop_request()
+                self.running.append(request)
+                if self.log_stats:
+                    request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
+                if request.status == RequestStatus.WAITING:
+                    scheduled_new_reqs.append(request)
+                else:
+                    assert request.status == RequestStatus.PREEMPTED, request.status
+                    scheduled_resumed_reqs.append(request)
+                # New and resumed requests get their whole block table.
+                req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
+                    request.request_id
+                )
+                num_scheduled_tokens[request.request_id] = num_new_tokens
+                token_budget -= num_new_tokens
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_computed_tokens
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+        # --8<-- [end:schedule_waiting]
+
+        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+        self.num_preempted_reqs = len(preempted_reqs)
+
+        num_common_prefix_blocks = [0]
+        if self.running:
+            num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
+                self.running[0].request_id
+            )
+        new_reqs_data = [
+            NewRequestData.from_request(req, req_to_new_blocks[req.request_id].get_block_ids())
+            for req in scheduled_new_reqs
+        ]
+        cached_reqs_data = self._make_cached_request_data(
+            scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks
+        )
+        self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            scheduled_spec_decode_tokens={},
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={req.request_id for req in preempted_reqs},
+            step_id=self.step_id,
+        )
+        self._update_after_schedule(scheduler_output)
+        span = tracing.current_span()
+        if span.is_recording():
+            from tracevllm.tracing.step_view import record_schedule
+
+            record_schedule(span, self, scheduler_output)
+        return scheduler_output
+
+    # --8<-- [start:preempt_request]
+    def _preempt_request(self, request: Request, timestamp: float) -> None:
+        """Send a running request back to the front of the waiting queue.
+
+        Its blocks are freed, but full ones keep their hashes: when it is
+        admitted again, get_computed_blocks finds whatever was not evicted in
+        the meantime, and only the rest is recomputed. The caller has already
+        taken it out of ``running``.
+        """
+        assert request.status == RequestStatus.RUNNING, "only running requests are preempted"
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
+        self.waiting.prepend_request(request)
+
+    # --8<-- [end:preempt_request]
+
+    def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
+        """Advance num_computed_tokens now, before the forward pass runs, so the
+        next schedule() does not hand out the same tokens again."""
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        # A new set: the output just built keeps the old one.
+        self.finished_req_ids = set()
+
+    def _make_cached_request_data(
+        self,
+        running_reqs: list[Request],
+        resumed_reqs: list[Request],
+        req_to_new_blocks: dict[str, KVCacheBlocks],
+    ) -> CachedRequestData:
+        # Resumed requests come last; the runner replaces their block ids.
+        data = CachedRequestData(resumed_req_ids={r.request_id for r in resumed_reqs})
+        for req in running_reqs + resumed_reqs:
+            req_id = req.request_id
+            data.req_ids.append(req_id)
+            # The runner's copy of a request's tokens is stale unless it ran
+            # last step (it appends its own samples only for scheduled rows).
+            if req_id not in self.prev_step_scheduled_req_ids:
+                data.all_token_ids[req_id] = req.all_token_ids.copy()
+            block_ids = req_to_new_blocks[req_id].get_block_ids()
+            data.new_block_ids.append(block_ids if any(block_ids) else None)
+            data.num_computed_tokens.append(req.num_computed_tokens)
+            data.num_output_tokens.append(req.num_output_tokens)
+        return data
+
+    # --8<-- [start:update_from_output]
+    @tracing.instrument("Scheduler.update_from_output")
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Take in one step's sampled tokens: append them, check for a stop,
+        free what finished, and build the outputs for each frontend client."""
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        logprobs = model_runner_output.logprobs
+        outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        stopped_reqs: set[Request] = set()
+
+        # One row per scheduled request. A partial prefill's row is empty: it
+        # appends nothing and sends nothing.
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            req_index = model_runner_output.req_id_to_index[req_id]
+            new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
+            stopped = False
+            if new_token_ids:
+                new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+            finish_reason = None
+            if stopped:
+                finish_reason = request.get_finished_reason()
+                self._free_request(request)
+                stopped_reqs.add(request)
+            new_logprobs = None
+            if request.sampling_params.logprobs is not None and logprobs is not None:
+                new_logprobs = logprobs.slice(req_index, req_index + 1)
+            if new_token_ids or stopped:
+                outputs[request.client_index].append(
+                    EngineCoreOutput(
+                        request_id=req_id,
+                        new_token_ids=new_token_ids,
+                        new_logprobs=new_logprobs,
+                        finish_reason=finish_reason,
+                        stop_reason=request.stop_reason,
+                        events=request.take_events(),
+                        # tracevllm: sent once, on the last output.
+                        trace_headers=request.trace_headers if stopped else None,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                    )
+                )
+        if stopped_reqs:
+            self.running = remove_all(self.running, stopped_reqs)
+        span = tracing.current_span()
+        if span.is_recording():
+            span.set_attribute(
+                "tracevllm.finished_req_ids", sorted(r.request_id for r in stopped_reqs)
+            )
+
+        engine_core_outputs = {
+            client_index: EngineCoreOutputs(outputs=outs) for client_index, outs in outputs.items()
+        }
+        for client_index, finished in self.finished_req_ids_dict.items():
+            engine_core_outputs.setdefault(client_index, EngineCoreOutputs())
+            engine_core_outputs[client_index].finished_requests = finished
+        self.finished_req_ids_dict = defaultdict(set)
+        if (stats := self.make_stats()) is not None:
+            # Stats go to one client only, even in a step with no outputs.
+            if not engine_core_outputs:
+                engine_core_outputs[0] = EngineCoreOutputs()
+            next(iter(engine_core_outputs.values())).scheduler_stats = stats
+        return engine_core_outputs
+
+    # --8<-- [end:update_from_output]
+
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
+        """Append tokens one at a time, dropping any after a stop."""
+        for num_new, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            if check_stop(request, self.max_model_len):
+                return new_token_ids[:num_new], True
+        return new_token_ids, False
+
+    def add_request(self, request: Request) -> None:
+        assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+        if self.log_stats:
+            request.record_event(EngineCoreEventType.QUEUED)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[tuple[str, int]]:
+        """Finish requests from outside (an abort): take them out of the queues
+        and free their blocks. None means all. Returns (req_id, client_index)
+        of those that were still unfinished."""
+        assert RequestStatus.is_finished(finished_status)
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        elif request_ids is None:
+            request_ids = list(self.requests)
+        valid = [
+            r
+            for req_id in set(request_ids)
+            if (r := self.requests.get(req_id)) is not None and not r.is_finished()
+        ]
+        running = {r for r in valid if r.status == RequestStatus.RUNNING}
+        self.running = remove_all(self.running, running)
+        self.waiting.remove_requests(r for r in valid if r not in running)
+        for request in valid:
+            request.status = finished_status
+            self._free_request(request)
+        return [(r.request_id, r.client_index) for r in valid]
+
+    def _free_request(self, request: Request) -> None:
+        assert request.is_finished()
+        self.finished_req_ids.add(request.request_id)
+        self.finished_req_ids_dict[request.client_index].add(request.request_id)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running_reqs, num_waiting_reqs)"""
+        return len(self.running), len(self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        return len(self.finished_req_ids) > 0
+
+    def has_requests(self) -> bool:
+        """Work left: unfinished requests, or finished ids the runner must see."""
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block. Only works when no request holds blocks,
+        unless ``reset_running_requests`` preempts them all first."""
+        if reset_running_requests:
+            timestamp = time.monotonic()
+            # From the back, so they return to waiting in their running order.
+            while self.running:
+                self._preempt_request(self.running.pop(), timestamp)
+            self.prev_step_scheduled_req_ids.clear()
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        assert prefix_cache_stats is not None
+        block_pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            step_counter=self.step_id,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_stats=prefix_cache_stats,
+            num_free_blocks=block_pool.get_num_free_blocks(),
+            num_total_blocks=block_pool.num_gpu_blocks - 1,
+            num_cached_blocks=block_pool.num_cached_blocks,
+            num_preempted_reqs=self.num_preempted_reqs,
+        )
+
+    def shutdown(self) -> None:
+        """Nothing to release (vLLM closes its KV event publisher and connector)."""

@@ -1,0 +1,119 @@
+"""``EngineArgs``: every engine knob in one flat dataclass, turned into ``VllmConfig``.
+
+Mirrors vllm/engine/arg_utils.py (``EngineArgs``, ``create_engine_config``,
+``add_cli_args``). Only the knobs tracevllm has; the defaults are vLLM's for
+the offline ``LLM`` class on CPU (max_num_batched_tokens 4096, max_num_seqs 256).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+
+from tracevllm.config import (
+    AttentionConfig,
+    CacheConfig,
+    DeviceConfig,
+    ModelConfig,
+    ObservabilityConfig,
+    SchedulerConfig,
+    TraceConfig,
+    VllmConfig,
+)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    attention_backend: str | None = None
+    device: str = "cpu"
+    otlp_traces_endpoint: str | None = None
+    trace_detail: str = "off"
+    trace_dir: str | None = None
+    trace_live_views: bool = False
+    # None: TRACEVLLM_ENABLE_MULTIPROCESSING decides (read by LLMEngine).
+    enable_multiprocessing: bool | None = None
+
+    def create_engine_config(self) -> VllmConfig:
+        # Lazy: the loader pulls in torch/transformers only when a model must be
+        # converted; resolving a ready directory is cheap.
+        from tracevllm.model_executor.model_loader import resolve_model
+
+        model_dir = resolve_model(self.model)
+        tokenizer = resolve_model(self.tokenizer) if self.tokenizer else None
+        model_config = ModelConfig(
+            model=model_dir,
+            tokenizer=tokenizer,
+            dtype=self.dtype,
+            seed=self.seed,
+            max_model_len=self.max_model_len,
+        )
+        max_model_len = model_config.get_max_model_len()
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            # Without chunking a whole prompt must fit in one step.
+            max_num_batched_tokens = (
+                4096 if self.enable_chunked_prefill else max(4096, max_model_len)
+            )
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+            ),
+            device_config=DeviceConfig(device=self.device),
+            attention_config=AttentionConfig(backend=self.attention_backend),
+            observability_config=ObservabilityConfig(
+                otlp_traces_endpoint=self.otlp_traces_endpoint
+            ),
+            trace_config=TraceConfig(
+                detail=self.trace_detail,
+                out_dir=self.trace_dir,
+                live_views=self.trace_live_views,
+            ),
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One ``--flag`` per field, vLLM's spelling (``--max-num-seqs``)."""
+        for f in fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if f.name == "enable_multiprocessing":
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            elif isinstance(default, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            elif isinstance(default, int) or f.name.startswith(("max_", "num_")):
+                parser.add_argument(flag, type=int, default=default)
+            else:
+                parser.add_argument(flag, type=str, default=default)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})

@@ -1,0 +1,41 @@
+"""``n`` > 1: one parent request fanned out into ``n`` child requests.
+
+Mirrors vllm/v1/engine/parallel_sampling.py (``ParentRequest``). The engine
+core only ever sees n=1 requests; the children share the prompt (so the prefix
+cache serves all but the first), and the frontend gathers their completions
+back into one ``RequestOutput``.
+"""
+
+from __future__ import annotations
+
+from tracevllm.outputs import CompletionOutput
+from tracevllm.sampling_params import SamplingParams
+
+
+class ParentRequest:
+    def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.n = sampling_params.n
+        self.child_requests: set[str] = set()
+        self.output_aggregator: list[CompletionOutput | None] = [None] * self.n
+
+    def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
+        """The child's request id and its own params (n=1; seed+index if seeded,
+        so that the children differ but stay reproducible)."""
+        child_id = f"{index}_{self.request_id}"
+        self.child_requests.add(child_id)
+        params = self.sampling_params.clone()
+        params.n = 1
+        if params.seed is not None:
+            params.seed += index
+        return child_id, params
+
+    def add_output(self, child_request_id: str, completion: CompletionOutput) -> bool:
+        """Record a finished child; True once every child has finished."""
+        self.output_aggregator[completion.index] = completion
+        self.child_requests.discard(child_request_id)
+        return not self.child_requests
+
+    def get_outputs(self) -> list[CompletionOutput]:
+        return [c for c in self.output_aggregator if c is not None]

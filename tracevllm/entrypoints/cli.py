@@ -1,0 +1,162 @@
+"""The ``tracevllm`` command: ``generate`` (and ``trace``, ``view``).
+
+Mirrors vllm/entrypoints/cli/ in spirit (``vllm serve``/``vllm bench``);
+tracevllm's subcommands are its own. Engine flags are ``EngineArgs``'s, with
+vLLM's spelling (``--max-num-seqs``, ``--block-size`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from tracevllm.engine.arg_utils import EngineArgs
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", required=True, help="the user message")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--raw", action="store_true", help="no chat template")
+
+
+def _sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from tracevllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tracevllm.entrypoints.llm import LLM
+
+    console = Console()
+    params = _sampling_params(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    with LLM(**vars(engine_args)) as llm:
+        if args.raw:
+            outputs = llm.generate([args.prompt], params, use_tqdm=False)
+        else:
+            messages = [{"role": "user", "content": args.prompt}]
+            outputs = llm.chat(messages, params, use_tqdm=False)
+    completion = outputs[0].outputs[0]
+    console.print(completion.text, markup=False, highlight=False)
+    console.print(
+        f"[dim]({len(completion.token_ids)} tokens, finish_reason={completion.finish_reason})"
+    )
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Run one request with tracing on; write spans, Perfetto JSON and views."""
+    import io
+    import os
+
+    from rich.console import Console
+
+    from tracevllm.entrypoints.llm import LLM
+    from tracevllm.tracing import SPANS_FILE
+    from tracevllm.tracing.exporters import read_spans_jsonl, write_perfetto
+    from tracevllm.views.report import render_report
+
+    console = Console()
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    for name in (SPANS_FILE, "trace.perfetto.json", "views.svg", "views.html"):
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.trace_detail = args.detail
+    engine_args.trace_dir = out
+    engine_args.trace_live_views = True
+    if args.no_mp:
+        engine_args.enable_multiprocessing = False
+    mode = "one process (--no-mp)" if args.no_mp else "two processes over ZeroMQ"
+    console.rule(f"tracevllm trace · {mode} · detail={args.detail}")
+    with LLM(**vars(engine_args)) as llm:
+        params = _sampling_params(args)
+        if args.raw:
+            outputs = llm.generate([args.prompt], params, use_tqdm=False)
+        else:
+            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    # Both processes have flushed their spans by now (shutdown above).
+    spans = read_spans_jsonl(os.path.join(out, SPANS_FILE))
+    write_perfetto(spans, os.path.join(out, "trace.perfetto.json"))
+    from tracevllm.views.waterfall import render_waterfall
+
+    console.print(render_waterfall(spans))
+    recorder = Console(record=True, width=140, file=io.StringIO())
+    render_report(spans, recorder)
+    recorder.save_svg(os.path.join(out, "views.svg"), title="tracevllm trace")
+    recorder.save_html(os.path.join(out, "views.html"), inline_styles=True)
+    pids = sorted({s.pid for s in spans})
+    console.print(
+        f"[bold]{len(spans)} spans[/] from {len(pids)} process(es) {pids}, "
+        f"trace id(s): {', '.join(sorted({s.trace_id for s in spans}))}"
+    )
+    console.print(f"Answer: [bold green]{outputs[0].outputs[0].text}[/]", highlight=False)
+    for name in (SPANS_FILE, "trace.perfetto.json", "views.svg", "views.html"):
+        console.print(f"  wrote {os.path.join(out, name)}")
+    console.print("  open the Perfetto view with: make trace-view")
+    return 0
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """Re-draw a saved run from its spans.jsonl."""
+    from rich.console import Console
+
+    from tracevllm.tracing.exporters import read_spans_jsonl
+    from tracevllm.views.report import render_report
+
+    render_report(read_spans_jsonl(args.spans), Console(), steps=not args.no_steps)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tracevllm", description="vLLM's V1 engine, small enough to read."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    _add_sampling_args(gen)
+    EngineArgs.add_cli_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    tr = sub.add_parser("trace", help="run one request and record every stage")
+    _add_sampling_args(tr)
+    tr.add_argument("--out", default="traces/latest", help="directory for the files")
+    tr.add_argument("--detail", choices=("request", "full"), default="request")
+    tr.add_argument("--no-mp", action="store_true", help="engine core in this process")
+    EngineArgs.add_cli_args(tr)
+    tr.set_defaults(func=cmd_trace)
+
+    view = sub.add_parser("view", help="re-draw a saved spans.jsonl")
+    view.add_argument("spans", help="path to spans.jsonl")
+    view.add_argument("--no-steps", action="store_true", help="only completions and waterfall")
+    view.set_defaults(func=cmd_view)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

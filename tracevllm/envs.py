@@ -1,0 +1,66 @@
+"""Every TRACEVLLM_* environment variable, in one place.
+
+Mirrors vllm/envs.py: nothing else in the package reads ``os.environ``. Each
+variable is read when asked for (module ``__getattr__``), so a test can set one
+with ``monkeypatch.setenv`` and see it take effect.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+
+def _bool(name: str, default: str) -> Callable[[], bool]:
+    return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
+
+
+environment_variables: dict[str, Callable[[], Any]] = {
+    # Run EngineCore in its own process behind ZeroMQ (vLLM's
+    # VLLM_ENABLE_V1_MULTIPROCESSING). 0 keeps it in the caller's process,
+    # for breakpoints and pdb.
+    "TRACEVLLM_ENABLE_MULTIPROCESSING": _bool("TRACEVLLM_ENABLE_MULTIPROCESSING", "1"),
+    # How the engine process starts: fork | spawn | auto (fork, unless torch is
+    # already imported here: a forked child cannot use an OpenMP pool its
+    # parent started; vLLM forces spawn for CUDA the same way).
+    "TRACEVLLM_WORKER_MULTIPROC_METHOD": lambda: os.environ.get(
+        "TRACEVLLM_WORKER_MULTIPROC_METHOD", "auto"
+    ),
+    # Where the default model is converted to once (an HF directory).
+    "TRACEVLLM_CACHE_DIR": lambda: os.path.expanduser(
+        os.environ.get("TRACEVLLM_CACHE_DIR", "~/.cache/tracevllm")
+    ),
+    # How long the frontend waits for the engine process's READY (seconds).
+    "TRACEVLLM_ENGINE_READY_TIMEOUT_S": lambda: float(
+        os.environ.get("TRACEVLLM_ENGINE_READY_TIMEOUT_S", "600")
+    ),
+    # Tracing detail when none is passed in code: off | request | full.
+    "TRACEVLLM_TRACE": lambda: os.environ.get("TRACEVLLM_TRACE", "off"),
+    # Plug a course lab (chapters/NN-*) into the running engine.
+    "TRACEVLLM_LAB": lambda: os.environ.get("TRACEVLLM_LAB") or None,
+    # Log level of the "tracevllm" logger.
+    "TRACEVLLM_LOGGING_LEVEL": lambda: os.environ.get("TRACEVLLM_LOGGING_LEVEL", "WARNING"),
+    # Torch intra-op threads in the engine process (0: torch's default).
+    "TRACEVLLM_NUM_THREADS": lambda: int(os.environ.get("TRACEVLLM_NUM_THREADS", "0")),
+}
+
+if TYPE_CHECKING:  # the names above, as module attributes
+    TRACEVLLM_ENABLE_MULTIPROCESSING: bool
+    TRACEVLLM_WORKER_MULTIPROC_METHOD: str
+    TRACEVLLM_CACHE_DIR: str
+    TRACEVLLM_ENGINE_READY_TIMEOUT_S: float
+    TRACEVLLM_TRACE: str
+    TRACEVLLM_LAB: str | None
+    TRACEVLLM_LOGGING_LEVEL: str
+    TRACEVLLM_NUM_THREADS: int
+
+
+def __getattr__(name: str) -> Any:
+    if name in environment_variables:
+        return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(environment_variables)

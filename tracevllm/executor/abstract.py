@@ -1,0 +1,75 @@
+"""The executor: how EngineCore reaches the model runner.
+
+Mirrors vllm/v1/executor/abstract.py (``Executor``) and uniproc_executor.py
+(``UniProcExecutor``), with vllm/v1/worker/gpu_worker.py's ``Worker`` folded
+in: one process, one device, so the executor owns the ``ModelRunner``
+directly. Tensor parallelism would add a ``MultiprocExecutor`` that
+broadcasts the same calls to one worker per rank; EngineCore would not change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tracevllm.config import VllmConfig
+from tracevllm.core.sched.output import SchedulerOutput
+from tracevllm.outputs import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from tracevllm.worker.model_runner import ModelRunner
+
+
+class Executor:
+    """Runs the model for EngineCore. One implementation for now: in-process."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self._init_executor()
+
+    def _init_executor(self) -> None:
+        raise NotImplementedError
+
+    def determine_available_memory(self) -> int:
+        """Bytes the KV cache may take (vLLM profiles the device; on CPU it is a
+        configured budget, as vLLM's VLLM_CPU_KVCACHE_SPACE)."""
+        return self.vllm_config.cache_config.kv_cache_memory_bytes
+
+    def get_kv_cache_page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        raise NotImplementedError
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class UniProcExecutor(Executor):
+    """The model runner in this process (vLLM's UniProcExecutor + Worker)."""
+
+    def _init_executor(self) -> None:
+        from tracevllm.worker.model_runner import ModelRunner
+
+        self.model_runner: ModelRunner = ModelRunner(self.vllm_config)
+        self.model_runner.load_model()
+
+    def get_kv_cache_page_size_bytes(self) -> int:
+        return self.model_runner.get_kv_cache_page_size_bytes()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        # None: the forward ran and sample_tokens() will finish the step (vLLM
+        # splits the two so structured output can build its bitmask in between).
+        self.model_runner.execute_model(scheduler_output)
+        return None
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens()

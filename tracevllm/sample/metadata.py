@@ -1,0 +1,56 @@
+"""What the sampler needs per step, and what it returns.
+
+Mirrors vllm/v1/sample/metadata.py (``SamplingMetadata``) and the tensor types
+of vllm/v1/outputs.py (``SamplerOutput``, ``LogprobsTensors``; the plain-list
+types the scheduler sees are in tracevllm/outputs.py). Left out: penalties,
+allowed/bad words, logits processors (min-p is a plain field here, as in
+vLLM before logits processors), spec-decode token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from tracevllm.engine import LogprobsLists
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    # [num_reqs]; None when every request is greedy. Greedy rows hold 0.
+    temperature: torch.Tensor | None
+    all_greedy: bool
+    all_random: bool
+    # [num_reqs] each; None when no request uses the knob.
+    top_p: torch.Tensor | None
+    top_k: torch.Tensor | None
+    min_p: torch.Tensor | None
+    # row -> generator, for seeded requests only.
+    generators: dict[int, torch.Generator]
+    # None: no logprobs; 0: the sampled token's only.
+    max_num_logprobs: int | None
+
+
+class LogprobsTensors(NamedTuple):
+    # [num_reqs, max_num_logprobs + 1], int32: the sampled id, then the top ids.
+    logprob_token_ids: torch.Tensor
+    # [num_reqs, max_num_logprobs + 1], float32
+    logprobs: torch.Tensor
+    # [num_reqs], int64: rank of the sampled token (1 = most likely).
+    selected_token_ranks: torch.Tensor
+
+    def tolists(self) -> LogprobsLists:
+        return LogprobsLists(
+            self.logprob_token_ids.tolist(),
+            self.logprobs.tolist(),
+            self.selected_token_ranks.tolist(),
+        )
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    # [num_reqs, 1], int32: one token per request (more with spec decode).
+    sampled_token_ids: torch.Tensor
+    logprobs_tensors: LogprobsTensors | None

@@ -1,0 +1,1 @@
+"""Sampling ops (vllm/v1/sample/ops/)."""

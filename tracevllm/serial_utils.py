@@ -1,0 +1,37 @@
+"""msgpack encoding of the messages that cross the process boundary.
+
+Mirrors vllm/v1/serial_utils.py (``MsgpackEncoder``, ``MsgpackDecoder``).
+vLLM also sends tensors as (dtype, shape, data) with large ones as extra
+zero-copy frames; no tensor crosses tracevllm's boundary yet, so the encoder
+is msgspec's own. Messages are msgspec Structs, so the decoder is typed: a
+malformed frame fails loudly instead of producing a half-filled object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+
+class MsgpackEncoder:
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, obj: Any) -> bytes:
+        return self.encoder.encode(obj)
+
+
+class MsgpackDecoder:
+    def __init__(self, t: Any = Any) -> None:
+        self.decoder = msgspec.msgpack.Decoder(t)
+
+    def decode(self, bufs: bytes | zmq.Frame | Sequence[zmq.Frame] | Sequence[bytes]) -> Any:
+        if isinstance(bufs, (list, tuple)):
+            # One message is one frame here; vLLM appends tensor frames.
+            bufs = bufs[0]
+        if isinstance(bufs, zmq.Frame):
+            return self.decoder.decode(bufs.buffer)
+        return self.decoder.decode(bufs)  # type: ignore[arg-type]

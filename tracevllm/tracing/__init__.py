@@ -1,0 +1,177 @@
+"""OpenTelemetry for tracevllm: one TracerProvider per process, spans named
+after the ``Class.method`` that emits them.
+
+Mirrors vllm/tracing/ (``init_tracer``, ``instrument``, ``extract_trace_context``,
+``SpanAttributes``). Differences: vLLM only sends to an OTLP endpoint;
+tracevllm also writes OTLP JSON lines to a file, and has detail levels
+("off", "request", "full"). With tracing off, ``get_tracer()`` is OTel's no-op
+tracer and the ``instrument`` decorator is a plain function call.
+
+Each process calls ``init_tracer`` once, *in* that process (the SDK's batch
+processor thread does not survive fork), and ``shutdown_tracer`` on its way
+out so that buffered spans reach the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from tracevllm.config import ObservabilityConfig, TraceConfig
+from tracevllm.tracing.attributes import SpanAttributes
+
+SPANS_FILE = "spans.jsonl"
+_propagator = TraceContextTextMapPropagator()
+_NOOP_TRACER = trace.NoOpTracer()
+
+
+class _State:
+    """This process's tracing state (one provider per process)."""
+
+    provider: TracerProvider | None = None
+    tracer: Tracer = _NOOP_TRACER
+    detail: str = "off"
+
+
+_state = _State()
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def init_tracer(
+    process_kind: str,
+    trace_config: TraceConfig,
+    observability_config: ObservabilityConfig | None = None,
+    span_processors: Sequence[SpanProcessor] = (),
+) -> TracerProvider | None:
+    """Make this process's TracerProvider (None when tracing is off)."""
+    shutdown_tracer()
+    endpoint = observability_config.otlp_traces_endpoint if observability_config else None
+    if not trace_config.enabled and not endpoint:
+        return None
+    resource = Resource.create(
+        {
+            "service.name": "tracevllm",
+            "process.pid": os.getpid(),
+            SpanAttributes.PROCESS_KIND: process_kind,
+        }
+    )
+    provider = TracerProvider(resource=resource)
+    if trace_config.out_dir:
+        from opentelemetry.exporter.otlp.json.file import FileSpanExporter
+
+        os.makedirs(trace_config.out_dir, exist_ok=True)
+        path = os.path.join(trace_config.out_dir, SPANS_FILE)
+        # Both processes append to the same file; each line is one whole batch.
+        provider.add_span_processor(BatchSpanProcessor(FileSpanExporter(path)))
+    if endpoint:
+        from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    if trace_config.live_views:
+        # Lazy: only `tracevllm trace` draws live; the engine never imports views.
+        from tracevllm.views.report import RichViewProcessor
+
+        provider.add_span_processor(RichViewProcessor())
+    for processor in span_processors:
+        provider.add_span_processor(processor)
+    _state.provider = provider
+    _state.tracer = provider.get_tracer("tracevllm")
+    _state.detail = trace_config.detail if trace_config.enabled else "request"
+    return provider
+
+
+def shutdown_tracer() -> None:
+    """Flush and close this process's provider (safe to call twice)."""
+    if _state.provider is not None:
+        _state.provider.shutdown()
+    _state.provider = None
+    _state.tracer = _NOOP_TRACER
+    _state.detail = "off"
+
+
+def get_tracer() -> Tracer:
+    return _state.tracer
+
+
+def get_provider() -> TracerProvider | None:
+    return _state.provider
+
+
+def is_enabled() -> bool:
+    return _state.provider is not None
+
+
+def is_full_detail() -> bool:
+    return _state.detail == "full"
+
+
+def code_attributes(func: Callable[..., Any]) -> dict[str, Any]:
+    """``code.*`` attributes pointing at a function's source."""
+    func = inspect.unwrap(func)
+    code = func.__code__
+    return {
+        SpanAttributes.CODE_FUNCTION_NAME: func.__qualname__,
+        SpanAttributes.CODE_FILE_PATH: _relative_path(code.co_filename),
+        SpanAttributes.CODE_LINE_NUMBER: code.co_firstlineno,
+    }
+
+
+def _relative_path(path: str) -> str:
+    # Relative to the repository (tracevllm/...), so traces are portable.
+    for root in ("tracevllm", "kernels"):
+        marker = os.sep + root + os.sep
+        if marker in path:
+            return root + os.sep + path.rsplit(marker, 1)[1]
+    return path
+
+
+def instrument(span_name: str | None = None) -> Callable[[F], F]:
+    """Wrap a method in a span named ``Class.method`` with its code location.
+
+    With tracing off, the wrapper costs one attribute check per call.
+    """
+
+    def decorator(func: F) -> F:
+        name = span_name or func.__qualname__
+        attributes = code_attributes(func)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if _state.provider is None:
+                return func(*args, **kwargs)
+            with _state.tracer.start_as_current_span(name, attributes=attributes):
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorator
+
+
+def current_span() -> Span:
+    """The active span (a non-recording one when tracing is off)."""
+    return trace.get_current_span()
+
+
+def inject_trace_context(context: Context | None = None) -> dict[str, str]:
+    """W3C ``traceparent`` (and ``tracestate``) of a context, for the wire."""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=context)
+    return carrier
+
+
+def extract_trace_context(headers: Mapping[str, str] | None) -> Context | None:
+    if not headers:
+        return None
+    return _propagator.extract(dict(headers))

@@ -1,0 +1,85 @@
+"""What a step's spans carry, so its views can be drawn from the spans alone.
+
+OTel attributes are flat (scalars and lists), so the structured step view is
+one JSON string (``tracevllm.view.step``); the figures a trace viewer filters
+on are plain attributes beside it. Called by the scheduler only when its span
+is recording: tracing off costs nothing here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.trace import Span
+
+from tracevllm.tracing.attributes import SpanAttributes
+
+if TYPE_CHECKING:
+    from tracevllm.core.sched.output import SchedulerOutput
+    from tracevllm.core.sched.scheduler import Scheduler
+
+
+def record_schedule(span: Span, scheduler: Scheduler, so: SchedulerOutput) -> None:
+    """Attach the step's SchedulerOutput, block tables and KV pool to the span."""
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    total = pool.num_gpu_blocks - 1  # block 0 is the null block
+    free = pool.get_num_free_blocks()
+    # Free blocks that still hold a hash: evictable, but a prefix hit revives them.
+    cached_free = sum(
+        1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None
+    )
+    new_ids = {r.req_id for r in so.scheduled_new_reqs}
+    resumed = so.scheduled_cached_reqs.resumed_req_ids
+    requests: list[dict[str, Any]] = []
+    for req_id, n in so.num_scheduled_tokens.items():
+        req = scheduler.requests[req_id]
+        kind = "new" if req_id in new_ids else "resumed" if req_id in resumed else "cached"
+        requests.append(
+            {
+                "req_id": req_id,
+                "kind": kind,
+                # num_computed_tokens was already advanced past this step.
+                "num_computed_tokens": req.num_computed_tokens - n,
+                "num_scheduled_tokens": n,
+                "num_tokens": req.num_tokens,
+                "num_prompt_tokens": req.num_prompt_tokens,
+                "num_cached_tokens": max(req.num_cached_tokens, 0) if kind != "cached" else 0,
+                "block_ids": kv.get_block_ids(req_id)[0],
+            }
+        )
+    prefix = kv.prefix_cache_stats
+    view = {
+        "step": so.step_id,
+        "token_budget": {
+            "used": so.total_num_scheduled_tokens,
+            "total": scheduler.max_num_scheduled_tokens,
+        },
+        "block_size": scheduler.block_size,
+        "requests": requests,
+        "preempted": sorted(so.preempted_req_ids or ()),
+        "finished": sorted(so.finished_req_ids),
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+        "kv": {"total": total, "free": free, "used": total - free, "cached_free": cached_free},
+        "prefix_cache": {"queries": prefix.queries, "hits": prefix.hits} if prefix else {},
+    }
+    span.set_attributes(
+        {
+            SpanAttributes.STEP_ID: so.step_id,
+            SpanAttributes.REQUEST_IDS: list(so.num_scheduled_tokens),
+            "tracevllm.num_scheduled_tokens": list(so.num_scheduled_tokens.values()),
+            "tracevllm.token_budget.used": so.total_num_scheduled_tokens,
+            "tracevllm.token_budget.total": scheduler.max_num_scheduled_tokens,
+            "tracevllm.scheduled_new_reqs": sorted(new_ids),
+            "tracevllm.scheduled_cached_reqs": list(so.scheduled_cached_reqs.req_ids),
+            "tracevllm.preempted_req_ids": view["preempted"],
+            "tracevllm.prefix_cache.hit_tokens": sum(r["num_cached_tokens"] for r in requests),
+            "tracevllm.kv.blocks_total": total,
+            "tracevllm.kv.blocks_free": free,
+            "tracevllm.kv.blocks_used": total - free,
+            "tracevllm.kv.blocks_cached_free": cached_free,
+            SpanAttributes.STEP_VIEW: json.dumps(view),
+        }
+    )

@@ -1,0 +1,59 @@
+"""Draw a whole run from its spans: every step, each completion, the waterfall.
+
+Used for ``views.svg`` / ``views.html`` after ``tracevllm trace``, for
+``tracevllm view spans.jsonl``, and (one span at a time) for the live view.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+from rich.console import Console
+
+from tracevllm.tracing.attributes import SpanAttributes
+from tracevllm.tracing.exporters import SpanRecord
+from tracevllm.views.completion import render_completion
+from tracevllm.views.step import render_step
+from tracevllm.views.waterfall import render_waterfall
+
+STEP_SPAN = "Scheduler.schedule"
+REQUEST_SPAN = "llm_request"
+
+
+def render_report(spans: list[SpanRecord], console: Console, steps: bool = True) -> None:
+    if steps:
+        for span in spans:
+            if span.name == STEP_SPAN and SpanAttributes.STEP_VIEW in span.attributes:
+                view = json.loads(span.attributes[SpanAttributes.STEP_VIEW])
+                console.print(render_step(view, span.pid))
+    for span in spans:
+        if span.name == REQUEST_SPAN:
+            console.print(render_completion(span.attributes))
+    console.print(render_waterfall(spans))
+
+
+class RichViewProcessor(SpanProcessor):
+    """Draws each step (and each finished request) as its span ends."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        attrs: dict[str, Any] = dict(span.attributes or {})
+        if span.name == STEP_SPAN and SpanAttributes.STEP_VIEW in attrs:
+            pid = span.resource.attributes.get("process.pid")
+            self.console.print(render_step(json.loads(attrs[SpanAttributes.STEP_VIEW]), pid))
+        elif span.name == REQUEST_SPAN:
+            self.console.print(render_completion(attrs))
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True

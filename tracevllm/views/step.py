@@ -1,0 +1,111 @@
+"""One engine step: SchedulerOutput, block tables, KV pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.bar import Bar
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+
+def _phase(req: dict[str, Any]) -> str:
+    """prefill / chunked prefill / decode, from the token counts."""
+    computed, scheduled = req["num_computed_tokens"], req["num_scheduled_tokens"]
+    if computed >= req["num_prompt_tokens"]:
+        return "decode"
+    if computed + scheduled < req["num_prompt_tokens"]:
+        return "prefill (chunk)"
+    return "prefill"
+
+
+def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
+    budget = view["token_budget"]
+    table = Table(
+        title=f"SchedulerOutput · step {view['step']}",
+        title_justify="left",
+        expand=False,
+    )
+    for col in ("request", "new/cached", "phase", "computed", "+scheduled", "tokens", "hit"):
+        table.add_column(col, justify="right" if col not in ("request", "phase") else "left")
+    for req in view["requests"]:
+        kind = req["kind"]
+        style = {"new": "green", "resumed": "yellow", "cached": "cyan"}.get(kind, "")
+        table.add_row(
+            req["req_id"],
+            Text(kind, style=style),
+            _phase(req),
+            str(req["num_computed_tokens"]),
+            str(req["num_scheduled_tokens"]),
+            str(req["num_tokens"]),
+            str(req.get("num_cached_tokens") or ""),
+        )
+    used, total = budget["used"], budget["total"]
+    bar = Table.grid(padding=(0, 1))
+    bar.add_row(
+        Text("token budget"),
+        Bar(size=total, begin=0, end=used, width=40, color="magenta"),
+        Text(f"{used}/{total}"),
+    )
+    extra = []
+    if view.get("preempted"):
+        extra.append(Text(f"preempted: {', '.join(view['preempted'])}", style="bold red"))
+    if view.get("finished"):
+        extra.append(Text(f"finished since last step: {', '.join(view['finished'])}"))
+    return Group(table, bar, *extra)
+
+
+def render_block_tables(view: dict[str, Any]) -> RenderableType:
+    """Each request's block ids, and how full each block is after this step."""
+    block_size = view["block_size"]
+    table = Table(title="Block tables", title_justify="left", show_header=True)
+    table.add_column("request")
+    table.add_column("blocks (id: tokens/block_size)")
+    for req in view["requests"]:
+        filled = req["num_computed_tokens"] + req["num_scheduled_tokens"]
+        cells = Text()
+        for i, block_id in enumerate(req["block_ids"]):
+            n = max(0, min(block_size, filled - i * block_size))
+            style = "green" if n == block_size else ("yellow" if n else "dim")
+            cells.append(f"[{block_id}: {n}/{block_size}]", style=style)
+            cells.append(" ")
+        table.add_row(req["req_id"], cells)
+    return table
+
+
+def render_kv_pool(view: dict[str, Any]) -> RenderableType:
+    kv = view["kv"]
+    total = max(kv["total"], 1)
+    in_use, cached, free = kv["used"], kv["cached_free"], kv["free"] - kv["cached_free"]
+    grid = Table.grid(padding=(0, 1))
+    grid.add_row(
+        Text("KV pool"),
+        Bar(size=total, begin=0, end=in_use, width=40, color="red"),
+        Text(f"in use {in_use}", style="red"),
+    )
+    grid.add_row(
+        Text(""),
+        Bar(size=total, begin=in_use, end=in_use + cached, width=40, color="yellow"),
+        Text(f"cached, evictable {cached}", style="yellow"),
+    )
+    grid.add_row(
+        Text(""),
+        Bar(size=total, begin=in_use + cached, end=total, width=40, color="green"),
+        Text(f"free {free}  (of {kv['total']} blocks)", style="green"),
+    )
+    pc = view.get("prefix_cache") or {}
+    if pc.get("queries"):
+        grid.add_row(Text("prefix cache"), Text(f"{pc['hits']}/{pc['queries']} tokens hit"), "")
+    return grid
+
+
+def render_step(view: dict[str, Any], pid: int | None = None) -> RenderableType:
+    where = f" · engine_core pid {pid}" if pid else ""
+    return Panel(
+        Group(render_scheduler_output(view), render_block_tables(view), render_kv_pool(view)),
+        title=f"EngineCore.step {view['step']}{where}",
+        title_align="left",
+        border_style="blue",
+    )

@@ -1,0 +1,1 @@
+"""The model runner and its persistent batch (vllm/v1/worker/)."""

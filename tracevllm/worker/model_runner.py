@@ -1,0 +1,332 @@
+"""The model runner: SchedulerOutput in, one sampled token per request out.
+
+Mirrors vllm/v1/worker/gpu_model_runner.py (``GPUModelRunner``) on the
+synchronous path: ``execute_model`` updates the persistent batch
+(``_update_states``), flattens it into one token stream (``_prepare_inputs``)
+and runs the forward pass; ``sample_tokens`` samples and does the
+bookkeeping (``_bookkeeping_sync``). Left out: CUDA graphs, torch.compile,
+async scheduling, speculative decoding, pipeline/tensor/data parallelism,
+LoRA, multimodal, pooling, prompt logprobs, KV connectors, cascade attention,
+profiling runs (the KV cache size comes from a configured budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tracevllm.attention.backends.abstract import AttentionMetadata
+from tracevllm.attention.selector import get_attn_backend
+from tracevllm.forward_context import set_forward_context
+from tracevllm.model_executor.layers.attention import Attention
+from tracevllm.model_executor.model_loader import get_model
+from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from tracevllm.sample.sampler import Sampler
+from tracevllm.sampling_params import SamplingType
+from tracevllm.worker.input_batch import CachedRequestState, InputBatch
+
+if TYPE_CHECKING:
+    from tracevllm.config import VllmConfig
+    from tracevllm.core.sched.output import SchedulerOutput
+    from tracevllm.model_executor.models.llama import LlamaForCausalLM
+
+
+@dataclass(slots=True)
+class ExecuteModelState:
+    """What execute_model hands sample_tokens (vLLM keeps the same between the two)."""
+
+    scheduler_output: SchedulerOutput
+    # [num_reqs, vocab_size]: logits at each request's last scheduled token.
+    logits: torch.Tensor
+    # Rows whose chunk stops short of their known tokens (partial prefill):
+    # sampled with the rest, then thrown away.
+    discard_request_indices: np.ndarray
+
+
+class ModelRunner:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        model_config = vllm_config.model_config
+        self.device = torch.device(vllm_config.device_config.device)
+        self.dtype: torch.dtype = getattr(torch, model_config.torch_dtype)
+        self.max_model_len = model_config.get_max_model_len()
+        self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_kv_heads = model_config.get_num_kv_heads()
+        self.head_size = model_config.get_head_size()
+        self.attn_backend = get_attn_backend(vllm_config.attention_config.backend, self.device)
+
+        # Every request the runner knows, scheduled this step or not.
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            vocab_size=model_config.vocab_size,
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.sampler = Sampler()
+        self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens))
+
+        self.model: LlamaForCausalLM | None = None
+        # layer_name -> Attention layer (vLLM's static_forward_context).
+        self.attn_layers: dict[str, Attention] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.execute_model_state: ExecuteModelState | None = None
+
+        # The last step's prepared inputs, kept for tracing and views.
+        self.req_indices = np.zeros(0, dtype=np.int64)
+        self.input_ids = torch.zeros(0, dtype=torch.int32)
+        self.positions = torch.zeros(0, dtype=torch.int64)
+        self.query_start_loc = torch.zeros(1, dtype=torch.int32)
+        self.seq_lens = torch.zeros(0, dtype=torch.int32)
+        self.slot_mapping = torch.zeros(0, dtype=torch.int64)
+        self.logits_indices = torch.zeros(0, dtype=torch.int64)
+        self.attn_metadata: AttentionMetadata | None = None
+
+    # ------------------------------------------------------------------ setup
+    def load_model(self) -> None:
+        self.model = get_model(self.vllm_config)
+        self.attn_layers = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
+        }
+
+    def get_kv_cache_page_size_bytes(self) -> int:
+        """Bytes of one KV block across all layers (what one block id costs)."""
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size
+        num_layers = self.vllm_config.model_config.get_num_layers()
+        return per_layer * num_layers * self.dtype.itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate each layer's paged cache and bind it to its Attention layer."""
+        assert self.attn_layers, "load_model() first"
+        shape = self.attn_backend.get_kv_cache_shape(
+            num_blocks, self.block_size, self.num_kv_heads, self.head_size
+        )
+        self.kv_caches = []
+        for layer in self.attn_layers.values():
+            # Zeroed: a never-written slot must not hold NaNs that a masked read could touch.
+            kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = kv_cache
+            self.kv_caches.append(kv_cache)
+
+    # ------------------------------------------------------------ the step
+    # --8<-- [start:update_states]
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Bring the persistent batch in line with what the scheduler decided."""
+        batch = self.input_batch
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+
+        # Requests not scheduled this step (preempted, or left out for lack of
+        # budget) leave the batch but keep their state: they may come back.
+        scheduled = scheduler_output.num_scheduled_tokens.keys()
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id in batch.req_id_to_index.keys() - (scheduled - cached.resumed_req_ids):
+            batch.remove_request(req_id)
+
+        reqs_to_add: list[CachedRequestState] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            generator = None
+            if new.sampling_params.sampling_type == SamplingType.RANDOM_SEED:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(new.sampling_params.seed)  # type: ignore[arg-type]
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=new.sampling_params,
+                generator=generator,
+                block_ids=tuple(list(ids) for ids in new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=[],
+                trace_headers=new.trace_headers,
+            )
+            self.requests[new.req_id] = state
+            reqs_to_add.append(state)
+
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if req_id in cached.all_token_ids:
+                # The scheduler sent the whole sequence: trust it over our copy.
+                state.output_token_ids[:] = cached.all_token_ids[req_id][state.num_prompt_tokens :]
+            if cached.num_output_tokens and cached.num_output_tokens[i] < len(
+                state.output_token_ids
+            ):
+                del state.output_token_ids[cached.num_output_tokens[i] :]
+            if req_id in cached.resumed_req_ids:
+                # Preempted requests lost their blocks; these replace them.
+                assert new_block_ids is not None
+                state.block_ids = tuple(list(ids) for ids in new_block_ids)
+            elif new_block_ids is not None:
+                for ids, new_ids in zip(state.block_ids, new_block_ids):
+                    ids.extend(new_ids)
+
+            req_index = batch.req_id_to_index.get(req_id)
+            if req_index is None:
+                # Resumed, or back after a step without budget: re-add the row.
+                reqs_to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[req_index] = state.num_computed_tokens
+            if new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids, req_index)
+
+        for state in reqs_to_add:
+            batch.add_request(state)
+        batch.condense()
+
+    # --8<-- [end:update_states]
+
+    # --8<-- [start:prepare_inputs]
+    def _prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[dict[str, AttentionMetadata], torch.Tensor, np.ndarray]:
+        """Flatten the batch into one token stream and its attention metadata.
+
+        E.g. three requests scheduled for [2, 5, 3] tokens:
+        req_indices [0 0 1 1 1 1 1 2 2 2], query_pos [0 1 0 1 2 3 4 0 1 2],
+        query_start_loc [0 2 7 10], logits_indices [1 6 9].
+        """
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_scheduled_tokens = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int32
+        )
+        total = int(num_scheduled_tokens.sum())
+        assert total == scheduler_output.total_num_scheduled_tokens
+
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled_tokens)
+        cu_num_tokens, query_pos = self._get_cumsum_and_arange(num_scheduled_tokens)
+        computed = batch.num_computed_tokens_cpu[:num_reqs]
+        positions_np = computed[req_indices] + query_pos  # [total]
+
+        # Row r, position p of token_ids_cpu is element r * max_model_len + p.
+        token_indices = torch.from_numpy(positions_np + req_indices * self.max_model_len)
+        input_ids = batch.token_ids_cpu_tensor.flatten().index_select(0, token_indices)
+
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        query_start_loc[1:] = cu_num_tokens
+        seq_lens = computed + num_scheduled_tokens  # [num_reqs]
+        slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions_np)
+        # Sample at each request's last scheduled token.
+        logits_indices = torch.from_numpy(query_start_loc[1:] - 1).to(torch.int64)
+        # A chunk that stops short of the known tokens samples a token nobody wants.
+        discard = np.nonzero(seq_lens < batch.num_tokens_no_spec[:num_reqs])[0]
+
+        max_seq_len = int(seq_lens.max())
+        num_blocks = -(-max_seq_len // self.block_size)
+        qsl_cpu = torch.from_numpy(query_start_loc)
+        seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
+        dev = self.device
+        attn_metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            max_query_len=int(num_scheduled_tokens.max()),
+            query_start_loc=qsl_cpu.to(dev),
+            max_seq_len=max_seq_len,
+            seq_lens=seq_lens_cpu.to(dev),
+            # Only the columns this step can touch; a copy, so the record stays put.
+            block_table=batch.block_table.block_table[:num_reqs, :num_blocks].clone().to(dev),
+            slot_mapping=slot_mapping.clone().to(dev),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+
+        self.req_indices = req_indices
+        self.input_ids = input_ids.to(dev)
+        self.positions = torch.from_numpy(positions_np.astype(np.int64)).to(dev)
+        self.query_start_loc = attn_metadata.query_start_loc
+        self.seq_lens = attn_metadata.seq_lens
+        self.slot_mapping = attn_metadata.slot_mapping
+        self.logits_indices = logits_indices.to(dev)
+        self.attn_metadata = attn_metadata
+        # One KV cache group: every layer shares the metadata.
+        per_layer = dict.fromkeys(self.attn_layers, attn_metadata)
+        return per_layer, self.logits_indices, discard
+
+    # --8<-- [end:prepare_inputs]
+
+    def _get_cumsum_and_arange(self, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[2, 5, 3] -> cumsum [2, 7, 10] and arange [0 1 0 1 2 3 4 0 1 2]."""
+        cu_num_tokens = np.cumsum(num_tokens)
+        total = int(cu_num_tokens[-1])
+        offsets = np.repeat(cu_num_tokens - num_tokens, num_tokens)  # [0 0 2 2 2 2 2 7 7 7]
+        return cu_num_tokens, self.arange_np[:total] - offsets
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run the forward pass; sample_tokens() finishes the step.
+
+        Returns None, or EMPTY_MODEL_RUNNER_OUTPUT when nothing was scheduled
+        (then there is nothing to sample).
+        """
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            self.execute_model_state = None
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        assert self.model is not None, "load_model() first"
+        attn_metadata, logits_indices, discard = self._prepare_inputs(scheduler_output)
+        with set_forward_context(
+            attn_metadata,
+            self.vllm_config,
+            no_compile_layers=dict(self.attn_layers),
+            slot_mapping=dict.fromkeys(self.attn_layers, self.slot_mapping),
+        ):
+            hidden_states = self.model(self.input_ids, self.positions)  # [num_tokens, hidden]
+        # Only the last token of each request needs logits.
+        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs, vocab]
+        self.execute_model_state = ExecuteModelState(scheduler_output, logits, discard)
+        return None
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        """Sample one token per request and append it to the persistent batch."""
+        state = self.execute_model_state
+        if state is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        self.execute_model_state = None
+        batch = self.input_batch
+        sampling_metadata = batch.make_sampling_metadata()
+
+        # vLLM rewinds a discarded row's generator (CUDA Philox offset - 4) so
+        # the throw-away draw costs the seeded stream nothing. CPU generators
+        # have no offset: save and restore their state instead.
+        saved = {
+            int(i): gen.get_state()
+            for i in state.discard_request_indices
+            if (gen := sampling_metadata.generators.get(int(i))) is not None
+        }
+        sampler_output = self.sampler(state.logits, sampling_metadata)
+        for i, gen_state in saved.items():
+            sampling_metadata.generators[i].set_state(gen_state)
+
+        valid_sampled_token_ids: list[list[int]] = sampler_output.sampled_token_ids.tolist()
+        for i in state.discard_request_indices:
+            valid_sampled_token_ids[int(i)].clear()
+        logprobs_lists = None
+        if sampler_output.logprobs_tensors is not None:
+            logprobs_lists = sampler_output.logprobs_tensors.tolists()
+
+        # Cache the sampled tokens here, so the scheduler need not send them back.
+        for req_idx, sampled_ids in enumerate(valid_sampled_token_ids):
+            if not sampled_ids:
+                continue
+            start = int(batch.num_tokens_no_spec[req_idx])
+            end = start + len(sampled_ids)
+            assert end <= self.max_model_len, "sampled past max_model_len"
+            batch.token_ids_cpu[req_idx, start:end] = sampled_ids
+            batch.num_tokens_no_spec[req_idx] = end
+            self.requests[batch.req_ids[req_idx]].output_token_ids.extend(sampled_ids)
+
+        return ModelRunnerOutput(
+            req_ids=list(batch.req_ids),
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=valid_sampled_token_ids,
+            logprobs=logprobs_lists,
+        )
