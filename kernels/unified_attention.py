@@ -70,21 +70,24 @@ def unified_attention_torch(
     decodes = [r for r in range(num_reqs) if query_lens[r] == 1]
     if decodes:
         # One padded gather and one SDPA call for every single-token query.
+        num_decodes, num_heads, head_size = len(decodes), q.shape[1], q.shape[2]
+        num_kv_heads = kv_cache.shape[3]
         idx = torch.tensor(decodes, dtype=torch.long, device=q.device)  # [num_decodes]
-        dec_lens = seq_lens.to(torch.long)[idx]  # [num_decodes]
         max_len = max(lens[r] for r in decodes)
         num_blocks = -(-max_len // block_size)
         key, value = _gather_kv(kv_cache, block_table[idx], num_blocks)
         tok = query_start_loc.to(torch.long)[idx]  # [num_decodes]: each decode's token
-        # [num_decodes, num_heads, head_size] -> [num_decodes, num_heads, 1, head_size]
-        query = q[tok].unsqueeze(2)
+        # GQA without copying K/V: the query heads that share a KV head become
+        # that head's query rows. [num_decodes, num_heads, head_size] ->
+        # [num_decodes, num_kv_heads, num_heads // num_kv_heads, head_size]
+        query = q[tok].view(num_decodes, num_kv_heads, -1, head_size)
         key_pos = torch.arange(num_blocks * block_size, device=q.device)  # [max_kv_len]
-        # [num_decodes, 1, 1, max_kv_len]: True where the key exists (not padding)
-        mask = (key_pos[None, :] < dec_lens[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=softmax_scale, enable_gqa=True
-        )  # [num_decodes, num_heads, 1, head_size]
-        out[tok] = o.squeeze(2)
+        padding = key_pos[None, :] >= seq_lens.to(torch.long)[idx][:, None]
+        # [num_decodes, 1, 1, max_kv_len]: -inf on the padding past each seq_len
+        mask = torch.zeros(padding.shape, dtype=q.dtype, device=q.device)
+        mask = mask.masked_fill_(padding, float("-inf"))[:, None, None, :]
+        o = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=softmax_scale)
+        out[tok] = o.reshape(num_decodes, num_heads, head_size)
 
     for r in range(num_reqs):
         q_len, seq_len = query_lens[r], lens[r]

@@ -23,9 +23,9 @@ def tokenizer(default_model_dir: str) -> Any:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny random-weight Llama (seeded) with the real tokenizer."""
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: str) -> str:
+    """A tiny random-weight Llama (seeded) with the default model's tokenizer."""
     from tests.utils import make_tiny_llama
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    return make_tiny_llama(str(path), seed=0)
+    return make_tiny_llama(str(path), seed=0, tokenizer_from=default_model_dir)

@@ -20,7 +20,7 @@ def _greedy(max_tokens: int = 8, **kw: object) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def mp_llm(tiny_model_dir: str):
-    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=64, enable_multiprocessing=True)
+    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=24, enable_multiprocessing=True)
     yield llm
     llm.shutdown()
 
@@ -136,7 +136,8 @@ def test_logprobs(inproc_llm: LLM) -> None:
         ({"prompt_token_ids": [1, 10**9]}, _greedy(), "out of vocabulary"),
         ({"prompt_token_ids": [-1]}, _greedy(), "out of vocabulary"),
         ({"prompt_token_ids": [5] * 5000}, _greedy(), "maximum model length"),
-        ("hi", _greedy(max_tokens=64 * 16), "KV cache blocks"),
+        # 24 blocks of 16 tokens cannot hold 1 + 500 tokens (max_model_len 512).
+        ("hi", _greedy(max_tokens=500), "KV cache blocks"),
     ],
 )
 def test_bad_input_is_refused_and_engine_keeps_serving(

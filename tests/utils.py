@@ -52,18 +52,27 @@ def make_tiny_tokenizer(path: str, vocab_size: int = 512) -> Any:
     return fast
 
 
-def make_tiny_llama(path: str, seed: int = 0, **overrides: Any) -> str:
+def make_tiny_llama(
+    path: str, seed: int = 0, tokenizer_from: str | None = None, **overrides: Any
+) -> str:
     """Write a tiny random-weight HF Llama directory (config, safetensors, tokenizer).
 
     2 layers, hidden 64, 4 query / 2 KV heads by default; ``overrides`` go to
     ``LlamaConfig`` (e.g. ``num_key_value_heads=1``, ``tie_word_embeddings=True``).
-    The same seed gives the same weights.
+    The same seed gives the same weights. The tokenizer is a small byte-level
+    BPE made here, or, with ``tokenizer_from``, a copy of that model directory's
+    tokenizer (e.g. the default model's: its 49152-token vocabulary, its chat
+    template); the vocabulary size follows the tokenizer.
     """
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     os.makedirs(path, exist_ok=True)
-    tokenizer = make_tiny_tokenizer(path)
+    if tokenizer_from is None:
+        tokenizer = make_tiny_tokenizer(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+        tokenizer.save_pretrained(path)
     kwargs: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -84,7 +93,7 @@ def make_tiny_llama(path: str, seed: int = 0, **overrides: Any) -> str:
     torch.manual_seed(seed)
     # Default init has std 0.02: scale up so logits are not all near-ties.
     config.initializer_range = kwargs.get("initializer_range", 0.1)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config).eval()  # float32: the default dtype
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,

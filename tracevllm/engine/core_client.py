@@ -182,7 +182,7 @@ class SyncMPClient(EngineCoreClient):
         output_socket.setsockopt(zmq.LINGER, 0)
         output_socket.bind(output_address)
 
-        mp = multiprocessing.get_context(_get_mp_method())
+        mp: Any = multiprocessing.get_context(_get_mp_method())
         proc = mp.Process(
             target=EngineCoreProc.run_engine_core,
             name="EngineCore",

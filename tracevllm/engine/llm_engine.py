@@ -23,6 +23,7 @@ from tracevllm.engine.core_client import EngineCoreClient
 from tracevllm.engine.input_processor import InputProcessor, PromptType
 from tracevllm.engine.output_processor import OutputProcessor
 from tracevllm.engine.parallel_sampling import ParentRequest
+from tracevllm.metrics.stats import SchedulerStats
 from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import SamplingParams
 
@@ -43,6 +44,10 @@ class LLMEngine:
         if multiprocess_mode is None:
             multiprocess_mode = envs.TRACEVLLM_ENABLE_MULTIPROCESSING
         self.multiprocess_mode = multiprocess_mode
+        # Running totals from each step's SchedulerStats (vLLM's Prometheus
+        # counters keep the same): preemptions, and the latest stats.
+        self.num_preemptions = 0
+        self.last_scheduler_stats: SchedulerStats | None = None
         # This process's spans; the engine process makes its own provider. In
         # one process both sides share this one.
         self.tracer_provider = tracing.init_tracer(
@@ -161,6 +166,9 @@ class LLMEngine:
         """One engine step: outputs of the requests that advanced."""
         # 1) Get EngineCoreOutputs (in-process: this runs the step itself).
         outputs = self.engine_core.get_output()
+        if outputs.scheduler_stats is not None:
+            self.last_scheduler_stats = outputs.scheduler_stats
+            self.num_preemptions += outputs.scheduler_stats.num_preempted_reqs
         # 2) Detokenize, check stop strings, make RequestOutputs.
         processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
         # 3) Abort requests that finished here (stop strings) in the core too.

@@ -68,8 +68,8 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         # None: the forward ran and sample_tokens() will finish the step (vLLM
         # splits the two so structured output can build its bitmask in between).
-        self.model_runner.execute_model(scheduler_output)
-        return None
+        # An output here: nothing was scheduled, there is nothing to sample.
+        return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens()

@@ -133,7 +133,7 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
             progress.update(task, advance=1, description="writing safetensors")
             # The weights are already dequantized to fp32; forget that they came
             # from GGUF, which transformers refuses to save.
-            model.hf_quantizer = None
+            model.hf_quantizer = None  # type: ignore[assignment]
             if hasattr(model.config, "quantization_config"):
                 del model.config.quantization_config
             # Tied embeddings: save_pretrained drops lm_head.weight, the loader
@@ -158,7 +158,6 @@ def get_model(vllm_config: VllmConfig) -> LlamaForCausalLM:
     """Build the model and load its safetensors weights (vLLM's ``get_model``)."""
     from safetensors.torch import load_file
 
-    from tracevllm.model_executor.layers.rotary_embedding import RotaryEmbedding
     from tracevllm.model_executor.models.llama import LlamaForCausalLM
 
     model_config = vllm_config.model_config
@@ -174,10 +173,6 @@ def get_model(vllm_config: VllmConfig) -> LlamaForCausalLM:
     finally:
         torch.set_default_dtype(old_dtype)
     model.to_empty(device=device)
-    # Buffers are not in the checkpoint: compute them for real now.
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.cos_sin_cache = module._compute_cos_sin_cache().to(device)
 
     files = sorted(glob.glob(os.path.join(model_config.model, "*.safetensors")))
     if not files:

@@ -74,7 +74,7 @@ def record_schedule(span: Span, scheduler: Scheduler, so: SchedulerOutput) -> No
             "tracevllm.token_budget.total": scheduler.max_num_scheduled_tokens,
             "tracevllm.scheduled_new_reqs": sorted(new_ids),
             "tracevllm.scheduled_cached_reqs": list(so.scheduled_cached_reqs.req_ids),
-            "tracevllm.preempted_req_ids": view["preempted"],
+            "tracevllm.preempted_req_ids": sorted(so.preempted_req_ids or ()),
             "tracevllm.prefix_cache.hit_tokens": sum(r["num_cached_tokens"] for r in requests),
             "tracevllm.kv.blocks_total": total,
             "tracevllm.kv.blocks_free": free,

@@ -48,7 +48,8 @@ class RichViewProcessor(SpanProcessor):
         attrs: dict[str, Any] = dict(span.attributes or {})
         if span.name == STEP_SPAN and SpanAttributes.STEP_VIEW in attrs:
             pid = span.resource.attributes.get("process.pid")
-            self.console.print(render_step(json.loads(attrs[SpanAttributes.STEP_VIEW]), pid))
+            view = json.loads(str(attrs[SpanAttributes.STEP_VIEW]))
+            self.console.print(render_step(view, int(pid) if isinstance(pid, int) else None))
         elif span.name == REQUEST_SPAN:
             self.console.print(render_completion(attrs))
 

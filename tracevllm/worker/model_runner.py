@@ -71,7 +71,9 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler()
-        self.arange_np = np.arange(max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens))
+        self.arange_np = np.arange(
+            max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens)
+        )
 
         self.model: LlamaForCausalLM | None = None
         # layer_name -> Attention layer (vLLM's static_forward_context).

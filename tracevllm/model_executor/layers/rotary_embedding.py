@@ -26,18 +26,19 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = head_size
         self.max_position_embeddings = max_position_embeddings
         self.base = base
-        cache = self._compute_cos_sin_cache()  # [max_position, rotary_dim]
-        self.cos_sin_cache: torch.Tensor
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        # A plain attribute, not a buffer: computed here on the CPU even when the
+        # model is built on the meta device, moved to the model's device on first use.
+        self.cos_sin_cache = self._compute_cos_sin_cache()  # [max_position, rotary_dim]
 
     def _compute_inv_freq(self) -> torch.Tensor:
         # Computed as HF does (int64 arange, then float), so the tables agree bit for bit.
-        exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
+        arange = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu")
+        exponent = arange.float() / self.rotary_dim
         return 1.0 / (self.base**exponent)  # [rotary_dim // 2]
 
     def _compute_cos_sin_cache(self) -> torch.Tensor:
         inv_freq = self._compute_inv_freq()  # [rotary_dim // 2]
-        t = torch.arange(self.max_position_embeddings, dtype=torch.float32)  # [max_position]
+        t = torch.arange(self.max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, rotary_dim]
 
@@ -47,6 +48,8 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads * head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos_sin_cache.device != positions.device:
+            self.cos_sin_cache = self.cos_sin_cache.to(positions.device)
         cos_sin = self.cos_sin_cache[positions]  # [num_tokens, rotary_dim]
         cos, sin = cos_sin.to(query.dtype).chunk(2, dim=-1)  # 2 x [num_tokens, rotary_dim // 2]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [num_tokens, 1, rotary_dim // 2]

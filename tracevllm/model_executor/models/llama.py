@@ -26,6 +26,10 @@ from tracevllm.model_executor.layers.activation import SiluAndMul
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.layers.layernorm import RMSNorm
 from tracevllm.model_executor.layers.rotary_embedding import get_rope
+from tracevllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
@@ -133,7 +137,7 @@ class LlamaModel(nn.Module):
     def __init__(self, hf_config: dict[str, Any], vllm_config: VllmConfig | None, prefix: str):
         super().__init__()
         hidden_size = int(hf_config["hidden_size"])
-        self.embed_tokens = nn.Embedding(int(hf_config["vocab_size"]), hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(int(hf_config["vocab_size"]), hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, vllm_config, prefix=f"{prefix}.layers.{i}")
             for i in range(int(hf_config["num_hidden_layers"]))
@@ -175,9 +179,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(hf_config, vllm_config, prefix=model_prefix)
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
+            self.lm_head: VocabParallelEmbedding = self.model.embed_tokens
         else:
-            self.lm_head = nn.Embedding(int(hf_config["vocab_size"]), int(hf_config["hidden_size"]))
+            vocab_size, hidden_size = int(hf_config["vocab_size"]), int(hf_config["hidden_size"])
+            self.lm_head = ParallelLMHead(vocab_size, hidden_size)
 
     def forward(
         self,
@@ -216,11 +221,11 @@ class LlamaForCausalLM(nn.Module):
         return loaded
 
     def _shard_range(self, fused: str, shard_id: str | int, rows: int) -> tuple[int, int]:
-        """Rows of the fused weight that one HF tensor fills."""
+        """(first row, number of rows) of the fused weight that one HF tensor fills."""
         if fused == ".gate_up_proj":
             half = rows // 2
             return int(shard_id) * half, half
-        attn = self.model.layers[0].self_attn
-        offsets = {"q": (0, attn.q_size), "k": (attn.q_size, attn.kv_size)}
-        offsets["v"] = (attn.q_size + attn.kv_size, attn.kv_size)
+        layer: LlamaDecoderLayer = self.model.layers[0]  # type: ignore[assignment]
+        q_size, kv_size = layer.self_attn.q_size, layer.self_attn.kv_size
+        offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
         return offsets[str(shard_id)]

@@ -1,0 +1,99 @@
+"""Lossless: greedy output on the real default model equals HF transformers,
+token for token, in every engine configuration that changes how work is cut
+up (processes, chunked prefill, prefix-cache hits, preemption, block size)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.reference import GreedyReference, assert_lossless, hf_greedy
+from tracevllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 48
+SYSTEM = "You are a concise assistant. Answer in plain English, in two or three sentences."
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain what a KV cache is in a language model.",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "Give me three tips for learning Python.",
+    "What is 17 times 23? Show your working.",
+    "Translate 'good morning, friends' into Spanish.",
+    "Describe how a bicycle works.",
+]
+
+
+def conversation(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer: Any) -> list[list[int]]:
+    # As LLM.chat does: render the template, then tokenize without adding
+    # special tokens a second time.
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                conversation(q), add_generation_prompt=True, tokenize=False
+            ),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def references(default_model_dir: str, prompt_ids: list[list[int]]) -> list[GreedyReference]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model.eval()
+    return [hf_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _check(llm: LLM, prompt_ids: list[list[int]], refs: list[GreedyReference], what: str):
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outputs, refs)):
+        assert_lossless(out.outputs[0].token_ids, ref, f"{what}, prompt {i}")
+    return outputs
+
+
+@pytest.mark.parametrize("multiprocessing", [True, False], ids=["mp", "inproc"])
+def test_lossless_default(
+    default_model_dir: str, prompt_ids: Any, references: Any, multiprocessing: bool
+) -> None:
+    with LLM(enable_multiprocessing=multiprocessing) as llm:
+        _check(llm, prompt_ids, references, f"default, mp={multiprocessing}")
+        # (b) the same prompts again: their blocks are in the prefix cache now.
+        again = _check(llm, prompt_ids, references, "prefix-cache hits")
+        assert all(o.num_cached_tokens > 0 for o in again)
+
+
+def test_lossless_chunked_prefill(default_model_dir: str, prompt_ids: Any, references: Any):
+    # (a) 16 tokens a step for everyone: every prompt is cut into chunks.
+    with LLM(max_num_batched_tokens=16, enable_multiprocessing=False) as llm:
+        _check(llm, prompt_ids, references, "chunked prefill")
+
+
+def test_lossless_preemption(default_model_dir: str, prompt_ids: Any, references: Any):
+    # (c) room for about three requests at a time: the scheduler must preempt.
+    longest = max(len(p) for p in prompt_ids) + MAX_TOKENS
+    blocks = 3 * (-(-longest // 16)) + 1
+    with LLM(num_gpu_blocks_override=blocks, enable_multiprocessing=False) as llm:
+        _check(llm, prompt_ids, references, "preemption")
+        assert llm.llm_engine.num_preemptions > 0
+
+
+def test_lossless_block_size_32(default_model_dir: str, prompt_ids: Any, references: Any):
+    # (d) a bigger page: different slot_mapping and block tables, same tokens.
+    with LLM(block_size=32, enable_multiprocessing=True) as llm:
+        _check(llm, prompt_ids, references, "block_size 32")

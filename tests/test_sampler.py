@@ -1,0 +1,147 @@
+"""Sampler: greedy, top-k, top-p, min-p, seeded draws and logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from tracevllm.sample.metadata import SamplingMetadata
+from tracevllm.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from tracevllm.sample.sampler import Sampler
+
+VOCAB = 50
+
+
+def metadata(
+    temperature: list[float],
+    top_p: list[float] | None = None,
+    top_k: list[int] | None = None,
+    min_p: list[float] | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+    max_num_logprobs: int | None = None,
+) -> SamplingMetadata:
+    temp = torch.tensor(temperature)
+    return SamplingMetadata(
+        temperature=None if all(t == 0 for t in temperature) else temp,
+        all_greedy=all(t == 0 for t in temperature),
+        all_random=all(t > 0 for t in temperature),
+        top_p=torch.tensor(top_p) if top_p is not None else None,
+        top_k=torch.tensor(top_k, dtype=torch.int32) if top_k is not None else None,
+        min_p=torch.tensor(min_p) if min_p is not None else None,
+        generators=generators or {},
+        max_num_logprobs=max_num_logprobs,
+    )
+
+
+def logits(num_reqs: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_reqs, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def sample(x: torch.Tensor, md: SamplingMetadata) -> list[int]:
+    return Sampler()(x.clone(), md).sampled_token_ids.squeeze(1).tolist()
+
+
+def test_greedy_is_argmax() -> None:
+    x = logits(4)
+    assert sample(x, metadata([0.0] * 4)) == x.argmax(-1).tolist()
+
+
+def test_top_k_1_is_greedy_even_at_high_temperature() -> None:
+    x = logits(4, seed=1)
+    for seed in range(5):
+        torch.manual_seed(seed)
+        assert sample(x, metadata([2.0] * 4, top_k=[1] * 4)) == x.argmax(-1).tolist()
+
+
+def test_mixed_greedy_and_random_rows() -> None:
+    x = logits(3, seed=2)
+    torch.manual_seed(0)
+    out = sample(x, metadata([0.0, 1.0, 0.0], top_k=[VOCAB, 1, VOCAB]))
+    assert out == x.argmax(-1).tolist()
+
+
+def test_top_p_masks_the_tail() -> None:
+    # Probabilities 0.5, 0.3, 0.15, 0.05: top_p 0.75 keeps {0.5, 0.3} (tail mass 0.2 <= 0.25).
+    x = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    out = apply_top_k_top_p(x.clone(), None, torch.tensor([0.75]))
+    assert torch.isfinite(out).tolist() == [[True, True, False, False]]
+    # A tiny top_p still keeps the most likely token.
+    out = apply_top_k_top_p(x.clone(), None, torch.tensor([0.01]))
+    assert torch.isfinite(out).tolist() == [[True, False, False, False]]
+    # top_k and top_p together: k=3 then p=0.95 of the renormalized rest.
+    out = apply_top_k_top_p(x.clone(), torch.tensor([3]), torch.tensor([0.95]))
+    assert torch.isfinite(out).tolist() == [[True, True, True, False]]
+
+
+def test_top_k_keeps_k_per_row() -> None:
+    x = logits(3, seed=3)
+    out = apply_top_k_top_p(x.clone(), torch.tensor([1, 5, VOCAB]), None)
+    assert torch.isfinite(out).sum(-1).tolist() == [1, 5, VOCAB]
+    kept = torch.isfinite(out[1])
+    assert set(kept.nonzero().squeeze(1).tolist()) == set(x[1].topk(5).indices.tolist())
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    # probs 0.6, 0.3, 0.1: min_p 0.4 cuts below 0.24, leaving tokens 0 and 1.
+    x = torch.tensor([[0.6, 0.3, 0.1]]).log()
+    md = metadata([1.0], min_p=[0.4])
+    seen = set()
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        md.generators = {0: g}
+        seen.add(sample(x, md)[0])
+    assert seen == {0, 1}
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent() -> None:
+    x = logits(4, seed=4)
+    alone = sample(x[2:3], metadata([1.0], generators={0: torch.Generator().manual_seed(7)}))
+    torch.manual_seed(123)
+    crowd = sample(
+        x,
+        metadata(
+            [1.0, 0.0, 1.0, 0.7],
+            generators={2: torch.Generator().manual_seed(7)},
+        ),
+    )
+    assert crowd[2] == alone[0]
+    # A sequence of draws from one generator is reproducible too.
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    seq1 = [sample(x[:1], metadata([1.0], generators={0: g1}))[0] for _ in range(10)]
+    seq2 = [sample(x[:1], metadata([1.0], generators={0: g2}))[0] for _ in range(10)]
+    assert seq1 == seq2 and len(set(seq1)) > 1
+
+
+def test_random_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    x = probs.log().expand(4000, 3).contiguous()
+    torch.manual_seed(0)
+    out = torch.tensor(sample(x, metadata([1.0] * 4000)))
+    freq = torch.bincount(out, minlength=3).float() / 4000
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+
+
+def test_logprobs_and_ranks() -> None:
+    x = logits(3, seed=5)
+    md = metadata([0.0, 0.0, 0.0], max_num_logprobs=2)
+    out = Sampler()(x.clone(), md)
+    lp = out.logprobs_tensors
+    assert lp is not None
+    raw = x.log_softmax(-1)
+    sampled = x.argmax(-1)
+    assert lp.logprob_token_ids.shape == (3, 3) and lp.logprobs.shape == (3, 3)
+    assert lp.logprob_token_ids[:, 0].tolist() == sampled.tolist()
+    assert lp.logprob_token_ids[:, 1:].tolist() == raw.topk(2).indices.tolist()
+    torch.testing.assert_close(lp.logprobs[:, 1:], raw.topk(2).values)
+    assert lp.selected_token_ranks.tolist() == [1, 1, 1]
+    # Logprobs are the raw model's, not after temperature; ranks of a random pick.
+    md = metadata([5.0, 5.0, 5.0], max_num_logprobs=0)
+    torch.manual_seed(1)
+    out = Sampler()(x.clone(), md)
+    lp = out.logprobs_tensors
+    assert lp is not None
+    ids = out.sampled_token_ids.squeeze(1).long()
+    torch.testing.assert_close(lp.logprobs[:, 0], raw.gather(1, ids[:, None]).squeeze(1))
+    expected_ranks = (raw > raw.gather(1, ids[:, None])).sum(-1) + 1
+    assert lp.selected_token_ranks.tolist() == expected_ranks.tolist()
+    lists = lp.tolists()
+    assert lists.sampled_token_ranks == expected_ranks.tolist()
