@@ -19,7 +19,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -82,6 +82,8 @@ class EngineCore:
         # Block hashes are computed as requests arrive (and as tokens are
         # appended), so the scheduler only compares them.
         self.request_block_hasher: Callable[[Request], list[BlockHash]] | None = None
+        # Trace context the step spans join (see _step_span).
+        self._step_trace_headers: Mapping[str, str] | None = None
         cache_config = vllm_config.cache_config
         if cache_config.enable_prefix_caching:
             hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
@@ -175,7 +177,11 @@ class EngineCore:
         oldest = next(iter(self.scheduler.running), None)
         if oldest is None and self.scheduler.waiting:
             oldest = self.scheduler.waiting.peek_request()
-        headers = oldest.trace_headers if oldest is not None else None
+        if oldest is not None and oldest.trace_headers:
+            self._step_trace_headers = oldest.trace_headers
+        # A step with no live request (it only tells the runner what finished)
+        # stays in the trace of the request served last.
+        headers = self._step_trace_headers
         return tracing.get_tracer().start_as_current_span(
             "EngineCore.step",
             context=tracing.extract_trace_context(headers),
@@ -411,5 +417,8 @@ class EngineCoreProc(EngineCore):
             time.sleep(0.01)
 
     def shutdown(self) -> None:
+        # The ZeroMQ context is left to the process exit: the daemon I/O
+        # threads are still polling its sockets, and closing them from this
+        # thread can hang. The socket files belong to the frontend, which
+        # removes them.
         super().shutdown()
-        self.ctx.destroy(linger=0)

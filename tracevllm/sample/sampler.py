@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tracevllm import tracing
 from tracevllm.sample.metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
 from tracevllm.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
 
@@ -21,6 +22,7 @@ _SAMPLING_EPS = 1e-5
 
 class Sampler(nn.Module):
     # --8<-- [start:sampler_forward]
+    @tracing.instrument("Sampler.forward")
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         """``logits``: [num_reqs, vocab_size], one row per request in batch order."""
         num_logprobs = sampling_metadata.max_num_logprobs

@@ -26,10 +26,13 @@ def record_schedule(span: Span, scheduler: Scheduler, so: SchedulerOutput) -> No
     pool = kv.block_pool
     total = pool.num_gpu_blocks - 1  # block 0 is the null block
     free = pool.get_num_free_blocks()
-    # Free blocks that still hold a hash: evictable, but a prefix hit revives them.
-    cached_free = sum(
-        1 for b in pool.free_block_queue.get_all_free_blocks() if b.block_hash is not None
+    # Free blocks that still hold a hash: evictable, but a prefix hit revives
+    # them. Counted from the few blocks in use, not by walking the free list.
+    # (A set: requests that share a prefix share its blocks.)
+    in_use_hashed = len(
+        {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks if b.block_hash}
     )
+    cached_free = max(pool.num_cached_blocks - in_use_hashed, 0)
     new_ids = {r.req_id for r in so.scheduled_new_reqs}
     resumed = so.scheduled_cached_reqs.resumed_req_ids
     requests: list[dict[str, Any]] = []

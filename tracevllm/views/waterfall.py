@@ -11,12 +11,13 @@ from rich.text import Text
 
 from tracevllm.tracing.exporters import SpanRecord
 
-PROCESS_STYLE = {"frontend": "cyan", "engine_core": "magenta"}
+PROCESS_STYLE = {"frontend": "cyan", "engine_core": "magenta", "inprocess": "cyan"}
+PROCESS_SHORT = {"frontend": "FE", "engine_core": "EC", "inprocess": "1P"}
 # Siblings with the same name beyond this many are folded into one line.
 MAX_SAME_NAME = 3
 
 
-def render_waterfall(spans: list[SpanRecord], width: int = 48, max_rows: int = 200) -> Table:
+def render_waterfall(spans: list[SpanRecord], width: int = 40, max_rows: int = 200) -> Table:
     by_id = {s.span_id: s for s in spans}
     children: dict[str | None, list[SpanRecord]] = defaultdict(list)
     for s in spans:
@@ -26,12 +27,16 @@ def render_waterfall(spans: list[SpanRecord], width: int = 48, max_rows: int = 2
     t1 = max((s.end_ns for s in spans), default=1)
     total = max(t1 - t0, 1)
 
-    table = Table(title="Span waterfall (⇄ = crossed the process boundary)", title_justify="left")
-    table.add_column("span")
-    table.add_column("process")
-    table.add_column("start ms", justify="right")
-    table.add_column("ms", justify="right")
-    table.add_column("timeline", width=width)
+    table = Table(
+        title="Span waterfall · FE = frontend, EC = engine core, 1P = one process · "
+        "⇄ = crossed the process boundary",
+        title_justify="left",
+    )
+    table.add_column("span", no_wrap=True, overflow="ellipsis", max_width=56)
+    table.add_column("pid", no_wrap=True)
+    table.add_column("start ms", justify="right", no_wrap=True)
+    table.add_column("ms", justify="right", no_wrap=True)
+    table.add_column("timeline", width=width, no_wrap=True)
     rows = 0
 
     def add(span: SpanRecord, depth: int, parent: SpanRecord | None) -> None:
@@ -46,7 +51,7 @@ def render_waterfall(spans: list[SpanRecord], width: int = 48, max_rows: int = 2
             name.stylize("bold")
         table.add_row(
             name,
-            Text(f"{span.process_kind} {span.pid}", style=style),
+            Text(f"{PROCESS_SHORT.get(span.process_kind, '?')} {span.pid}", style=style),
             f"{(span.start_ns - t0) / 1e6:.1f}",
             f"{span.duration_ms:.2f}",
             Bar(total, span.start_ns - t0, span.end_ns - t0, width=width, color=style),

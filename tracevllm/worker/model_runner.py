@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tracevllm import tracing
 from tracevllm.attention.backends.abstract import AttentionMetadata
 from tracevllm.attention.selector import get_attn_backend
 from tracevllm.forward_context import set_forward_context
@@ -119,6 +120,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------ the step
     # --8<-- [start:update_states]
+    @tracing.instrument("ModelRunner._update_states")
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Bring the persistent batch in line with what the scheduler decided."""
         batch = self.input_batch
@@ -183,10 +185,19 @@ class ModelRunner:
         for state in reqs_to_add:
             batch.add_request(state)
         batch.condense()
+        span = tracing.current_span()
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "tracevllm.added_req_ids": [s.req_id for s in reqs_to_add],
+                    "tracevllm.batch_req_ids": list(batch.req_ids),
+                }
+            )
 
     # --8<-- [end:update_states]
 
     # --8<-- [start:prepare_inputs]
+    @tracing.instrument("ModelRunner._prepare_inputs")
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[dict[str, AttentionMetadata], torch.Tensor, np.ndarray]:
@@ -250,9 +261,34 @@ class ModelRunner:
         self.attn_metadata = attn_metadata
         # One KV cache group: every layer shares the metadata.
         per_layer = dict.fromkeys(self.attn_layers, attn_metadata)
+        span = tracing.current_span()
+        if span.is_recording():
+            self._record_inputs(span, num_scheduled_tokens)
         return per_layer, self.logits_indices, discard
 
     # --8<-- [end:prepare_inputs]
+
+    def _record_inputs(self, span: Any, num_scheduled_tokens: np.ndarray) -> None:
+        """Put the flat batch on the span: the arrays the kernels will see."""
+        assert self.attn_metadata is not None
+        batch = self.input_batch
+        span.set_attributes(
+            {
+                "tracevllm.req_ids": list(batch.req_ids),
+                "tracevllm.num_scheduled_tokens": num_scheduled_tokens.tolist(),
+                "tracevllm.input_ids": self.input_ids.tolist(),
+                "tracevllm.positions": self.positions.tolist(),
+                "tracevllm.query_start_loc": self.query_start_loc.tolist(),
+                "tracevllm.seq_lens": self.seq_lens.tolist(),
+                "tracevllm.slot_mapping": self.slot_mapping.tolist(),
+                "tracevllm.logits_indices": self.logits_indices.tolist(),
+                # Each row as "req: block ids", since attributes are flat.
+                "tracevllm.block_table": [
+                    f"{req_id}: {row}"
+                    for req_id, row in zip(batch.req_ids, self.attn_metadata.block_table.tolist())
+                ],
+            }
+        )
 
     def _get_cumsum_and_arange(self, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[2, 5, 3] -> cumsum [2, 7, 10] and arange [0 1 0 1 2 3 4 0 1 2]."""
@@ -261,6 +297,7 @@ class ModelRunner:
         offsets = np.repeat(cu_num_tokens - num_tokens, num_tokens)  # [0 0 2 2 2 2 2 7 7 7]
         return cu_num_tokens, self.arange_np[:total] - offsets
 
+    @tracing.instrument("ModelRunner.execute_model")
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run the forward pass; sample_tokens() finishes the step.
@@ -286,6 +323,7 @@ class ModelRunner:
         self.execute_model_state = ExecuteModelState(scheduler_output, logits, discard)
         return None
 
+    @tracing.instrument("ModelRunner.sample_tokens")
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
         """Sample one token per request and append it to the persistent batch."""
@@ -326,6 +364,17 @@ class ModelRunner:
             batch.num_tokens_no_spec[req_idx] = end
             self.requests[batch.req_ids[req_idx]].output_token_ids.extend(sampled_ids)
 
+        span = tracing.current_span()
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "tracevllm.req_ids": list(batch.req_ids),
+                    # -1: a partial prefill's sample, thrown away.
+                    "tracevllm.sampled_token_ids": [
+                        ids[0] if ids else -1 for ids in valid_sampled_token_ids
+                    ],
+                }
+            )
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),

@@ -11,11 +11,12 @@ caches, encoder/cross attention, MLA.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from tracevllm import tracing
 from tracevllm.attention.selector import get_attn_backend
 from tracevllm.forward_context import get_forward_context
 
@@ -41,6 +42,9 @@ class Attention(nn.Module):
         self.scale = scale
         # The key under which this layer's metadata and cache are found.
         self.layer_name = prefix
+        # "model.layers.7.self_attn.attn" -> 7: tracing records layer 0 by default.
+        parts = prefix.split(".")
+        self.layer_index = int(parts[parts.index("layers") + 1]) if "layers" in parts else 0
         backend_name = vllm_config.attention_config.backend if vllm_config else None
         device = vllm_config.device_config.device if vllm_config else "cpu"
         self.attn_backend = get_attn_backend(backend_name, device)
@@ -60,9 +64,45 @@ class Attention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_size)
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        unified_kv_cache_update(key, value, self.layer_name)
-        unified_attention_with_output(query, key, value, output, self.layer_name)
+        if tracing.is_enabled() and (self.layer_index == 0 or tracing.is_full_detail()):
+            self._forward_traced(query, key, value, output)
+        else:
+            unified_kv_cache_update(key, value, self.layer_name)
+            unified_attention_with_output(query, key, value, output, self.layer_name)
         return output.view(num_tokens, self.num_heads * self.head_size)
+
+    def _forward_traced(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        """The same two calls, each in a span that shows what crossed into the kernel."""
+        tracer = tracing.get_tracer()
+        attn_metadata, _, kv_cache, slot_mapping = get_attention_context(self.layer_name)
+        layer: dict[str, Any] = {
+            "tracevllm.layer": self.layer_index,
+            "tracevllm.layer_name": self.layer_name,
+        }
+        with tracer.start_as_current_span(
+            "reshape_and_cache_flash",
+            attributes={
+                **_WRITE_CODE,
+                **layer,
+                "tracevllm.kv_cache_shape": list(kv_cache.shape),
+                "tracevllm.slot_mapping": slot_mapping.tolist() if slot_mapping is not None else [],
+            },
+        ):
+            unified_kv_cache_update(key, value, self.layer_name)
+        with tracer.start_as_current_span(
+            "unified_attention",
+            attributes={
+                **_READ_CODE,
+                **layer,
+                "tracevllm.query_start_loc": attn_metadata.query_start_loc.tolist(),
+                "tracevllm.seq_lens": attn_metadata.seq_lens.tolist(),
+                "tracevllm.block_table_shape": list(attn_metadata.block_table.shape),
+                "tracevllm.backend": self.attn_backend.get_name(),
+            },
+        ):
+            unified_attention_with_output(query, key, value, output, self.layer_name)
 
 
 def get_attention_context(
@@ -97,3 +137,7 @@ def unified_attention_with_output(
     """Read the paged cache and attend (second half); writes ``output`` in place."""
     attn_metadata, layer, kv_cache, _ = get_attention_context(layer_name)
     layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata, output)
+
+
+_WRITE_CODE = tracing.code_attributes(unified_kv_cache_update)
+_READ_CODE = tracing.code_attributes(unified_attention_with_output)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tracevllm import tracing
 from tracevllm.model_executor.layers.activation import SiluAndMul
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.layers.layernorm import RMSNorm
@@ -151,10 +152,22 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+        if tracing.is_full_detail():
+            # One span per decoder layer: only at detail "full" (30 per step).
+            tracer = tracing.get_tracer()
+            for i, layer in enumerate(self.layers):
+                with tracer.start_as_current_span(
+                    "LlamaDecoderLayer.forward", attributes={**_LAYER_CODE, "tracevllm.layer": i}
+                ):
+                    hidden_states, residual = layer(positions, hidden_states, residual)
+        else:
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states  # [num_tokens, hidden_size]
+
+
+_LAYER_CODE = tracing.code_attributes(LlamaDecoderLayer.forward)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -184,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
             vocab_size, hidden_size = int(hf_config["vocab_size"]), int(hf_config["hidden_size"])
             self.lm_head = ParallelLMHead(vocab_size, hidden_size)
 
+    @tracing.instrument("LlamaForCausalLM.forward")
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]

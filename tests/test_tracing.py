@@ -1,0 +1,223 @@
+"""Tracing: the spans of DESIGN.md §3, nested as the code nests, one trace
+across two processes, and files that load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tracevllm import LLM, SamplingParams
+from tracevllm.tracing.exporters import read_spans_jsonl, to_perfetto
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+PROMPTS = ["Hello there, how", "The capital of France is"]
+
+
+def _inproc_spans(tiny_model_dir: str, detail: str) -> list[Any]:
+    exporter = InMemorySpanExporter()
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False, trace_detail=detail) as llm:
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return list(exporter.get_finished_spans())
+
+
+def test_inprocess_span_tree(tiny_model_dir: str) -> None:
+    spans = _inproc_spans(tiny_model_dir, "request")
+    by_id = {s.context.span_id: s for s in spans}
+    names = Counter(s.name for s in spans)
+
+    def parent_name(span: Any) -> str | None:
+        return (
+            by_id[span.parent.span_id].name
+            if span.parent and span.parent.span_id in by_id
+            else None
+        )
+
+    for required in (
+        "LLM.generate",
+        "llm_request",
+        "LLMEngine.add_request",
+        "InputProcessor.process_inputs",
+        "InprocClient.add_request",
+        "EngineCore.add_request",
+        "EngineCore.step",
+        "Scheduler.schedule",
+        "ModelRunner.execute_model",
+        "ModelRunner._update_states",
+        "ModelRunner._prepare_inputs",
+        "LlamaForCausalLM.forward",
+        "reshape_and_cache_flash",
+        "unified_attention",
+        "ModelRunner.sample_tokens",
+        "Sampler.forward",
+        "Scheduler.update_from_output",
+        "LLMEngine.step",
+        "OutputProcessor.process_outputs",
+    ):
+        assert names[required] > 0, f"no {required} span"
+    assert names["llm_request"] == 2
+    # Nested as the code nests.
+    expected_parents = {
+        "llm_request": "LLM.generate",
+        "LLMEngine.add_request": "llm_request",
+        "InputProcessor.process_inputs": "LLMEngine.add_request",
+        "EngineCore.add_request": "llm_request",
+        "EngineCore.step": "llm_request",
+        "Scheduler.schedule": "EngineCore.step",
+        "ModelRunner.execute_model": "EngineCore.step",
+        "ModelRunner._prepare_inputs": "ModelRunner.execute_model",
+        "LlamaForCausalLM.forward": "ModelRunner.execute_model",
+        "reshape_and_cache_flash": "LlamaForCausalLM.forward",
+        "Sampler.forward": "ModelRunner.sample_tokens",
+        "OutputProcessor.process_outputs": "LLMEngine.step",
+    }
+    for span in spans:
+        if span.name in expected_parents:
+            assert parent_name(span) == expected_parents[span.name], span.name
+    # At detail "request" the KV write/read is traced for one layer only.
+    assert {s.attributes["tracevllm.layer"] for s in spans if s.name == "unified_attention"} == {0}
+    assert names["LlamaDecoderLayer.forward"] == 0
+    # One trace for the whole generate call; every span has its code location.
+    assert len({s.context.trace_id for s in spans}) == 1
+    for span in spans:
+        if span.name != "llm_request":
+            assert span.attributes.get("code.function.name"), span.name
+            assert span.attributes.get("code.file.path", "").startswith(("tracevllm", "kernels"))
+            assert span.attributes.get("code.line.number", 0) > 0
+
+
+def test_inprocess_span_attributes(tiny_model_dir: str) -> None:
+    spans = _inproc_spans(tiny_model_dir, "request")
+    req = [s for s in spans if s.name == "llm_request"]
+    for s in req:
+        a = s.attributes
+        assert a["gen_ai.usage.output_tokens"] == 5 == a["gen_ai.usage.completion_tokens"]
+        assert a["gen_ai.usage.input_tokens"] > 0
+        assert list(a["gen_ai.response.finish_reasons"]) == ["length"]
+        assert a["gen_ai.request.max_tokens"] == 5 and a["gen_ai.request.temperature"] == 0.0
+        assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
+        assert a["gen_ai.latency.time_in_queue"] >= 0
+        assert len(a["tracevllm.latency.inter_token_ms"]) == 4
+    first = next(s for s in spans if s.name == "Scheduler.schedule")
+    assert first.attributes["tracevllm.token_budget.used"] == sum(
+        first.attributes["tracevllm.num_scheduled_tokens"]
+    )
+    assert first.attributes["tracevllm.token_budget.total"] == 4096
+    view = json.loads(first.attributes["tracevllm.view.step"])
+    assert {r["kind"] for r in view["requests"]} == {"new"}
+    assert view["kv"]["used"] + view["kv"]["free"] == view["kv"]["total"]
+    prep = next(s for s in spans if s.name == "ModelRunner._prepare_inputs")
+    slots = list(prep.attributes["tracevllm.slot_mapping"])
+    assert len(slots) == len(prep.attributes["tracevllm.input_ids"])
+    assert list(prep.attributes["tracevllm.positions"])[:3] == [0, 1, 2]
+    sampled = [s for s in spans if s.name == "ModelRunner.sample_tokens"]
+    assert all(len(s.attributes["tracevllm.sampled_token_ids"]) >= 1 for s in sampled)
+    # A step links to every request it served.
+    step = next(s for s in spans if s.name == "EngineCore.step")
+    assert len(step.links) == 2
+
+
+def test_full_detail_adds_every_layer(tiny_model_dir: str) -> None:
+    spans = _inproc_spans(tiny_model_dir, "full")
+    layers = {s.attributes["tracevllm.layer"] for s in spans if s.name == "unified_attention"}
+    assert layers == {0, 1}  # the tiny model has two layers
+    assert any(s.name == "LlamaDecoderLayer.forward" for s in spans)
+
+
+def test_tracing_does_not_change_outputs(tiny_model_dir: str, tmp_path: Any) -> None:
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with LLM(
+        model=tiny_model_dir,
+        enable_multiprocessing=True,
+        trace_detail="full",
+        trace_dir=str(tmp_path),
+    ) as llm:
+        traced = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert plain == traced
+
+
+def test_multiprocess_trace_files(tiny_model_dir: str, tmp_path: Any) -> None:
+    with LLM(
+        model=tiny_model_dir,
+        enable_multiprocessing=True,
+        trace_detail="request",
+        trace_dir=str(tmp_path),
+    ) as llm:
+        engine_pid = llm.llm_engine.engine_core.engine_pid
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    # Every line is one OTLP JSON batch.
+    with open(tmp_path / "spans.jsonl") as f:
+        for line in f:
+            assert "resourceSpans" in json.loads(line)
+    spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
+    assert len({s.trace_id for s in spans}) == 1
+    pids = {s.pid for s in spans}
+    assert pids == {os.getpid(), engine_pid}
+    kinds = {s.pid: s.process_kind for s in spans}
+    assert kinds[engine_pid] == "engine_core" and kinds[os.getpid()] == "frontend"
+    by_id = {s.span_id: s for s in spans}
+    add = next(s for s in spans if s.name == "EngineCore.add_request")
+    parent = by_id[add.parent_span_id]
+    assert parent.pid == os.getpid() and parent.name == "llm_request"
+    # The engine flushed on shutdown: its last step is in the file.
+    assert any(s.name == "Scheduler.update_from_output" and s.pid == engine_pid for s in spans)
+
+    perfetto = to_perfetto(spans)
+    json.loads(json.dumps(perfetto))
+    names = {
+        e["pid"]: e["args"]["name"] for e in perfetto["traceEvents"] if e["name"] == "process_name"
+    }
+    assert set(names) == pids
+    assert any(n.startswith("engine_core") for n in names.values())
+    assert any(n.startswith("frontend") for n in names.values())
+    # Slices on one track nest.
+    slices = sorted(
+        (e for e in perfetto["traceEvents"] if e["ph"] == "X"), key=lambda e: (e["ts"], -e["dur"])
+    )
+    open_by_track: dict[tuple[int, int], list[float]] = {}
+    for e in slices:
+        stack = open_by_track.setdefault((e["pid"], e["tid"]), [])
+        while stack and stack[-1] <= e["ts"]:
+            stack.pop()
+        assert not stack or e["ts"] + e["dur"] <= stack[-1] + 1e-3
+        stack.append(e["ts"] + e["dur"])
+
+
+@pytest.mark.slow
+def test_make_trace_on_default_model(default_model_dir: str, tmp_path: Any) -> None:
+    out = tmp_path / "trace"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tracevllm.entrypoints.cli",
+            "trace",
+            "--prompt",
+            "What is the capital of France?",
+            "--max-tokens",
+            "16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "COLUMNS": "160"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Paris" in result.stdout
+    for name in ("spans.jsonl", "trace.perfetto.json", "views.svg", "views.html"):
+        assert (out / name).stat().st_size > 0, name
+    assert "EngineCore.step" in result.stdout and "⇄" in result.stdout
+    assert "<svg" in (out / "views.svg").read_text()[:2000]
