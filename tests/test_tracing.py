@@ -221,3 +221,42 @@ def test_make_trace_on_default_model(default_model_dir: str, tmp_path: Any) -> N
         assert (out / name).stat().st_size > 0, name
     assert "EngineCore.step" in result.stdout and "⇄" in result.stdout
     assert "<svg" in (out / "views.svg").read_text()[:2000]
+
+
+ABRUPT = """
+import os, signal, sys
+from tracevllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], enable_multiprocessing=True, trace_detail="request",
+          trace_dir=sys.argv[2])
+llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+print(llm.llm_engine.engine_core.engine_pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no shutdown, no atexit, no flush here
+"""
+
+
+def test_engine_flushes_spans_when_frontend_dies(tiny_model_dir: str, tmp_path: Any) -> None:
+    import time
+
+    import psutil
+
+    result = subprocess.run(
+        [sys.executable, "-c", ABRUPT, tiny_model_dir, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == -9, result.stderr[-2000:]
+    engine_pid = int(result.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while psutil.pid_exists(engine_pid) and time.monotonic() < deadline:
+        try:
+            if psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.2)
+    else:
+        if psutil.pid_exists(engine_pid):
+            raise AssertionError("the engine process outlived its frontend")
+    spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
+    assert any(s.pid == engine_pid and s.name == "EngineCore.step" for s in spans)
