@@ -195,3 +195,34 @@ def test_shutdown_stops_process_and_removes_sockets(tiny_model_dir: str) -> None
         llm.generate(["hi"], _greedy(2), use_tqdm=False)
     assert not os.path.exists(socket_dir)
     assert _children() - before == set()
+
+
+def test_unsupported_architecture_lists_supported(tmp_path) -> None:
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        LLM(model=str(tmp_path))
+
+
+def test_cli_generate(tiny_model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tracevllm.entrypoints.cli import main
+
+    rc = main(
+        [
+            "generate",
+            "--prompt",
+            "Hello",
+            "--model",
+            tiny_model_dir,
+            "--max-tokens",
+            "4",
+            "--no-enable-multiprocessing",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "4 tokens" in out
+    # Bad input: a clear message and exit code 2, not a traceback.
+    rc = main(["generate", "--prompt", "Hello", "--model", tiny_model_dir, "--max-tokens", "0"])
+    assert rc == 2 and "max_tokens" in capsys.readouterr().err
