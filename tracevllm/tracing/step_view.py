@@ -48,7 +48,8 @@ def record_schedule(span: Span, scheduler: Scheduler, so: SchedulerOutput) -> No
                 "num_scheduled_tokens": n,
                 "num_tokens": req.num_tokens,
                 "num_prompt_tokens": req.num_prompt_tokens,
-                "num_cached_tokens": max(req.num_cached_tokens, 0) if kind != "cached" else 0,
+                # A new or resumed request starts from its prefix-cache hit.
+                "num_cached_tokens": req.num_computed_tokens - n if kind != "cached" else 0,
                 "block_ids": kv.get_block_ids(req_id)[0],
             }
         )
