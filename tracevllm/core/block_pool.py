@@ -97,6 +97,7 @@ class BlockPool:
         self.num_cached_blocks -= 1
         return True
 
+    # --8<-- [start:touch_and_free]
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A prefix-cache hit: take the blocks out of the free queue if no one
         held them (so they cannot be evicted), and add a reference."""
@@ -113,6 +114,8 @@ class BlockPool:
         for block in blocks:
             block.ref_cnt -= 1
         self.free_block_queue.append_n([b for b in blocks if b.ref_cnt == 0 and not b.is_null])
+
+    # --8<-- [end:touch_and_free]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Only possible when no request holds a block."""

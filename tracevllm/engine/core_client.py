@@ -171,6 +171,7 @@ class SyncMPClient(EngineCoreClient):
         self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
         self.utility_results: dict[int, Future[Any]] = {}
 
+        # --8<-- [start:mp_client_sockets]
         # Private temp dir: the ipc:// socket files live (and die) there.
         resources.socket_dir = tempfile.mkdtemp(prefix="tracevllm-")
         input_address = f"ipc://{resources.socket_dir}/input-{uuid.uuid4().hex[:8]}"
@@ -194,6 +195,7 @@ class SyncMPClient(EngineCoreClient):
             daemon=True,
         )
         proc.start()
+        # --8<-- [end:mp_client_sockets]
         resources.proc = proc
         try:
             ready = self._wait_for_engine_startup(proc)
@@ -278,6 +280,7 @@ class SyncMPClient(EngineCoreClient):
         bound.wait()
         resources.output_thread = thread
 
+    # --8<-- [start:engine_core_monitor]
     def _start_engine_core_monitor(self) -> None:
         """Watch the process sentinel: a dead engine becomes EngineDeadError, not a hang."""
         resources, outputs_queue = self.resources, self.outputs_queue
@@ -300,6 +303,8 @@ class SyncMPClient(EngineCoreClient):
         )
         thread.start()
         resources.monitor_thread = thread
+
+    # --8<-- [end:engine_core_monitor]
 
     def ensure_alive(self) -> None:
         if self.resources.engine_dead:

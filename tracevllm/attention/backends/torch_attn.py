@@ -35,6 +35,7 @@ class TorchAttentionImpl(AttentionImpl):
     ) -> None:
         ops.reshape_and_cache_flash(key, value, kv_cache, slot_mapping)
 
+    # --8<-- [start:torch_attn_forward]
     def forward(
         self,
         layer: Attention,
@@ -62,6 +63,8 @@ class TorchAttentionImpl(AttentionImpl):
             softmax_scale=self.scale,
         )
         return output
+
+    # --8<-- [end:torch_attn_forward]
 
 
 class TorchAttentionBackend(AttentionBackend):
