@@ -37,7 +37,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     ),
     # Tracing detail when none is passed in code: off | request | full.
     "TRACEVLLM_TRACE": lambda: os.environ.get("TRACEVLLM_TRACE", "off"),
-    # Plug a course lab (chapters/NN-*) into the running engine.
+    # Plug course labs into the running engine (tracevllm/labs.py): lab
+    # numbers or lab folders, comma-separated, e.g. "03" or "01,05".
     "TRACEVLLM_LAB": lambda: os.environ.get("TRACEVLLM_LAB") or None,
     # Log level of the "tracevllm" logger.
     "TRACEVLLM_LOGGING_LEVEL": lambda: os.environ.get("TRACEVLLM_LOGGING_LEVEL", "WARNING"),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tracevllm.core.block_pool import BlockPool
 from tracevllm.core.kv_cache_utils import KVCacheBlock
+from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import PrefixCacheStats
 
 if TYPE_CHECKING:
@@ -109,6 +110,7 @@ class KVCacheManager:
     # --8<-- [end:get_computed_blocks]
 
     # --8<-- [start:allocate_slots]
+    @lab_hook("allocate_slots")  # lab 02: chapters/02-allocate-slots
     def allocate_slots(
         self,
         request: Request,
@@ -182,12 +184,15 @@ class KVCacheManager:
         )
         self.num_cached_block[request.request_id] = num_full_blocks
 
+    # --8<-- [start:free]
     def free(self, request: Request) -> None:
         """Free the request's blocks, tail first, so that its tail is evicted
         before the prefix it may share with other requests."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request.request_id, None)
+
+    # --8<-- [end:free]
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():

@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers.decoders import DecodeStream
 
 from tracevllm.engine import EngineCoreRequest
+from tracevllm.labs import lab_hook
 
 
 class IncrementalDetokenizer:
@@ -103,6 +104,7 @@ class IncrementalDetokenizer:
 
 
 # --8<-- [start:check_stop_strings]
+@lab_hook("check_stop_strings")  # lab 06: chapters/06-stop-strings
 def check_stop_strings(
     output_text: str, new_char_count: int, stop: list[str], include_in_output: bool
 ) -> tuple[str, int] | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tracevllm.labs import lab_hook
+
 # Slot id of padding tokens: the cache write skips them (vLLM's PAD_SLOT_ID).
 PAD_SLOT_ID = -1
 
@@ -73,6 +75,7 @@ class BlockTable:
         self.block_table_np[[src, tgt]] = self.block_table_np[[tgt, src]]
 
     # --8<-- [start:compute_slot_mapping]
+    @lab_hook("compute_slot_mapping")  # lab 03: chapters/03-slot-mapping
     def compute_slot_mapping(self, req_indices: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         """Cache slot of every token in the batch: the page table lookup.
 

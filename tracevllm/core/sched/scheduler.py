@@ -23,9 +23,48 @@ from tracevllm.core.sched.output import CachedRequestData, NewRequestData, Sched
 from tracevllm.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from tracevllm.core.sched.utils import check_stop, remove_all
 from tracevllm.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import SchedulerStats
 from tracevllm.outputs import ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
+
+
+# --8<-- [start:compute_num_new_tokens]
+@lab_hook("compute_num_new_tokens")  # lab 01: chapters/01-token-budget
+def compute_num_new_tokens(
+    num_tokens: int,
+    num_computed_tokens: int,
+    token_budget: int,
+    long_prefill_token_threshold: int,
+    max_model_len: int,
+    enable_chunked_prefill: bool = True,
+) -> int:
+    """How many of a request's tokens to schedule this step; 0 means none.
+
+    The token-budget arithmetic that vLLM writes inline in both passes of
+    ``Scheduler.schedule`` (tracevllm names it, for the book and lab 01).
+    A request wants ``num_tokens - num_computed_tokens`` tokens: 1 for a
+    decode, the rest of its prompt for a prefill. That is cut to
+    ``long_prefill_token_threshold`` (if > 0) and to the step's
+    ``token_budget``: a cut prefill is a chunked prefill. Without chunked
+    prefill a request that does not fit gets 0 (it waits). No token may sit
+    at position ``max_model_len - 1`` or later: there is no room for the
+    token it would produce. (vLLM applies that cap in the running pass only;
+    a waiting request never holds more than ``max_model_len - 1`` tokens, so
+    for it the cap changes nothing.)
+    """
+    num_new_tokens = num_tokens - num_computed_tokens
+    if 0 < long_prefill_token_threshold < num_new_tokens:
+        num_new_tokens = long_prefill_token_threshold
+    if not enable_chunked_prefill and num_new_tokens > token_budget:
+        return 0
+    num_new_tokens = min(num_new_tokens, token_budget)
+    # No input position at or past max_model_len.
+    num_new_tokens = min(num_new_tokens, max_model_len - 1 - num_computed_tokens)
+    return max(num_new_tokens, 0)
+
+
+# --8<-- [end:compute_num_new_tokens]
 
 
 class Scheduler:
@@ -82,15 +121,16 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
-            if 0 < threshold < num_new_tokens:
-                num_new_tokens = threshold
-            num_new_tokens = min(num_new_tokens, token_budget)
-            # No input position at or past max_model_len.
-            num_new_tokens = min(
-                num_new_tokens, self.max_model_len - 1 - request.num_computed_tokens
+            num_new_tokens = compute_num_new_tokens(
+                request.num_tokens_with_spec,
+                request.num_computed_tokens,
+                token_budget,
+                threshold,
+                self.max_model_len,
+                # Admitted already: it goes on chunk by chunk whatever the setting.
+                enable_chunked_prefill=True,
             )
-            if num_new_tokens <= 0:
+            if num_new_tokens == 0:
                 req_index += 1
                 continue
 
@@ -141,14 +181,16 @@ class Scheduler:
                 )
                 # num_tokens, not num_prompt_tokens: a resumed request recomputes
                 # its outputs too.
-                num_new_tokens = request.num_tokens - num_computed_tokens
-                if 0 < threshold < num_new_tokens:
-                    num_new_tokens = threshold
-                if not self.scheduler_config.enable_chunked_prefill and (
-                    num_new_tokens > token_budget
-                ):
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
+                num_new_tokens = compute_num_new_tokens(
+                    request.num_tokens,
+                    num_computed_tokens,
+                    token_budget,
+                    threshold,
+                    self.max_model_len,
+                    self.scheduler_config.enable_chunked_prefill,
+                )
+                if num_new_tokens == 0:
+                    break  # without chunked prefill, a prompt that does not fit waits
 
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
@@ -237,6 +279,7 @@ class Scheduler:
 
     # --8<-- [end:preempt_request]
 
+    # --8<-- [start:update_after_schedule]
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
         """Advance num_computed_tokens now, before the forward pass runs, so the
         next schedule() does not hand out the same tokens again."""
@@ -244,6 +287,8 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += num_tokens
         # A new set: the output just built keeps the old one.
         self.finished_req_ids = set()
+
+    # --8<-- [end:update_after_schedule]
 
     def _make_cached_request_data(
         self,

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from tracevllm.labs import lab_hook
+
 
 # --8<-- [start:apply_top_k_top_p]
+@lab_hook("apply_top_k_top_p")  # lab 05: chapters/05-top-k-top-p
 def apply_top_k_top_p(
     logits: torch.Tensor,  # [num_reqs, vocab_size]
     k: torch.Tensor | None,  # [num_reqs]; vocab_size = no top-k

@@ -1,0 +1,35 @@
+"""Lab 04: the paged attention read. Your version of
+``kernels.unified_attention.unified_attention_torch``.
+
+Read README.md first. Test it with ``make lab CH=04``; watch the model attend
+through your code with ``TRACEVLLM_LAB=04 make trace PROMPT="..."``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unified_attention_torch(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    query_start_loc: torch.Tensor,  # [num_reqs + 1], int32: request r owns [qsl[r], qsl[r+1])
+    seq_lens: torch.Tensor,  # [num_reqs], int32: tokens in the cache, this step's included
+    max_query_len: int,
+    max_seq_len: int,
+    block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
+    softmax_scale: float,
+) -> None:
+    """Causal attention of each request's queries over its paged keys and values."""
+    # For each request r (a simple loop over requests is fine):
+    # TODO 1: its queries: q[query_start_loc[r] : query_start_loc[r + 1]], Q of them;
+    #         its seq_len L counts every token in the cache, these Q included.
+    # TODO 2: gather its keys and values through the block table: the key of
+    #         position p is kv_cache[block_table[r, p // block_size], 0,
+    #         p % block_size] (index 1 for the value). Read blocks, not tokens.
+    # TODO 3: GQA: query head h uses KV head h // (num_heads // num_kv_heads).
+    # TODO 4: query i sits at position L - Q + i and sees keys 0 .. L - Q + i
+    #         (causal, with the context before this chunk fully visible).
+    # TODO 5: softmax(q . k * softmax_scale) . v, written into out's rows of r.
+    raise NotImplementedError("Lab 04: unified_attention_torch (see chapters/04-paged-attention)")

@@ -1,0 +1,174 @@
+"""Plug a course lab (``chapters/NN-topic/lab.py``) into the running engine.
+
+Not in vLLM: this is the course's door into the engine. Each lab asks the
+student to rewrite one real function of the engine; the function carries a
+hook, ``@lab_hook("name")`` (or ``name = lab_override("name", name)``), which
+returns the function itself, unless ``TRACEVLLM_LAB`` selects the lab that
+rewrites it: then it returns the student's function from that lab's
+``lab.py``, and the engine serves requests with the student's code.
+
+    TRACEVLLM_LAB=03 make trace PROMPT="Hello"        # chapters/03-*/lab.py
+    TRACEVLLM_LAB=01,05 tracevllm generate ...        # several labs at once
+    TRACEVLLM_LAB=~/mine/03-slot-mapping tracevllm ... # a lab folder elsewhere
+
+A lab is named by its number, or by the path of its folder (or of the
+``lab.py`` in it); a folder's name must begin with the lab number (``03-...``).
+The hook resolves when the engine module is imported, so with no lab set it
+costs nothing per call: the engine calls its own function directly. The
+engine's own functions stay reachable as ``reference(name)`` (the labs' tests
+run against them to prove the tests right).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+from tracevllm import envs
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Lab:
+    number: str  # "01"
+    topic: str  # the folder is chapters/<number>-<topic>
+    function: str  # the name the lab's lab.py defines, and the hook's name
+    module: str  # the engine module whose function the lab replaces
+
+
+# The labs, in chapter order: which function each one rewrites, and where it lives.
+LABS: dict[str, Lab] = {
+    lab.number: lab
+    for lab in (
+        Lab("01", "token-budget", "compute_num_new_tokens", "tracevllm.core.sched.scheduler"),
+        Lab("02", "allocate-slots", "allocate_slots", "tracevllm.core.kv_cache_manager"),
+        Lab("03", "slot-mapping", "compute_slot_mapping", "tracevllm.worker.block_table"),
+        Lab("04", "paged-attention", "unified_attention_torch", "tracevllm._custom_ops"),
+        Lab("05", "top-k-top-p", "apply_top_k_top_p", "tracevllm.sample.ops.topk_topp_sampler"),
+        Lab("06", "stop-strings", "check_stop_strings", "tracevllm.engine.detokenizer"),
+    )
+}
+
+# The engine's own function behind each hook, whatever TRACEVLLM_LAB says.
+_REFERENCES: dict[str, Callable[..., Any]] = {}
+# Lab modules loaded so far, by lab.py path: loaded once per process.
+_LOADED: dict[Path, ModuleType] = {}
+
+
+class LabError(RuntimeError):
+    """TRACEVLLM_LAB names a lab that cannot be plugged in."""
+
+
+def chapters_dir() -> Path:
+    """``chapters/`` of the source checkout this package was imported from."""
+    return Path(__file__).resolve().parents[1] / "chapters"
+
+
+def _available() -> str:
+    return ", ".join(f"{lab.number} ({lab.topic})" for lab in LABS.values())
+
+
+def find_lab_file(spec: str) -> tuple[Lab, Path]:
+    """One entry of TRACEVLLM_LAB (a number or a path) -> (the lab, its lab.py)."""
+    spec = spec.strip()
+    if re.fullmatch(r"\d{1,2}", spec):
+        number = spec.zfill(2)
+        if number not in LABS:
+            raise LabError(f"TRACEVLLM_LAB={spec}: there is no lab {number}. Labs: {_available()}.")
+        lab = LABS[number]
+        root = chapters_dir()
+        folders = sorted(root.glob(f"{number}-*")) if root.is_dir() else []
+        if not folders:
+            raise LabError(
+                f"TRACEVLLM_LAB={spec}: no folder {root}/{number}-{lab.topic}. Labs are run "
+                "from a source checkout of tracevllm (pip install -e .)."
+            )
+        path = folders[0] / "lab.py"
+    else:
+        path = Path(spec).expanduser().resolve()
+        if path.suffix != ".py":  # a lab folder
+            path = path / "lab.py"
+        match = re.match(r"(\d{2})-", path.parent.name)
+        if match is None or match.group(1) not in LABS:
+            raise LabError(
+                f"TRACEVLLM_LAB={spec}: a lab is a number or a lab folder named NN-topic "
+                f"(NN a lab number); got folder {path.parent.name!r}. Labs: {_available()}."
+            )
+        lab = LABS[match.group(1)]
+    if not path.is_file():
+        raise LabError(f"TRACEVLLM_LAB={spec}: {path} does not exist.")
+    return lab, path
+
+
+def selected_labs() -> dict[str, tuple[Lab, Path]]:
+    """The labs TRACEVLLM_LAB plugs in, by function name (empty when unset)."""
+    value = envs.TRACEVLLM_LAB
+    if value is None:
+        return {}
+    selected: dict[str, tuple[Lab, Path]] = {}
+    for spec in value.split(","):
+        if spec.strip():
+            lab, path = find_lab_file(spec)
+            selected[lab.function] = (lab, path)
+    return selected
+
+
+def load_lab_module(path: Path) -> ModuleType:
+    """Import a lab.py by its path (folders like ``03-slot-mapping`` are not
+    package names), once per process."""
+    if path in _LOADED:
+        return _LOADED[path]
+    name = "tracevllm_lab_" + re.sub(r"\W", "_", path.parent.name)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        del sys.modules[name]
+        raise
+    _LOADED[path] = module
+    return module
+
+
+def lab_override(name: str, default: F) -> F:
+    """``default``, or the function ``name`` of the lab TRACEVLLM_LAB plugs in."""
+    _REFERENCES[name] = default
+    selected = selected_labs()  # checks every entry: a bad one fails at import
+    if name not in selected:
+        return default
+    lab, path = selected[name]
+    function = getattr(load_lab_module(path), name, None)
+    if not callable(function):
+        raise LabError(
+            f"TRACEVLLM_LAB: {path} (lab {lab.number}) does not define a function {name}()."
+        )
+    return function  # type: ignore[no-any-return]
+
+
+def lab_hook(name: str) -> Callable[[F], F]:
+    """Decorator form of ``lab_override``: ``@lab_hook("check_stop_strings")``."""
+
+    def hook(default: F) -> F:
+        return lab_override(name, default)
+
+    return hook
+
+
+def reference(name: str) -> Callable[..., Any]:
+    """The engine's own function for hook ``name`` (imports its module)."""
+    if name not in _REFERENCES:
+        labs = [lab for lab in LABS.values() if lab.function == name]
+        if not labs:
+            raise LabError(f"no lab hook named {name!r}")
+        importlib.import_module(labs[0].module)
+    return _REFERENCES[name]
