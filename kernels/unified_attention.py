@@ -1,13 +1,15 @@
 """Paged attention over a mixed batch of prefill chunks and decodes.
 
-Mirrors vllm/v1/attention/ops/triton_unified_attention.py (``unified_attention``)
-as plain PyTorch: one call serves every request of the step, whatever its
-query length, reading K/V through the block table. Left out: sliding windows,
-ALiBi, soft-capping, attention sinks, fp8 descales, and the 3D split-softmax
-variant for long decodes (a GPU occupancy trick; the math is the same).
+Mirrors vllm/v1/attention/ops/triton_unified_attention.py (``unified_attention``,
+``kernel_unified_attention``): one call serves every request of the step,
+whatever its query length, reading K/V through the block table. First a
+plain-PyTorch reference, then the Triton kernel and its launcher, tested
+against it. Left out: sliding windows, ALiBi, soft-capping, attention sinks,
+fp8 descales, tensor descriptors, and the 3D split-softmax variant for long
+decodes (``reduce_segments``: a GPU occupancy trick; the math is the same).
 
 The Triton kernel walks the block table inside the kernel, one tile of keys at
-a time, with an online softmax. Here the same data flow is spelled with
+a time, with an online softmax. The reference spells the same data flow with
 gathers and ``scaled_dot_product_attention``, in two groups:
 
 - decodes (query length 1): gathered for all of them at once into a padded
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.triton_utils import tl, triton
 
 
 def _gather_kv(
@@ -116,3 +120,221 @@ def unified_attention_torch(
 
 
 # --8<-- [end:unified_attention_torch]
+
+
+# --8<-- [start:kernel_unified_attention]
+@triton.jit
+def kernel_unified_attention(
+    output_ptr,  # [num_tokens, num_query_heads, head_size]
+    query_ptr,  # [num_tokens, num_query_heads, head_size]
+    key_cache_ptr,  # kv_cache[:, 0]: [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache_ptr,  # kv_cache[:, 1]: [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables_ptr,  # [num_seqs, max_num_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_len_ptr,  # [num_seqs + 1]
+    scale,  # float: softmax_scale
+    num_seqs,  # int
+    block_table_stride,
+    query_stride_0,
+    query_stride_1,
+    output_stride_0,
+    output_stride_1,
+    stride_cache_0,  # one page
+    stride_cache_1,  # one slot inside a page
+    stride_cache_2,  # one KV head
+    stride_cache_3,  # one element of head_size
+    num_query_heads: tl.constexpr,
+    num_queries_per_kv: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV cache page
+    TILE_SIZE: tl.constexpr,  # keys per loop iteration, a power of two >= 16
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,  # a power of two >= 16 (tl.arange and tl.dot need it)
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * num_queries_per_kv, padded
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding), else None: the default
+):
+    """Causal attention of one (query block, KV head) pair over its request's paged keys.
+
+    Grid: ``(total_num_q_blocks, num_kv_heads)``. The batch's query tokens are
+    cut, request by request, into blocks of ``BLOCK_Q`` tokens; a request of
+    query length Q owns ``cdiv(Q, BLOCK_Q)`` blocks, so a decode owns one and a
+    prefill chunk several. Program ``(b, h)`` takes query block b and KV head h.
+
+    Tiling. The program's ``BLOCK_M`` rows are its ``BLOCK_Q`` tokens times the
+    ``num_queries_per_kv`` query heads that share KV head h (GQA): row m is
+    token ``m // num_queries_per_kv``, head ``h * num_queries_per_kv + m %
+    num_queries_per_kv``. All rows read the same keys, so each K/V tile is
+    loaded once for all of them. The keys are walked ``TILE_SIZE`` at a time;
+    each key's page comes from the block table, so a tile may span pages. An
+    online softmax (running max M, running sum L, rescaled accumulator) folds
+    each tile in, and the [BLOCK_M, seq_len] score matrix never exists.
+
+    Causality with a query offset: the request's ``context_len = seq_len -
+    query_len`` tokens were cached before this step, so query token i sits at
+    position ``context_len + i`` and sees keys ``0 .. context_len + i``.
+    """
+    q_block_global_idx = tl.program_id(0)
+    kv_head_idx = tl.program_id(1)
+
+    # Which request owns query block b? Request r's blocks start at
+    # qsl[r] // BLOCK_Q + r (the launcher's upper bound on the block count, see
+    # there), which grows with r: binary search for the last start <= b.
+    left: tl.int32 = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        mid_start = tl.load(query_start_len_ptr + mid) // BLOCK_Q + mid
+        if mid_start <= q_block_global_idx:
+            left = mid + 1
+        else:
+            right = mid
+    seq_idx = left - 1
+
+    q_start = tl.load(query_start_len_ptr + seq_idx)  # first token of the request
+    query_len = tl.load(query_start_len_ptr + seq_idx + 1) - q_start
+    q_block_local_idx = q_block_global_idx - (q_start // BLOCK_Q + seq_idx)
+    if q_block_local_idx * BLOCK_Q >= query_len:
+        return  # a spare block of the upper bound: no tokens here
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    context_len = seq_len - query_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    offs_t = tl.arange(0, TILE_SIZE)
+    query_pos = q_block_local_idx * BLOCK_Q + offs_m // num_queries_per_kv  # [BLOCK_M]
+    query_head = kv_head_idx * num_queries_per_kv + offs_m % num_queries_per_kv  # [BLOCK_M]
+    # Rows past BLOCK_Q * num_queries_per_kv pad BLOCK_M to a power of two.
+    row_mask = (offs_m < BLOCK_Q * num_queries_per_kv) & (query_pos < query_len)
+    dim_mask = offs_d < HEAD_SIZE
+
+    q_offset = (q_start + query_pos)[:, None] * query_stride_0
+    q_offset += query_head[:, None] * query_stride_1 + offs_d[None, :]
+    # Q: [BLOCK_M, HEAD_SIZE_PADDED], loaded once, reused for every tile
+    Q = tl.load(query_ptr + q_offset, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row max
+    L = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp(S - M)
+    acc = tl.zeros([BLOCK_M, HEAD_SIZE_PADDED], dtype=tl.float32)  # running P @ V
+
+    # The last row of this block sees the most keys; no tile past them is read.
+    last_query_pos = tl.minimum(query_len, (q_block_local_idx + 1) * BLOCK_Q) - 1
+    max_seq_prefix_len = context_len + last_query_pos + 1
+    num_tiles = tl.cdiv(max_seq_prefix_len, TILE_SIZE)
+    block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
+
+    for j in range(0, num_tiles):
+        seq_offset = j * TILE_SIZE + offs_t  # [TILE_SIZE] key positions
+        tile_mask = seq_offset < max_seq_prefix_len
+        # The page table walk: key position -> physical page, one lookup per key.
+        physical_block_idx = tl.load(
+            block_table_row + seq_offset // BLOCK_SIZE, mask=tile_mask, other=0
+        ).to(tl.int64)  # [TILE_SIZE]
+        kv_offset = physical_block_idx * stride_cache_0 + (seq_offset % BLOCK_SIZE) * stride_cache_1
+        kv_offset += kv_head_idx * stride_cache_2
+        # K: [HEAD_SIZE_PADDED, TILE_SIZE], loaded transposed for Q @ K
+        K = tl.load(
+            key_cache_ptr + kv_offset[None, :] + offs_d[:, None] * stride_cache_3,
+            mask=dim_mask[:, None] & tile_mask[None, :],
+            other=0.0,
+        )
+        # V: [TILE_SIZE, HEAD_SIZE_PADDED]
+        V = tl.load(
+            value_cache_ptr + kv_offset[:, None] + offs_d[None, :] * stride_cache_3,
+            mask=tile_mask[:, None] & dim_mask[None, :],
+            other=0.0,
+        )
+
+        # S: [BLOCK_M, TILE_SIZE]
+        S = scale * tl.dot(Q, K, input_precision=DOT_PRECISION)
+        causal_mask = seq_offset[None, :] <= (context_len + query_pos)[:, None]
+        S = tl.where(row_mask[:, None] & tile_mask[None, :] & causal_mask, S, float("-inf"))
+
+        # Online softmax: fold this tile into (M, L, acc).
+        M_new = tl.maximum(M, tl.max(S, axis=1))  # [BLOCK_M]
+        # A row with every key masked so far (a padding row) keeps M = -inf;
+        # shift by 0 instead, or exp(-inf - -inf) would be NaN.
+        M_new = tl.where(M_new > float("-inf"), M_new, 0.0)
+        P = tl.exp(S - M_new[:, None])  # [BLOCK_M, TILE_SIZE]
+        alpha = tl.exp(M - M_new)  # [BLOCK_M]: rescales what was summed under the old max
+        L = L * alpha + tl.sum(P, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(P.to(V.dtype), V, input_precision=DOT_PRECISION)
+        M = M_new
+
+    # Padding rows have L = 0 and are not stored; divide them by 1, not 0.
+    acc = acc / tl.where(L > 0.0, L, 1.0)[:, None]
+    out_offset = (q_start + query_pos)[:, None] * output_stride_0
+    out_offset += query_head[:, None] * output_stride_1 + offs_d[None, :]
+    tl.store(output_ptr + out_offset, acc, mask=row_mask[:, None] & dim_mask[None, :])
+
+
+# --8<-- [end:kernel_unified_attention]
+
+
+# --8<-- [start:unified_attention_triton]
+def unified_attention_triton(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    query_start_loc: torch.Tensor,  # [num_reqs + 1], int32
+    seq_lens: torch.Tensor,  # [num_reqs], int32
+    max_query_len: int,
+    max_seq_len: int,
+    block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
+    softmax_scale: float,
+) -> None:
+    """Launch ``kernel_unified_attention`` over every request of the step at once.
+
+    Same contract as ``unified_attention_torch``. vLLM's ``unified_attention``
+    also picks a 3D split-softmax launch for decode-only batches (TODO here);
+    ``max_query_len`` would choose it, ``max_seq_len`` would size its segments.
+    """
+    num_seqs = seq_lens.shape[0]
+    num_query_heads, head_size = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_queries_per_kv = num_query_heads // num_kv_heads
+    key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
+    if q.shape[0] == 0:
+        return
+
+    # tl.dot wants every side >= 16: at least 16 rows, filled with as many
+    # whole tokens' worth of GQA heads as fit.
+    block_m = max(16, triton.next_power_of_2(num_queries_per_kv))
+    block_q = block_m // num_queries_per_kv
+    # The exact number of query blocks, sum_r cdiv(query_len_r, BLOCK_Q), needs
+    # the query lengths on the host (a device sync). vLLM launches an upper
+    # bound instead, floor(num_tokens / BLOCK_Q) + num_seqs; spare programs return.
+    total_num_q_blocks = q.shape[0] // block_q + num_seqs
+    grid = (total_num_q_blocks, num_kv_heads)
+
+    kernel_unified_attention[grid](
+        out,
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        softmax_scale,
+        num_seqs,
+        block_table.stride(0),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_cache.stride(3),
+        num_query_heads=num_query_heads,
+        num_queries_per_kv=num_queries_per_kv,
+        BLOCK_SIZE=block_size,
+        TILE_SIZE=32,  # vLLM's prefill tile
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+    )
+
+
+# --8<-- [end:unified_attention_triton]

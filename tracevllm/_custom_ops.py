@@ -1,16 +1,29 @@
 """The only door from the engine into ``kernels/``.
 
 Mirrors vllm/_custom_ops.py, which wraps the compiled ``torch.ops._C`` kernels
-behind Python functions. Here the kernels are plain PyTorch (kernels/*.py);
-a Triton version is chosen by the triton attention backend, not here.
+behind Python functions; the Triton versions mirror the ops that vLLM's
+Triton backend calls directly (``triton_reshape_and_cache_flash``,
+``unified_attention``). Each op takes ``backend``: ``"torch"`` runs the
+plain-PyTorch reference, ``"triton"`` the Triton kernel beside it; the
+attention backend picks one (torch_attn.py, triton_attn.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.reshape_and_cache_flash import reshape_and_cache_flash_torch
-from kernels.unified_attention import unified_attention_torch
+from kernels.reshape_and_cache_flash import (
+    reshape_and_cache_flash_torch,
+    reshape_and_cache_flash_triton,
+)
+from kernels.triton_utils import HAS_TRITON, interpreter_active
+from kernels.unified_attention import unified_attention_torch, unified_attention_triton
+from tracevllm.labs import lab_override
+
+__all__ = ["HAS_TRITON", "interpreter_active", "reshape_and_cache_flash", "unified_attention"]
+
+# Lab 04 (chapters/04-paged-attention) can stand in for the paged read.
+unified_attention_torch = lab_override("unified_attention_torch", unified_attention_torch)
 
 
 def reshape_and_cache_flash(
@@ -18,9 +31,11 @@ def reshape_and_cache_flash(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens], int64, -1 = skip
+    backend: str = "torch",
 ) -> None:
     """Write K/V of this step's tokens into their cache slots."""
-    reshape_and_cache_flash_torch(key, value, kv_cache, slot_mapping)
+    fn = reshape_and_cache_flash_triton if backend == "triton" else reshape_and_cache_flash_torch
+    fn(key, value, kv_cache, slot_mapping)
 
 
 def unified_attention(
@@ -33,9 +48,11 @@ def unified_attention(
     max_seq_len: int,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req]
     softmax_scale: float,
+    backend: str = "torch",
 ) -> None:
     """Paged causal attention for a mixed batch of prefill chunks and decodes."""
-    unified_attention_torch(
+    fn = unified_attention_triton if backend == "triton" else unified_attention_torch
+    fn(
         q,
         kv_cache,
         out,

@@ -23,7 +23,11 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> type[Atten
 
         return TorchAttentionBackend
     if name == "triton":
-        raise NotImplementedError(
-            "The triton attention backend is not implemented yet; use attention_backend='torch'."
+        from tracevllm.attention.backends.triton_attn import (
+            TritonAttentionBackend,
+            check_triton_usable,
         )
+
+        check_triton_usable(device_type)
+        return TritonAttentionBackend
     raise ValueError(f"Unknown attention backend {name!r}; choose 'torch' or 'triton'.")

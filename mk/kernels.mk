@@ -1,0 +1,16 @@
+# The Triton kernels (kernels/). Included by the Makefile.
+#   make bench-kernels   on a CUDA GPU: paged decode read GB/s (% of peak) and prefill
+#                        TFLOP/s, against torch SDPA; without a GPU it says so and exits 0
+#   make test-kernels    the kernels against their PyTorch references in Triton's CPU
+#                        interpreter, and the engine on the Triton backend
+# Triton comes with the `triton` extra (pyproject.toml); installed here if missing.
+.PHONY: bench-kernels test-kernels setup-triton
+
+setup-triton: setup
+	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.9.0
+
+bench-kernels: setup setup-triton
+	$(PY) benchmarks/bench_kernels.py $(ARGS)
+
+test-kernels: setup setup-triton
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py

@@ -1,0 +1,266 @@
+"""The Triton kernels against their PyTorch references, and the engine on the Triton backend.
+
+On a machine without a GPU the kernels run in Triton's interpreter
+(``TRITON_INTERPRET=1``). Triton reads that switch once, when it is first
+imported, and torch and transformers import it early: so this module turns it
+on only if nothing has imported Triton yet (``pytest tests/test_kernels.py``).
+In a whole-suite run Triton is already loaded for the GPU, and the tests here
+run instead in one child pytest started with the switch on
+(``test_kernels_in_triton_interpreter``); in the parent they show as skipped.
+
+Tolerances: the paged write is a copy and must be exact; the attention kernels
+accumulate in fp32 in a different order than SDPA (tiles of 32 keys, online
+softmax) and must agree within atol = rtol = 1e-5 on fp32 inputs, 2e-3 on fp16
+(2e-5 for the FlashAttention steps against naive attention, whose softmax sums
+all keys at once).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+if "triton" not in sys.modules:  # still in time: see the module docstring
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from kernels.flash_attention import blocked_attention, flash_attention_triton, naive_attention
+from kernels.reshape_and_cache_flash import (
+    reshape_and_cache_flash_torch,
+    reshape_and_cache_flash_triton,
+)
+from kernels.triton_utils import HAS_TRITON, interpreter_active
+from kernels.unified_attention import unified_attention_torch, unified_attention_triton
+from tests.test_attention import build_case
+
+INTERPRETED = HAS_TRITON and interpreter_active()
+# Without the interpreter the kernels need a GPU (untested so far: no GPU here).
+LIVE = INTERPRETED or (HAS_TRITON and torch.cuda.is_available())
+DEVICE = "cpu" if INTERPRETED else "cuda"
+live = pytest.mark.skipif(
+    not LIVE, reason="runs in the interpreter child (test_kernels_in_triton_interpreter)"
+)
+
+
+@pytest.mark.skipif(LIVE or not HAS_TRITON, reason="kernels run in this process")
+def test_kernels_in_triton_interpreter() -> None:
+    """Run this file in a fresh pytest with TRITON_INTERPRET=1 set before any import."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-rfE"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+# --- the paged write ------------------------------------------------------------------------
+
+
+@live
+@pytest.mark.parametrize(
+    "num_tokens,num_kv_heads,head_size,block_size",
+    [(7, 2, 64, 4), (5, 1, 128, 16), (3, 8, 16, 1)],
+)
+def test_reshape_and_cache_flash_triton_matches_torch(
+    num_tokens: int, num_kv_heads: int, head_size: int, block_size: int
+) -> None:
+    """Same cache after the write, exactly: random slots, padding (-1), strided K/V."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_blocks = num_tokens + 2
+    # K and V as the attention layer hands them over: views into one fused qkv row.
+    qkv = torch.randn(num_tokens + 1, 3 * num_kv_heads * head_size, generator=gen)
+    key = qkv[:, : num_kv_heads * head_size].view(-1, num_kv_heads, head_size)
+    value = qkv[:, 2 * num_kv_heads * head_size :].view(-1, num_kv_heads, head_size)
+    # Block 0 is never handed out (vLLM's null block), so a stray write shows there.
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=gen)[:num_tokens] + block_size
+    slots[1] = -1  # a padding token
+    # The slot mapping is shorter than K/V: the extra row must not be written either.
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
+    expected = cache.clone()
+    reshape_and_cache_flash_torch(key, value, expected, slots)
+    cache, key, value, slots = (t.to(DEVICE) for t in (cache, key, value, slots))
+    reshape_and_cache_flash_triton(key, value, cache, slots)
+    torch.testing.assert_close(cache.cpu(), expected, atol=0, rtol=0)
+
+
+# --- the paged read -------------------------------------------------------------------------
+
+# (q_lens, seq_lens, (num_heads, num_kv_heads), head_size, block_size)
+READ_CASES = {
+    # mixed prefill + decode in one launch, partial last blocks, GQA 1
+    "mixed": ([5, 1, 1, 3], [5, 17, 4, 19], (4, 4), 64, 4),
+    # a single-token decode of a one-token sequence, GQA 8
+    "one_token": ([1], [1], (8, 1), 128, 16),
+    # decodes ending exactly on a block boundary and one past it, GQA 3
+    "block_edges": ([1, 1, 1], [16, 32, 33], (6, 2), 128, 16),
+    # a whole prompt and a later chunk with cached context before it, GQA 3
+    "chunk": ([16, 7], [16, 23], (6, 2), 64, 4),
+    # a prefill longer than one query block (BLOCK_Q = 16 rows / 1 head), beside decodes
+    "long_prefill": ([1, 21, 1], [40, 50, 9], (2, 2), 64, 8),
+    # GQA 8 with several query blocks per request (BLOCK_Q = 2)
+    "gqa8_chunks": ([1, 9, 1, 2], [64, 40, 5, 2], (8, 1), 64, 16),
+}
+
+
+def _run_read(
+    c: dict,
+    q_lens: list[int],
+    seq_lens: list[int],
+    head_size: int,
+    dtype: torch.dtype = torch.float32,
+    tol: float = 1e-5,
+) -> None:
+    scale = head_size**-0.5
+    q, kv_cache = c["q"].to(dtype), c["kv_cache"].to(dtype)
+    expected = torch.full_like(q, float("nan"))
+    args = (c["qsl"], c["seq_lens"], max(q_lens), max(seq_lens), c["block_table"], scale)
+    unified_attention_torch(q, kv_cache, expected, *args)
+    q, kv_cache = q.to(DEVICE), kv_cache.to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    unified_attention_triton(
+        q, kv_cache, out, *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args)
+    )
+    torch.testing.assert_close(out.cpu(), expected, atol=tol, rtol=tol)
+
+
+@live
+@pytest.mark.parametrize("name", list(READ_CASES))
+def test_unified_attention_triton_matches_torch(name: str) -> None:
+    q_lens, seq_lens, (num_heads, num_kv_heads), head_size, block_size = READ_CASES[name]
+    c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=1)
+    _run_read(c, q_lens, seq_lens, head_size)
+
+
+@live
+def test_unified_attention_triton_fp16() -> None:
+    """Half precision: P is cast to V's dtype before P @ V, as on the GPU (atol = rtol = 2e-3).
+
+    Not bf16: triton 3.9.0's interpreter gets bf16 ``tl.dot`` wrong (garbage
+    of order 1e10 on a 16 x 16 product), so bf16 waits for a GPU.
+    """
+    q_lens, seq_lens, (num_heads, num_kv_heads), head_size, block_size = READ_CASES["mixed"]
+    c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=2)
+    _run_read(c, q_lens, seq_lens, head_size, dtype=torch.float16, tol=2e-3)
+
+
+@live
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_unified_attention_triton_random_shapes(seed: int) -> None:
+    """Random batches: each request a decode, a whole prompt or a chunk after context."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = lambda xs: xs[int(torch.randint(len(xs), (1,), generator=gen))]
+    num_heads, num_kv_heads = pick([(3, 3), (6, 2), (8, 1)])
+    head_size, block_size = pick([64, 128]), pick([2, 4, 16])
+    q_lens, seq_lens = [], []
+    for _ in range(int(torch.randint(1, 5, (1,), generator=gen))):
+        seq_len = int(torch.randint(1, 48, (1,), generator=gen))
+        q_len = pick([1, seq_len, max(1, seq_len // 3)])
+        q_lens.append(q_len)
+        seq_lens.append(seq_len)
+    c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=seed)
+    _run_read(c, q_lens, seq_lens, head_size)
+
+
+@live
+def test_unified_attention_triton_ignores_stale_cache_content() -> None:
+    """Keys past seq_len in the last page (a freed request's leftovers) must not leak in."""
+    q_lens, seq_lens, block_size = [1, 3], [6, 7], 4
+    c = build_case(q_lens, seq_lens, 4, 2, 64, block_size, seed=1)
+    outs = []
+    for fill in (0.0, 1e4):
+        cache = c["kv_cache"].clone()
+        for r, s in enumerate(seq_lens):
+            last = int(c["block_table"][r, (s - 1) // block_size])
+            cache[last, :, (s - 1) % block_size + 1 :] = fill
+        out = torch.empty_like(c["q"], device=DEVICE)
+        unified_attention_triton(
+            c["q"].to(DEVICE),
+            cache.to(DEVICE),
+            out,
+            c["qsl"].to(DEVICE),
+            c["seq_lens"].to(DEVICE),
+            3,
+            7,
+            c["block_table"].to(DEVICE),
+            0.125,
+        )
+        outs.append(out.cpu())
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+# --- FlashAttention from PyTorch to Triton --------------------------------------------------
+
+# (batch, num_heads, num_kv_heads, q_len, kv_len, head_size, causal)
+FLASH_CASES = {
+    "causal_mha": (2, 2, 2, 37, 37, 64, True),  # q_len not a multiple of the block
+    "chunk_gqa3": (1, 6, 2, 20, 50, 128, True),  # queries after 30 cached positions
+    "bidirectional_gqa8": (1, 8, 1, 5, 70, 64, False),
+    "decode_small_head": (1, 3, 3, 1, 33, 16, True),  # head_size 16: padding-free minimum
+}
+
+
+@live
+@pytest.mark.parametrize("name", list(FLASH_CASES))
+def test_flash_attention_steps_match_naive(name: str) -> None:
+    batch, num_heads, num_kv_heads, q_len, kv_len, head_size, causal = FLASH_CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, num_heads, q_len, head_size, generator=gen)
+    k = torch.randn(batch, num_kv_heads, kv_len, head_size, generator=gen)
+    v = torch.randn(batch, num_kv_heads, kv_len, head_size, generator=gen)
+    expected = naive_attention(q, k, v, causal)
+    # naive_attention itself against SDPA where SDPA's mask means the same thing.
+    if not causal or q_len == kv_len:
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=True
+        )
+        torch.testing.assert_close(expected, sdpa, atol=2e-5, rtol=2e-5)
+    blocked = blocked_attention(q, k, v, causal, block_m=16, block_n=16)
+    torch.testing.assert_close(blocked, expected, atol=2e-5, rtol=2e-5)
+    q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
+    out = flash_attention_triton(q, k, v, causal, block_m=16, block_n=16)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+# --- the engine on the Triton backend -------------------------------------------------------
+
+
+def test_triton_backend_needs_the_interpreter_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracevllm import _custom_ops as ops
+    from tracevllm.attention.selector import get_attn_backend
+
+    assert get_attn_backend(None, "cpu").get_name() == "TORCH_ATTN"
+    monkeypatch.setattr(ops, "interpreter_active", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1" if HAS_TRITON else "needs Triton"):
+        get_attn_backend("triton", "cpu")
+    monkeypatch.setattr(ops, "interpreter_active", lambda: True)
+    if HAS_TRITON:
+        assert get_attn_backend("triton", "cpu").get_name() == "TRITON_ATTN"
+
+
+@live
+def test_triton_backend_generates_the_torch_backends_tokens(tiny_model_dir: str) -> None:
+    """Greedy tokens, token for token, through chunked prefill, prefix hits and decodes."""
+    from tracevllm import LLM, SamplingParams
+
+    prompts = [
+        "The capital of France is",
+        "The capital of France is Paris, and the capital of Germany is",  # prefix hit
+        "A paged KV cache stores keys and values in fixed-size blocks of tokens",
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        # Small pages and a small token budget: prompts straddle pages and are
+        # prefilled in chunks beside other requests' decodes.
+        llm = LLM(
+            model=tiny_model_dir,
+            attention_backend=backend,
+            enable_multiprocessing=False,
+            block_size=4,
+            max_num_batched_tokens=12,
+        )
+        outputs = llm.generate(prompts, params)
+        tokens[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]

@@ -1,0 +1,94 @@
+"""The Triton backend: the paged write and read as Triton kernels.
+
+Mirrors vllm/v1/attention/backends/triton_attn.py (``TritonAttentionBackend``,
+``TritonAttentionImpl``): ``do_kv_cache_update`` launches
+``reshape_and_cache_kernel_flash`` and ``forward`` launches
+``kernel_unified_attention`` (kernels/), both through ``_custom_ops``. The
+default on CUDA; on CPU it runs only in Triton's interpreter
+(``TRITON_INTERPRET=1``), slowly, which is how the tests check it against the
+torch backend. Same KV cache layout as the torch backend. Left out: fp8 KV
+caches, sliding windows, ALiBi, sinks, the 3D split-softmax decode buffers,
+the metadata builder and cudagraph support.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tracevllm import _custom_ops as ops
+from tracevllm.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+)
+
+if TYPE_CHECKING:
+    from tracevllm.model_executor.layers.attention import Attention
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def do_kv_cache_update(
+        self,
+        layer: Attention,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens]
+    ) -> None:
+        ops.reshape_and_cache_flash(key, value, kv_cache, slot_mapping, backend="triton")
+
+    def forward(
+        self,
+        layer: Attention,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    ) -> torch.Tensor:
+        # Unlike the torch backend, the kernel reads query_start_loc and
+        # seq_lens on the device: no host copy, no sync.
+        n = attn_metadata.num_actual_tokens
+        ops.unified_attention(
+            q=query[:n],
+            kv_cache=kv_cache,
+            out=output[:n],
+            query_start_loc=attn_metadata.query_start_loc,
+            seq_lens=attn_metadata.seq_lens,
+            max_query_len=attn_metadata.max_query_len,
+            max_seq_len=attn_metadata.max_seq_len,
+            block_table=attn_metadata.block_table,
+            softmax_scale=self.scale,
+            backend="triton",
+        )
+        return output
+
+
+class TritonAttentionBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonAttentionImpl
+
+
+def check_triton_usable(device_type: str) -> None:
+    """Raise, saying what to do, if the Triton kernels cannot run on ``device_type``."""
+    if not ops.HAS_TRITON:
+        raise RuntimeError(
+            "attention_backend='triton' needs Triton: pip install 'tracevllm[triton]', "
+            "or use attention_backend='torch'."
+        )
+    if device_type == "cuda" or ops.interpreter_active():
+        return
+    raise RuntimeError(
+        f"attention_backend='triton' on {device_type!r} runs only in Triton's interpreter: "
+        "set TRITON_INTERPRET=1 in the environment before starting Python (slow; for "
+        "tests), or use attention_backend='torch'. (Setting it after torch or triton "
+        "is imported is too late: Triton reads it at import.)"
+    )
