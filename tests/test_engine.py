@@ -226,3 +226,14 @@ def test_cli_generate(tiny_model_dir: str, capsys: pytest.CaptureFixture[str]) -
     # Bad input: a clear message and exit code 2, not a traceback.
     rc = main(["generate", "--prompt", "Hello", "--model", tiny_model_dir, "--max-tokens", "0"])
     assert rc == 2 and "max_tokens" in capsys.readouterr().err
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir: str) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def run(seed: int) -> list[list[int]]:
+        with LLM(model=tiny_model_dir, seed=seed, enable_multiprocessing=False) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    assert run(0) == run(0)
+    assert run(0) != run(1)

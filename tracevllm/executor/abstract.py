@@ -56,8 +56,29 @@ class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         from tracevllm.worker.model_runner import ModelRunner
 
+        self.init_device()
         self.model_runner: ModelRunner = ModelRunner(self.vllm_config)
         self.model_runner.load_model()
+
+    def init_device(self) -> None:
+        """vLLM's Worker.init_device: threads, and the engine seed.
+
+        The seed makes requests without their own ``seed`` reproducible from
+        run to run (they draw from the global generator).
+        """
+        import random
+
+        import numpy as np
+        import torch
+
+        from tracevllm import envs
+
+        if envs.TRACEVLLM_NUM_THREADS > 0:
+            torch.set_num_threads(envs.TRACEVLLM_NUM_THREADS)
+        seed = self.vllm_config.model_config.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
 
     def get_kv_cache_page_size_bytes(self) -> int:
         return self.model_runner.get_kv_cache_page_size_bytes()
