@@ -45,10 +45,13 @@ lint: setup
 unit: setup
 	$(PY) -m pytest -q -x
 
-test: lint unit
+# The book, the labs and the kernels bring their own targets (docs-check,
+# labs-check, test-kernels, bench-kernels ...).
+include mk/*.mk
 
-# The book, the labs and the kernels bring their own targets.
--include mk/*.mk
+# Lint, the book's strict build + browser check, the labs' check, then the
+# whole pytest suite (last, so its summary closes the log).
+test: lint docs-check labs-check unit
 
 bench: setup
 	$(PY) benchmarks/bench_throughput.py

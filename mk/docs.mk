@@ -25,4 +25,3 @@ setup-browser:
 docs-check: setup setup-browser
 	$(PY) docs/check_site.py
 
-test: docs-check

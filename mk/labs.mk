@@ -15,4 +15,3 @@ lab: setup
 labs-check: setup
 	$(PY) chapters/check_labs.py
 
-test: labs-check
