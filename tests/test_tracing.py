@@ -260,3 +260,46 @@ def test_engine_flushes_spans_when_frontend_dies(tiny_model_dir: str, tmp_path: 
             raise AssertionError("the engine process outlived its frontend")
     spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
     assert any(s.pid == engine_pid and s.name == "EngineCore.step" for s in spans)
+
+
+def test_otlp_endpoint_receives_spans(tiny_model_dir: str) -> None:
+    """--otlp-traces-endpoint: a real OTLP/HTTP (JSON) POST to a local collector."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    received: list[tuple[str, dict[str, Any]]] = []
+
+    class Collector(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, json.loads(body)))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_port}/v1/traces"
+        with LLM(
+            model=tiny_model_dir, enable_multiprocessing=True, otlp_traces_endpoint=endpoint
+        ) as llm:
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    finally:
+        server.shutdown()
+    assert received and all(path == "/v1/traces" for path, _ in received)
+    names, kinds = set(), set()
+    for _, body in received:
+        for rs in body["resourceSpans"]:
+            for attr in rs["resource"]["attributes"]:
+                if attr["key"] == "tracevllm.process_kind":
+                    kinds.add(attr["value"]["stringValue"])
+            for ss in rs["scopeSpans"]:
+                names.update(s["name"] for s in ss["spans"])
+    assert {"llm_request", "EngineCore.step"} <= names
+    assert kinds == {"frontend", "engine_core"}
