@@ -6,6 +6,7 @@ The browser test of the built site is ``docs/check_site.py`` (``make docs-check`
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -69,11 +70,12 @@ def test_vllm_map_covers_every_module() -> None:
 
 
 def test_docstrings_name_real_vllm_files_when_the_wheel_is_here() -> None:
-    """With the vLLM 0.22.0 wheel unpacked at /tmp/vllm, every path the map
-    names must exist in it (skipped elsewhere: the wheel is not a dependency)."""
-    wheel = Path("/tmp/vllm")
+    """With VLLM_SRC naming a folder where the vLLM 0.22.0 wheel is unpacked
+    (``pip download --no-deps vllm==0.22.0`` then unzip), every path the map
+    names must exist in it (skipped otherwise: the wheel is not a dependency)."""
+    wheel = Path(os.environ.get("VLLM_SRC", "/nonexistent"))
     if not (wheel / "vllm" / "v1").is_dir():
-        pytest.skip("vLLM 0.22.0 wheel not unpacked at /tmp/vllm")
+        pytest.skip("set VLLM_SRC to an unpacked vLLM 0.22.0 wheel to check the map's paths")
     missing = sorted(
         {p for p in VLLM_PATH.findall(MAP_PAGE.read_text()) if not (wheel / p).exists()}
     )
