@@ -303,3 +303,23 @@ def test_otlp_endpoint_receives_spans(tiny_model_dir: str) -> None:
                 names.update(s["name"] for s in ss["spans"])
     assert {"llm_request", "EngineCore.step"} <= names
     assert kinds == {"frontend", "engine_core"}
+
+
+def test_span_ids_do_not_follow_the_engine_seed() -> None:
+    """The engine seeds Python's random (for sampling); span ids must not
+    repeat because of it, or two processes would mint the same ids."""
+    import random
+
+    from tracevllm import tracing
+    from tracevllm.config import TraceConfig
+
+    ids = []
+    try:
+        for _ in range(2):
+            random.seed(0)
+            tracing.init_tracer("frontend", TraceConfig(detail="request"))
+            with tracing.get_tracer().start_as_current_span("x") as span:
+                ids.append((span.get_span_context().trace_id, span.get_span_context().span_id))
+    finally:
+        tracing.shutdown_tracer()
+    assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -34,6 +36,27 @@ from tracevllm.tracing.attributes import SpanAttributes
 SPANS_FILE = "spans.jsonl"
 _propagator = TraceContextTextMapPropagator()
 _NOOP_TRACER = trace.NoOpTracer()
+
+
+class _SystemRandomIdGenerator(RandomIdGenerator):
+    """Trace and span ids from the OS, not from Python's ``random``.
+
+    The engine seeds ``random`` (as vLLM's workers do) so that sampling is
+    reproducible; OTel's default generator draws from that same module, and
+    two processes seeded alike would then mint the same span ids.
+    """
+
+    def generate_span_id(self) -> int:
+        span_id = trace.INVALID_SPAN_ID
+        while span_id == trace.INVALID_SPAN_ID:
+            span_id = secrets.randbits(64)
+        return span_id
+
+    def generate_trace_id(self) -> int:
+        trace_id = trace.INVALID_TRACE_ID
+        while trace_id == trace.INVALID_TRACE_ID:
+            trace_id = secrets.randbits(128)
+        return trace_id
 
 
 class _State:
@@ -67,7 +90,7 @@ def init_tracer(
             SpanAttributes.PROCESS_KIND: process_kind,
         }
     )
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=resource, id_generator=_SystemRandomIdGenerator())
     if trace_config.out_dir:
         from opentelemetry.exporter.otlp.json.file import FileSpanExporter
 
