@@ -75,29 +75,39 @@ def render_block_tables(view: dict[str, Any]) -> RenderableType:
     return table
 
 
-def render_kv_pool(view: dict[str, Any]) -> RenderableType:
+def _cells(counts: list[int], width: int) -> list[int]:
+    """Split ``width`` cells in proportion to ``counts``, at least one for any non-zero."""
+    total = max(sum(counts), 1)
+    cells = [max(1, round(width * c / total)) if c else 0 for c in counts]
+    # Give or take the rounding error from the largest part.
+    cells[cells.index(max(cells))] += width - sum(cells)
+    return cells
+
+
+def render_kv_pool(view: dict[str, Any], width: int = 48) -> RenderableType:
+    """One bar for the pool: in use | cached but evictable | free."""
     kv = view["kv"]
-    total = max(kv["total"], 1)
-    in_use, cached, free = kv["used"], kv["cached_free"], kv["free"] - kv["cached_free"]
+    in_use, cached = kv["used"], kv["cached_free"]
+    free = kv["free"] - cached
+    bar = Text()
+    for n, style in zip(_cells([in_use, cached, free], width), ("red", "yellow", "green")):
+        bar.append("█" * n, style=style)
     grid = Table.grid(padding=(0, 1))
-    grid.add_row(
-        Text("KV pool"),
-        Bar(size=total, begin=0, end=in_use, width=40, color="red"),
-        Text(f"in use {in_use}", style="red"),
-    )
+    grid.add_row(Text("KV pool"), bar)
     grid.add_row(
         Text(""),
-        Bar(size=total, begin=in_use, end=in_use + cached, width=40, color="yellow"),
-        Text(f"cached, evictable {cached}", style="yellow"),
-    )
-    grid.add_row(
-        Text(""),
-        Bar(size=total, begin=in_use + cached, end=total, width=40, color="green"),
-        Text(f"free {free}  (of {kv['total']} blocks)", style="green"),
+        Text.assemble(
+            (f"in use {in_use}", "red"),
+            "  ",
+            (f"cached, evictable {cached}", "yellow"),
+            "  ",
+            (f"free {free}", "green"),
+            f"  (of {kv['total']} blocks)",
+        ),
     )
     pc = view.get("prefix_cache") or {}
     if pc.get("queries"):
-        grid.add_row(Text("prefix cache"), Text(f"{pc['hits']}/{pc['queries']} tokens hit"), "")
+        grid.add_row(Text("prefix cache"), Text(f"{pc['hits']}/{pc['queries']} tokens hit"))
     return grid
 
 
