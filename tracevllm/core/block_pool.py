@@ -119,7 +119,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Only possible when no request holds a block."""
-        if self.get_num_free_blocks() != self.num_gpu_blocks - 1:
+        if self.get_num_free_blocks() != self.get_num_usable_blocks():
             return False
         self.cached_block_hash_to_block = {}
         self.num_cached_blocks = 0
@@ -130,6 +130,10 @@ class BlockPool:
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
+    def get_num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block (block 0)."""
+        return self.num_gpu_blocks - 1
+
     def get_usage(self) -> float:
         """Fraction of usable blocks (the null block excluded) held by requests."""
-        return 1.0 - self.get_num_free_blocks() / (self.num_gpu_blocks - 1)
+        return 1.0 - self.get_num_free_blocks() / self.get_num_usable_blocks()

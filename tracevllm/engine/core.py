@@ -60,10 +60,6 @@ class EngineCoreReadyResponse(msgspec.Struct, array_like=True):  # type: ignore[
     pid: int
 
 
-_ADD_REQUEST_CODE: dict[str, Any] = {}
-_STEP_CODE: dict[str, Any] = {}
-
-
 class EngineCore:
     """Inner loop of tracevllm's engine: one ``step()`` is one model forward."""
 
@@ -212,7 +208,7 @@ class EngineCore:
     def get_kv_cache_stats(self) -> dict[str, int]:
         """Block counts, for tests and views: free + in use == total."""
         pool = self.scheduler.kv_cache_manager.block_pool
-        total = pool.num_gpu_blocks - 1  # block 0 is the null block
+        total = pool.get_num_usable_blocks()
         free = pool.get_num_free_blocks()
         return {"total": total, "free": free, "used": total - free}
 
@@ -221,8 +217,9 @@ class EngineCore:
         self.scheduler.shutdown()
 
 
-_ADD_REQUEST_CODE.update(tracing.code_attributes(EngineCore.add_request))
-_STEP_CODE.update(tracing.code_attributes(EngineCore.step))
+# Where EngineCore's hand-made spans point (the methods above read these globals).
+_ADD_REQUEST_CODE = tracing.code_attributes(EngineCore.add_request)
+_STEP_CODE = tracing.code_attributes(EngineCore.step)
 
 
 class EngineCoreProc(EngineCore):

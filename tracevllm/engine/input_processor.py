@@ -15,15 +15,12 @@ from typing import Any
 
 from tracevllm import tracing
 from tracevllm.config import VllmConfig
+from tracevllm.core.kv_cache_manager import cdiv
 from tracevllm.engine import EngineCoreRequest
 from tracevllm.sampling_params import SamplingParams
 
 # str, or {"prompt": str} / {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt).
 PromptType = str | Mapping[str, Any]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(a // -b)
 
 
 class InputProcessor:

@@ -9,6 +9,7 @@ strings). Left out: pooling, LoRA, data parallelism, the stat loggers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -113,7 +114,7 @@ class LLMEngine:
             )
             trace_headers = tracing.inject_trace_context(trace.set_span_in_context(span))
         try:
-            with trace.use_span(span, end_on_exit=False) if span else _null_context():
+            with trace.use_span(span, end_on_exit=False) if span else contextlib.nullcontext():
                 self._add_request(
                     request_id, prompt, params, arrival_time, trace_headers, priority, span
                 )
@@ -193,9 +194,3 @@ class LLMEngine:
         if self.tracer_provider is not None and tracing.get_provider() is self.tracer_provider:
             tracing.shutdown_tracer()
         self.tracer_provider = None
-
-
-def _null_context() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()

@@ -24,7 +24,7 @@ def record_schedule(span: Span, scheduler: Scheduler, so: SchedulerOutput) -> No
     """Attach the step's SchedulerOutput, block tables and KV pool to the span."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
-    total = pool.num_gpu_blocks - 1  # block 0 is the null block
+    total = pool.get_num_usable_blocks()
     free = pool.get_num_free_blocks()
     # Free blocks that still hold a hash: evictable, but a prefix hit revives
     # them. Counted from the few blocks in use, not by walking the free list.

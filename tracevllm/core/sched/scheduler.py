@@ -469,7 +469,7 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=prefix_cache_stats,
             num_free_blocks=block_pool.get_num_free_blocks(),
-            num_total_blocks=block_pool.num_gpu_blocks - 1,
+            num_total_blocks=block_pool.get_num_usable_blocks(),
             num_cached_blocks=block_pool.num_cached_blocks,
             num_preempted_reqs=self.num_preempted_reqs,
         )
