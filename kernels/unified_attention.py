@@ -5,8 +5,16 @@ Mirrors vllm/v1/attention/ops/triton_unified_attention.py (``unified_attention``
 whatever its query length, reading K/V through the block table. First a
 plain-PyTorch reference, then the Triton kernel and its launcher, tested
 against it. Left out: sliding windows, ALiBi, soft-capping, attention sinks,
-fp8 descales, tensor descriptors, and the 3D split-softmax variant for long
-decodes (``reduce_segments``: a GPU occupancy trick; the math is the same).
+fp8 descales and tensor descriptors.
+
+The same kernel has two launches, as in vLLM. The 2D grid (query block, KV
+head) serves any batch. A decode-only batch of few requests would give that
+grid too few programs to fill the GPU, each walking a long context alone; the
+3D grid adds a third axis that cuts each context into
+``NUM_PAR_SOFTMAX_SEGMENTS`` segments, each program runs the online softmax
+over its segment only and stores the unnormalized partial result with its max
+and sum, and ``reduce_segments`` merges the partials into the softmax over the
+whole context (split-softmax, "flash decoding").
 
 The Triton kernel walks the block table inside the kernel, one tile of keys at
 a time, with an online softmax. The reference spells the same data flow with
@@ -122,10 +130,42 @@ def unified_attention_torch(
 # --8<-- [end:unified_attention_torch]
 
 
+@triton.jit
+def find_seq_idx(
+    query_start_len_ptr,  # [num_seqs + 1]
+    target_idx,  # a query block (use_q_block_mode) or a query token
+    num_seqs,
+    BLOCK_Q: tl.constexpr,
+    use_q_block_mode: tl.constexpr,
+):
+    """The request that owns ``target_idx``: binary search over the starts.
+
+    Query-block mode: request r's blocks start at ``qsl[r] // BLOCK_Q + r``
+    (the launcher's upper bound on the block count, see there), which grows
+    with r. Token mode: request r's tokens start at ``qsl[r]``. Either way,
+    the answer is the last request whose start is <= ``target_idx``.
+    """
+    left: tl.int32 = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        mid_start = tl.load(query_start_len_ptr + mid)
+        if use_q_block_mode:
+            mid_start = mid_start // BLOCK_Q + mid
+        if mid_start <= target_idx:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
 # --8<-- [start:kernel_unified_attention]
 @triton.jit
 def kernel_unified_attention(
     output_ptr,  # [num_tokens, num_query_heads, head_size]
+    segm_output_ptr,  # 3D: [num_tokens, num_query_heads, NUM_SEGMENTS_PER_SEQ, HEAD_SIZE_PADDED]
+    segm_max_ptr,  # 3D: [num_tokens, num_query_heads, NUM_SEGMENTS_PER_SEQ]
+    segm_expsum_ptr,  # 3D: [num_tokens, num_query_heads, NUM_SEGMENTS_PER_SEQ]
     query_ptr,  # [num_tokens, num_query_heads, head_size]
     key_cache_ptr,  # kv_cache[:, 0]: [num_blocks, block_size, num_kv_heads, head_size]
     value_cache_ptr,  # kv_cache[:, 1]: [num_blocks, block_size, num_kv_heads, head_size]
@@ -152,6 +192,8 @@ def kernel_unified_attention(
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # rows per program: BLOCK_Q * num_queries_per_kv, padded
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding), else None: the default
+    NUM_SEGMENTS_PER_SEQ: tl.constexpr,  # 3D: segments per context; 2D: 1
+    IS_3D: tl.constexpr,  # the split-softmax launch: grid axis 2 is the segment
 ):
     """Causal attention of one (query block, KV head) pair over its request's paged keys.
 
@@ -172,24 +214,17 @@ def kernel_unified_attention(
     Causality with a query offset: the request's ``context_len = seq_len -
     query_len`` tokens were cached before this step, so query token i sits at
     position ``context_len + i`` and sees keys ``0 .. context_len + i``.
+
+    3D (``IS_3D``, grid ``(total_num_q_blocks, num_kv_heads,
+    NUM_SEGMENTS_PER_SEQ)``): program ``(b, h, s)`` walks only the tiles of
+    segment s and stores ``acc`` unnormalized, with M and L, for
+    ``reduce_segments``.
     """
     q_block_global_idx = tl.program_id(0)
     kv_head_idx = tl.program_id(1)
+    segm_idx = tl.program_id(2) if IS_3D else 0
 
-    # Which request owns query block b? Request r's blocks start at
-    # qsl[r] // BLOCK_Q + r (the launcher's upper bound on the block count, see
-    # there), which grows with r: binary search for the last start <= b.
-    left: tl.int32 = 0
-    right = num_seqs
-    while left < right:
-        mid = (left + right) // 2
-        mid_start = tl.load(query_start_len_ptr + mid) // BLOCK_Q + mid
-        if mid_start <= q_block_global_idx:
-            left = mid + 1
-        else:
-            right = mid
-    seq_idx = left - 1
-
+    seq_idx = find_seq_idx(query_start_len_ptr, q_block_global_idx, num_seqs, BLOCK_Q, True)
     q_start = tl.load(query_start_len_ptr + seq_idx)  # first token of the request
     query_len = tl.load(query_start_len_ptr + seq_idx + 1) - q_start
     q_block_local_idx = q_block_global_idx - (q_start // BLOCK_Q + seq_idx)
@@ -197,6 +232,12 @@ def kernel_unified_attention(
         return  # a spare block of the upper bound: no tokens here
     seq_len = tl.load(seq_lens_ptr + seq_idx)
     context_len = seq_len - query_len
+    if IS_3D:
+        # Each segment takes an equal run of whole tiles; a short context
+        # leaves the last segments without any, and their programs idle.
+        tiles_per_segment = tl.cdiv(seq_len, NUM_SEGMENTS_PER_SEQ * TILE_SIZE)
+        if segm_idx * tiles_per_segment * TILE_SIZE >= seq_len:
+            return
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_SIZE_PADDED)
@@ -220,9 +261,13 @@ def kernel_unified_attention(
     last_query_pos = tl.minimum(query_len, (q_block_local_idx + 1) * BLOCK_Q) - 1
     max_seq_prefix_len = context_len + last_query_pos + 1
     num_tiles = tl.cdiv(max_seq_prefix_len, TILE_SIZE)
+    tile_lo = 0
+    if IS_3D:
+        tile_lo = segm_idx * tiles_per_segment
+        num_tiles = tl.minimum(num_tiles, tile_lo + tiles_per_segment)
     block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
 
-    for j in range(0, num_tiles):
+    for j in range(tile_lo, num_tiles):
         seq_offset = j * TILE_SIZE + offs_t  # [TILE_SIZE] key positions
         tile_mask = seq_offset < max_seq_prefix_len
         # The page table walk: key position -> physical page, one lookup per key.
@@ -260,14 +305,87 @@ def kernel_unified_attention(
         acc = acc * alpha[:, None] + tl.dot(P.to(V.dtype), V, input_precision=DOT_PRECISION)
         M = M_new
 
-    # Padding rows have L = 0 and are not stored; divide them by 1, not 0.
-    acc = acc / tl.where(L > 0.0, L, 1.0)[:, None]
-    out_offset = (q_start + query_pos)[:, None] * output_stride_0
-    out_offset += query_head[:, None] * output_stride_1 + offs_d[None, :]
-    tl.store(output_ptr + out_offset, acc, mask=row_mask[:, None] & dim_mask[None, :])
+    if IS_3D:
+        # This segment's partial softmax: unnormalized acc, its max M and sum L.
+        segm_row = (q_start + query_pos).to(tl.int64) * num_query_heads + query_head
+        segm_row = segm_row * NUM_SEGMENTS_PER_SEQ + segm_idx  # [BLOCK_M]
+        segm_offset = segm_row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :]
+        tl.store(segm_output_ptr + segm_offset, acc, mask=row_mask[:, None])
+        tl.store(segm_max_ptr + segm_row, M, mask=row_mask)
+        tl.store(segm_expsum_ptr + segm_row, L, mask=row_mask)
+    else:
+        # Padding rows have L = 0 and are not stored; divide them by 1, not 0.
+        acc = acc / tl.where(L > 0.0, L, 1.0)[:, None]
+        out_offset = (q_start + query_pos)[:, None] * output_stride_0
+        out_offset += query_head[:, None] * output_stride_1 + offs_d[None, :]
+        tl.store(output_ptr + out_offset, acc, mask=row_mask[:, None] & dim_mask[None, :])
 
 
 # --8<-- [end:kernel_unified_attention]
+
+
+# --8<-- [start:reduce_segments]
+@triton.jit
+def reduce_segments(
+    output_ptr,  # [num_tokens, num_query_heads, head_size]
+    segm_output_ptr,  # [num_tokens, num_query_heads, NUM_SEGMENTS_PER_SEQ, HEAD_SIZE_PADDED]
+    segm_max_ptr,  # [num_tokens, num_query_heads, NUM_SEGMENTS_PER_SEQ]
+    segm_expsum_ptr,  # [num_tokens, num_query_heads, NUM_SEGMENTS_PER_SEQ]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_len_ptr,  # [num_seqs + 1]
+    num_seqs,  # int
+    output_stride_0,
+    output_stride_1,
+    num_query_heads: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_PADDED: tl.constexpr,
+    NUM_SEGMENTS_PER_SEQ: tl.constexpr,
+):
+    """Merge one (query token, query head)'s segments into its softmax output.
+
+    Grid: ``(num_tokens, num_query_heads)``. Segment s holds ``acc_s = sum
+    exp(S - M_s) V`` and ``L_s = sum exp(S - M_s)`` over its keys. With ``M =
+    max_s M_s``, the whole context's output is ``sum_s exp(M_s - M) acc_s /
+    sum_s exp(M_s - M) L_s``: the online softmax's rescaling, once per segment.
+    """
+    query_token_idx = tl.program_id(0)
+    query_head_idx = tl.program_id(1)
+    seq_idx = find_seq_idx(query_start_len_ptr, query_token_idx, num_seqs, 1, False)
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+
+    # The segments that had tiles (the kernel's early return skipped the rest).
+    tiles_per_segment = tl.cdiv(seq_len, NUM_SEGMENTS_PER_SEQ * TILE_SIZE)
+    num_segments = tl.cdiv(seq_len, tiles_per_segment * TILE_SIZE)
+    offs_s = tl.arange(0, NUM_SEGMENTS_PER_SEQ)
+    offs_d = tl.arange(0, HEAD_SIZE_PADDED)
+    segm_mask = offs_s < num_segments
+    dim_mask = offs_d < HEAD_SIZE
+
+    segm_row = (query_token_idx.to(tl.int64) * num_query_heads + query_head_idx) * (
+        NUM_SEGMENTS_PER_SEQ
+    ) + offs_s  # [NUM_SEGMENTS_PER_SEQ]
+    segm_max = tl.load(segm_max_ptr + segm_row, mask=segm_mask, other=float("-inf"))
+    overall_max = tl.max(segm_max, axis=0)
+    rescale = tl.exp(segm_max - overall_max)  # [NUM_SEGMENTS_PER_SEQ]; 0 where masked
+    segm_expsum = tl.load(segm_expsum_ptr + segm_row, mask=segm_mask, other=0.0)
+    overall_expsum = tl.sum(segm_expsum * rescale, axis=0)
+    segm_output = tl.load(
+        segm_output_ptr + segm_row[:, None] * HEAD_SIZE_PADDED + offs_d[None, :],
+        mask=segm_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [NUM_SEGMENTS_PER_SEQ, HEAD_SIZE_PADDED]
+    acc = tl.sum(segm_output * rescale[:, None], axis=0) / overall_expsum
+    out_offset = query_token_idx * output_stride_0 + query_head_idx * output_stride_1
+    tl.store(output_ptr + out_offset + offs_d, acc, mask=dim_mask)
+
+
+# --8<-- [end:reduce_segments]
+
+# vLLM's defaults (v1/attention/backends/triton_attn.py): below this many
+# programs the 2D grid leaves a GPU's SMs idle, and so many segments per context.
+MIN_LAUNCH_GRID_SIZE_2D = 128
+NUM_PAR_SOFTMAX_SEGMENTS = 16
 
 
 # --8<-- [start:unified_attention_triton]
@@ -281,19 +399,23 @@ def unified_attention_triton(
     max_seq_len: int,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
     softmax_scale: float,
+    seq_threshold_3D: int | None = None,
+    num_par_softmax_segments: int = NUM_PAR_SOFTMAX_SEGMENTS,
 ) -> None:
     """Launch ``kernel_unified_attention`` over every request of the step at once.
 
-    Same contract as ``unified_attention_torch``. vLLM's ``unified_attention``
-    also picks a 3D split-softmax launch for decode-only batches (TODO here);
-    ``max_query_len`` would choose it, ``max_seq_len`` would size its segments.
+    Same contract as ``unified_attention_torch``. As in vLLM, a decode-only
+    batch (``max_query_len == 1``) of at most ``seq_threshold_3D`` requests
+    takes the 3D split-softmax launch plus ``reduce_segments``; everything
+    else, and every batch when ``seq_threshold_3D`` is None, the 2D launch.
     """
     num_seqs = seq_lens.shape[0]
-    num_query_heads, head_size = q.shape[1], q.shape[2]
+    num_tokens, num_query_heads, head_size = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_queries_per_kv = num_query_heads // num_kv_heads
+    head_size_padded = max(16, triton.next_power_of_2(head_size))
     key_cache, value_cache = kv_cache[:, 0], kv_cache[:, 1]
-    if q.shape[0] == 0:
+    if num_tokens == 0:
         return
 
     # tl.dot wants every side >= 16: at least 16 rows, filled with as many
@@ -303,11 +425,33 @@ def unified_attention_triton(
     # The exact number of query blocks, sum_r cdiv(query_len_r, BLOCK_Q), needs
     # the query lengths on the host (a device sync). vLLM launches an upper
     # bound instead, floor(num_tokens / BLOCK_Q) + num_seqs; spare programs return.
-    total_num_q_blocks = q.shape[0] // block_q + num_seqs
-    grid = (total_num_q_blocks, num_kv_heads)
+    total_num_q_blocks = num_tokens // block_q + num_seqs
+
+    use_3d = seq_threshold_3D is not None and max_query_len == 1 and num_seqs <= seq_threshold_3D
+    if use_3d:
+        # Per-segment partials, in fp32. vLLM allocates these once, in the
+        # metadata builder, so CUDA graphs see fixed addresses; here each call
+        # takes them from torch's caching allocator.
+        segments = num_par_softmax_segments
+        segm_output = q.new_empty(
+            (num_tokens, num_query_heads, segments, head_size_padded), dtype=torch.float32
+        )
+        segm_max = q.new_empty((num_tokens, num_query_heads, segments), dtype=torch.float32)
+        segm_expsum = torch.empty_like(segm_max)
+        grid: tuple[int, ...] = (total_num_q_blocks, num_kv_heads, segments)
+        tile_size = 16  # vLLM's decode tile (for 16- and 32-bit K/V)
+    else:
+        # Never touched by the 2D launch, but every pointer argument needs a tensor.
+        segm_output = segm_max = segm_expsum = out
+        segments = 1
+        grid = (total_num_q_blocks, num_kv_heads)
+        tile_size = 32  # vLLM's prefill tile
 
     kernel_unified_attention[grid](
         out,
+        segm_output,
+        segm_max,
+        segm_expsum,
         q,
         key_cache,
         value_cache,
@@ -328,13 +472,32 @@ def unified_attention_triton(
         num_query_heads=num_query_heads,
         num_queries_per_kv=num_queries_per_kv,
         BLOCK_SIZE=block_size,
-        TILE_SIZE=32,  # vLLM's prefill tile
+        TILE_SIZE=tile_size,
         HEAD_SIZE=head_size,
-        HEAD_SIZE_PADDED=max(16, triton.next_power_of_2(head_size)),
+        HEAD_SIZE_PADDED=head_size_padded,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        NUM_SEGMENTS_PER_SEQ=segments,
+        IS_3D=use_3d,
     )
+    if use_3d:
+        reduce_segments[(num_tokens, num_query_heads)](
+            out,
+            segm_output,
+            segm_max,
+            segm_expsum,
+            seq_lens,
+            query_start_loc,
+            num_seqs,
+            out.stride(0),
+            out.stride(1),
+            num_query_heads=num_query_heads,
+            TILE_SIZE=tile_size,
+            HEAD_SIZE=head_size,
+            HEAD_SIZE_PADDED=head_size_padded,
+            NUM_SEGMENTS_PER_SEQ=segments,
+        )
 
 
 # --8<-- [end:unified_attention_triton]

@@ -27,6 +27,7 @@ if "triton" not in sys.modules:  # still in time: see the module docstring
 import pytest
 import torch
 
+from kernels import unified_attention as ua
 from kernels.flash_attention import blocked_attention, flash_attention_triton, naive_attention
 from kernels.reshape_and_cache_flash import (
     reshape_and_cache_flash_torch,
@@ -111,7 +112,9 @@ def _run_read(
     head_size: int,
     dtype: torch.dtype = torch.float32,
     tol: float = 1e-5,
-) -> None:
+    **launch: int | None,
+) -> torch.Tensor:
+    """The Triton read against the torch reference on case ``c``; returns the Triton output."""
     scale = head_size**-0.5
     q, kv_cache = c["q"].to(dtype), c["kv_cache"].to(dtype)
     expected = torch.full_like(q, float("nan"))
@@ -120,9 +123,10 @@ def _run_read(
     q, kv_cache = q.to(DEVICE), kv_cache.to(DEVICE)
     out = torch.full_like(q, float("nan"))
     unified_attention_triton(
-        q, kv_cache, out, *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args)
+        q, kv_cache, out, *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args), **launch
     )
     torch.testing.assert_close(out.cpu(), expected, atol=tol, rtol=tol)
+    return out.cpu()
 
 
 @live
@@ -190,6 +194,70 @@ def test_unified_attention_triton_ignores_stale_cache_content() -> None:
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
+class _CountLaunches:
+    """Stands in for a kernel in its module and counts launches, passing each through."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        self.launches += 1
+        return self.kernel[grid]  # type: ignore[index]
+
+
+# (seq_lens of the decodes, (num_heads, num_kv_heads), head_size, block_size). With
+# 16 segments of whole 16-key tiles: shorter than one tile, exactly one segment's
+# worth, one key past a segment boundary, and long enough for several tiles per
+# segment and an idle last segment.
+SPLIT_CASES = {
+    "short_and_long": ([1, 15, 16, 17, 300], (4, 4), 64, 16),
+    "segment_edges_gqa3": ([256, 257, 513], (6, 2), 128, 16),
+    "long_gqa8": ([700, 33], (8, 1), 64, 8),
+}
+
+
+@live
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_split_softmax_decode_matches_torch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 3D launch + reduce_segments equals the reference, and the 2D launch."""
+    seq_lens, (num_heads, num_kv_heads), head_size, block_size = SPLIT_CASES[name]
+    q_lens = [1] * len(seq_lens)
+    c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=3)
+    reduce = _CountLaunches(ua.reduce_segments)
+    monkeypatch.setattr(ua, "reduce_segments", reduce)
+    split = _run_read(c, q_lens, seq_lens, head_size, seq_threshold_3D=len(seq_lens))
+    assert reduce.launches == 1  # the split path ran
+    whole = _run_read(c, q_lens, seq_lens, head_size)  # no threshold: the 2D launch
+    assert reduce.launches == 1
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+@live
+def test_split_softmax_only_for_small_decode_only_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's rule: a prefill in the batch, or more requests than the threshold, means 2D."""
+    reduce = _CountLaunches(ua.reduce_segments)
+    monkeypatch.setattr(ua, "reduce_segments", reduce)
+    for q_lens, seq_lens, threshold, split in [
+        ([1, 1, 1], [20, 40, 9], 2, False),  # three decodes, threshold two
+        ([1, 4, 1], [20, 40, 9], 8, False),  # a prefill chunk among them
+        ([1, 1, 1], [20, 40, 9], 3, True),
+    ]:
+        c = build_case(q_lens, seq_lens, 4, 2, 64, 4, seed=4)
+        before = reduce.launches
+        _run_read(c, q_lens, seq_lens, 64, seq_threshold_3D=threshold)
+        assert reduce.launches - before == int(split), (q_lens, threshold)
+
+
+@live
+def test_split_softmax_fp16() -> None:
+    seq_lens, (num_heads, num_kv_heads), head_size, block_size = SPLIT_CASES["short_and_long"]
+    q_lens = [1] * len(seq_lens)
+    c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=5)
+    _run_read(c, q_lens, seq_lens, head_size, torch.float16, 2e-3, seq_threshold_3D=8)
+
+
 # --- FlashAttention from PyTorch to Triton --------------------------------------------------
 
 # (batch, num_heads, num_kv_heads, q_len, kv_len, head_size, causal)
@@ -240,9 +308,18 @@ def test_triton_backend_needs_the_interpreter_on_cpu(monkeypatch: pytest.MonkeyP
 
 
 @live
-def test_triton_backend_generates_the_torch_backends_tokens(tiny_model_dir: str) -> None:
-    """Greedy tokens, token for token, through chunked prefill, prefix hits and decodes."""
+def test_triton_backend_generates_the_torch_backends_tokens(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy tokens, token for token, through chunked prefill, prefix hits and decodes.
+
+    The decode-only steps (three requests, under the split-softmax threshold)
+    take the 3D launch; the steps with a prefill chunk the 2D one.
+    """
     from tracevllm import LLM, SamplingParams
+
+    reduce = _CountLaunches(ua.reduce_segments)
+    monkeypatch.setattr(ua, "reduce_segments", reduce)
 
     prompts = [
         "The capital of France is",
@@ -264,3 +341,4 @@ def test_triton_backend_generates_the_torch_backends_tokens(tiny_model_dir: str)
         outputs = llm.generate(prompts, params)
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["triton"] == tokens["torch"]
+    assert reduce.launches > 0

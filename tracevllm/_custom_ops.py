@@ -49,17 +49,17 @@ def unified_attention(
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req]
     softmax_scale: float,
     backend: str = "torch",
+    seq_threshold_3D: int | None = None,
 ) -> None:
-    """Paged causal attention for a mixed batch of prefill chunks and decodes."""
-    fn = unified_attention_triton if backend == "triton" else unified_attention_torch
-    fn(
-        q,
-        kv_cache,
-        out,
-        query_start_loc,
-        seq_lens,
-        max_query_len,
-        max_seq_len,
-        block_table,
-        softmax_scale,
-    )
+    """Paged causal attention for a mixed batch of prefill chunks and decodes.
+
+    ``seq_threshold_3D`` (Triton only): decode-only batches of at most this
+    many requests take the split-softmax launch; None never does.
+    """
+    args = (q, kv_cache, out, query_start_loc, seq_lens, max_query_len, max_seq_len)
+    if backend == "triton":
+        unified_attention_triton(
+            *args, block_table, softmax_scale, seq_threshold_3D=seq_threshold_3D
+        )
+    else:
+        unified_attention_torch(*args, block_table, softmax_scale)

@@ -3,12 +3,15 @@
 Mirrors vllm/v1/attention/backends/triton_attn.py (``TritonAttentionBackend``,
 ``TritonAttentionImpl``): ``do_kv_cache_update`` launches
 ``reshape_and_cache_kernel_flash`` and ``forward`` launches
-``kernel_unified_attention`` (kernels/), both through ``_custom_ops``. The
+``kernel_unified_attention`` (kernels/), both through ``_custom_ops``; a
+decode-only step of at most ``seq_threshold_3D`` requests takes the 3D
+split-softmax launch, as vLLM's ``TritonAttentionMetadataBuilder`` sets it up
+(``MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads``). The
 default on CUDA; on CPU it runs only in Triton's interpreter
 (``TRITON_INTERPRET=1``), slowly, which is how the tests check it against the
 torch backend. Same KV cache layout as the torch backend. Left out: fp8 KV
-caches, sliding windows, ALiBi, sinks, the 3D split-softmax decode buffers,
-the metadata builder and cudagraph support.
+caches, sliding windows, ALiBi, sinks, the metadata builder (and with it the
+preallocated split-softmax buffers) and cudagraph support.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.unified_attention import MIN_LAUNCH_GRID_SIZE_2D
 from tracevllm import _custom_ops as ops
 from tracevllm.attention.backends.abstract import (
     AttentionBackend,
@@ -29,6 +33,13 @@ if TYPE_CHECKING:
 
 
 class TritonAttentionImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads)
+        # The 2D grid has at least num_seqs * num_kv_heads programs; below
+        # MIN_LAUNCH_GRID_SIZE_2D of them, a decode-only step splits each
+        # context into segments instead (vLLM's TritonAttentionMetadataBuilder).
+        self.seq_threshold_3D = MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads
+
     def do_kv_cache_update(
         self,
         layer: Attention,
@@ -63,6 +74,7 @@ class TritonAttentionImpl(AttentionImpl):
             block_table=attn_metadata.block_table,
             softmax_scale=self.scale,
             backend="triton",
+            seq_threshold_3D=self.seq_threshold_3D,
         )
         return output
 
