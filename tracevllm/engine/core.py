@@ -86,6 +86,7 @@ class EngineCore:
             init_none_hash(hash_fn)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, hash_fn)
 
+    # --8<-- [start:initialize_kv_caches]
     def _initialize_kv_caches(self, vllm_config: VllmConfig) -> int:
         """Size the paged KV cache and allocate it in the model runner.
 
@@ -108,6 +109,8 @@ class EngineCore:
             )
         self.model_executor.initialize_kv_cache(num_blocks)
         return num_blocks
+
+    # --8<-- [end:initialize_kv_caches]
 
     # --- requests ---------------------------------------------------------
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
@@ -162,6 +165,7 @@ class EngineCore:
 
     # --8<-- [end:step]
 
+    # --8<-- [start:step_span]
     def _step_span(self) -> Any:
         """The ``EngineCore.step`` span, in the trace of the oldest request.
 
@@ -183,6 +187,8 @@ class EngineCore:
             context=tracing.extract_trace_context(headers),
             attributes=_STEP_CODE,
         )
+
+    # --8<-- [end:step_span]
 
     def _link_step_to_requests(self, span: trace.Span, scheduled: dict[str, int]) -> None:
         for req_id in scheduled:
@@ -349,6 +355,7 @@ class EngineCoreProc(EngineCore):
             return False
         return True
 
+    # --8<-- [start:process_input_sockets]
     def process_input_sockets(self, input_address: str) -> None:
         """Input thread: decode frames into ``input_queue``.
 
@@ -389,6 +396,8 @@ class EngineCoreProc(EngineCore):
                 else:
                     request = generic_decoder.decode(data_frames)
                 self.input_queue.put_nowait((request_type, request))
+
+    # --8<-- [end:process_input_sockets]
 
     def process_output_sockets(self, output_address: str) -> None:
         """Output thread: encode and PUSH whatever the busy loop produced."""

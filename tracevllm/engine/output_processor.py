@@ -58,19 +58,25 @@ class RequestState:
         # Filled when the request finishes, for the llm_request span.
         self.finish_reason: FinishReason | None = None
         self.sampling_params = request.sampling_params
-        # Tokens that arrived in the latest output (for DELTA outputs).
-        self._num_new_tokens = 0
         # The request's llm_request span (tracing on), and when tokens arrived.
         self.span = span
         self.token_times: list[float] = []
 
     def make_request_output(
-        self, finish_reason: FinishReason | None, stop_reason: int | str | None
+        self,
+        new_token_ids: list[int],
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
     ) -> RequestOutput | None:
+        """The ``RequestOutput`` for this step, or None when none is due.
+
+        ``new_token_ids`` are the tokens that arrived in this step's output:
+        a DELTA output carries only those.
+        """
         finished = finish_reason is not None
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        completion = self._new_completion_output(finish_reason, stop_reason)
+        completion = self._new_completion_output(new_token_ids, finish_reason, stop_reason)
         request_id = self.request_id
         outputs = [completion]
         if self.parent_req is not None:
@@ -92,7 +98,10 @@ class RequestState:
         )
 
     def _new_completion_output(
-        self, finish_reason: FinishReason | None, stop_reason: int | str | None
+        self,
+        new_token_ids: list[int],
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
     ) -> CompletionOutput:
         finished = finish_reason is not None
         delta = self.output_kind == RequestOutputKind.DELTA
@@ -100,9 +109,11 @@ class RequestState:
         token_ids = self.detokenizer.token_ids
         logprobs = self.logprobs_processor.logprobs
         if delta:
-            token_ids = token_ids[-self._num_new_tokens :] if self._num_new_tokens else []
+            # The detokenizer appended exactly these ids, so its tail is them.
+            num_new = len(new_token_ids)
+            token_ids = token_ids[-num_new:] if num_new else []
             if logprobs is not None:
-                logprobs = logprobs[-self._num_new_tokens :] if self._num_new_tokens else []
+                logprobs = logprobs[-num_new:] if num_new else []
         return CompletionOutput(
             index=self.request_index,
             text=text,
@@ -203,9 +214,10 @@ class OutputProcessor:
                 finish_reason = FinishReason.STOP
                 stop_reason = stop_string
             req_state.logprobs_processor.update_from_output(output.new_logprobs)
-            req_state._num_new_tokens = len(new_token_ids)
 
-            request_output = req_state.make_request_output(finish_reason, stop_reason)
+            request_output = req_state.make_request_output(
+                new_token_ids, finish_reason, stop_reason
+            )
             if request_output is not None:
                 request_outputs.append(request_output)
             if finish_reason is not None:

@@ -72,6 +72,7 @@ _state = _State()
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+# --8<-- [start:init_tracer]
 def init_tracer(
     process_kind: str,
     trace_config: TraceConfig,
@@ -113,6 +114,9 @@ def init_tracer(
     _state.tracer = provider.get_tracer("tracevllm")
     _state.detail = trace_config.detail if trace_config.enabled else "request"
     return provider
+
+
+# --8<-- [end:init_tracer]
 
 
 def shutdown_tracer() -> None:
@@ -160,6 +164,7 @@ def _relative_path(path: str) -> str:
     return path
 
 
+# --8<-- [start:instrument]
 def instrument(span_name: str | None = None) -> Callable[[F], F]:
     """Wrap a method in a span named ``Class.method`` with its code location.
 
@@ -180,6 +185,9 @@ def instrument(span_name: str | None = None) -> Callable[[F], F]:
         return wrapper  # type: ignore[return-value]
 
     return decorator
+
+
+# --8<-- [end:instrument]
 
 
 def current_span() -> Span:

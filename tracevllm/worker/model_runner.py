@@ -297,6 +297,7 @@ class ModelRunner:
         offsets = np.repeat(cu_num_tokens - num_tokens, num_tokens)  # [0 0 2 2 2 2 2 7 7 7]
         return cu_num_tokens, self.arange_np[:total] - offsets
 
+    # --8<-- [start:execute_model]
     @tracing.instrument("ModelRunner.execute_model")
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -323,6 +324,9 @@ class ModelRunner:
         self.execute_model_state = ExecuteModelState(scheduler_output, logits, discard)
         return None
 
+    # --8<-- [end:execute_model]
+
+    # --8<-- [start:sample_tokens]
     @tracing.instrument("ModelRunner.sample_tokens")
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
@@ -381,3 +385,5 @@ class ModelRunner:
             sampled_token_ids=valid_sampled_token_ids,
             logprobs=logprobs_lists,
         )
+
+    # --8<-- [end:sample_tokens]

@@ -53,6 +53,7 @@ class Attention(nn.Module):
         # [num_blocks, 2, block_size, num_kv_heads, head_size]
         self.kv_cache = torch.tensor([])
 
+    # --8<-- [start:attention_forward]
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads * head_size]
@@ -70,6 +71,8 @@ class Attention(nn.Module):
             unified_kv_cache_update(key, value, self.layer_name)
             unified_attention_with_output(query, key, value, output, self.layer_name)
         return output.view(num_tokens, self.num_heads * self.head_size)
+
+    # --8<-- [end:attention_forward]
 
     def _forward_traced(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor
