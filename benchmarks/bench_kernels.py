@@ -1,6 +1,7 @@
 """The Triton attention kernels on a CUDA GPU, against PyTorch's SDPA on the same shapes.
 
-- Paged decode read (``unified_attention_triton``, one query token per request):
+- Paged decode read (``unified_attention_triton``, one query token per request),
+  in its 2D launch and its 3D split-softmax launch (``reduce_segments``):
   achieved memory bandwidth in GB/s and as a share of the device's peak. A
   decode reads every cached K and V once and does little math on them, so
   bandwidth is its roofline. SDPA reads the same K/V from a contiguous tensor
@@ -129,10 +130,14 @@ def bench_decode(
     scale = head_size**-0.5
     out = torch.empty_like(c["q"])
 
-    def triton_paged() -> None:
-        unified_attention_triton(
-            c["q"], c["kv_cache"], out, c["qsl"], c["seq_lens"], 1, seq_len, c["block_table"], scale
-        )
+    def launch(seq_threshold_3D: int | None) -> Callable[[], None]:
+        def triton_paged() -> None:
+            unified_attention_triton(
+                c["q"], c["kv_cache"], out, c["qsl"], c["seq_lens"], 1, seq_len,
+                c["block_table"], scale, seq_threshold_3D=seq_threshold_3D,
+            )  # fmt: skip
+
+        return triton_paged
 
     # SDPA: [num_reqs, num_heads, 1, head_size] against [num_reqs, num_kv_heads, seq_len, head_size]
     sq = c["q"].view(num_reqs, num_heads, 1, head_size)
@@ -141,13 +146,21 @@ def bench_decode(
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(sq, sk, sv, scale=scale, enable_gqa=True)
 
-    triton_paged()
-    err = (out.view(num_reqs, num_heads, head_size).float() - sdpa().squeeze(2).float()).abs().max()
+    ref = sdpa().squeeze(2).float()
     elem = c["q"].element_size()
     # Every cached K and V once, plus the queries in and the outputs out.
     nbytes = num_reqs * seq_len * 2 * num_kv_heads * head_size * elem + 2 * c["q"].numel() * elem
     rows = []
-    for name, fn in (("triton paged", triton_paged), ("torch SDPA (contiguous)", sdpa)):
+    candidates = (
+        ("triton paged, 2D", launch(None)),
+        ("triton paged, 3D split-softmax", launch(num_reqs)),
+        ("torch SDPA (contiguous)", sdpa),
+    )
+    for name, fn in candidates:
+        out.fill_(float("nan"))
+        result = fn()
+        got = out if result is None else result.squeeze(2)
+        err = (got.view(num_reqs, num_heads, head_size).float() - ref).abs().max()
         t = bench(fn)
         gbs = nbytes / t / 1e9
         share = f"{100 * nbytes / t / peak_bw:.0f}%" if peak_bw else "n/a"
@@ -258,7 +271,13 @@ def main() -> int:
         f"block_size {BLOCK_SIZE}"
     )
 
-    decode_shapes = [(64, 4096)] if args.quick else [(16, 1024), (64, 4096), (128, 8192)]
+    # vLLM takes the 3D launch below MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads = 16
+    # requests here; both launches are timed at every size.
+    decode_shapes = (
+        [(4, 16384), (64, 4096)]
+        if args.quick
+        else [(1, 32768), (4, 16384), (16, 1024), (64, 4096), (128, 8192)]
+    )
     rows = [r for s in decode_shapes for r in bench_decode(*s, dtype, peak_bw)]
     header = ["decode read", "reqs x ctx", "us", "GB/s", "% peak BW", "max |diff|"]
     print_table("Paged decode read (1 query token per request)", header, rows)

@@ -238,11 +238,19 @@ def flash_attention_triton(
     v: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_size]
     causal: bool = True,
     scale: float | None = None,
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:  # [batch, num_heads, q_len, head_size]
-    """Launch ``flash_attention_kernel``: ``naive_attention``'s result, tile by tile."""
+    """Launch ``flash_attention_kernel``: ``naive_attention``'s result, tile by tile.
+
+    Tiles default to 64 x 64 for 16-bit inputs and 32 x 32 for fp32, whose
+    tiles take twice the bytes: at 64 x 64 and head size 128, Triton's
+    pipelined loads would need 176 KiB of shared memory per program, more than
+    an A100 has (163 KiB; ``kernels/aot.py`` measures it without a GPU).
+    """
     batch, num_heads, q_len, head_size = q.shape
+    default_tile = 64 if q.element_size() <= 2 else 32
+    block_m, block_n = block_m or default_tile, block_n or default_tile
     kv_len = k.shape[2]
     # The kernel steps along head_size with stride 1.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

@@ -291,6 +291,58 @@ def test_flash_attention_steps_match_naive(name: str) -> None:
     torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
+# --- compiled for real GPUs, on this machine ------------------------------------------------
+
+compiles = pytest.mark.skipif(
+    INTERPRETED or not HAS_TRITON, reason="compiling needs Triton's compiler, not the interpreter"
+)
+
+
+@compiles
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernels_compile_for_gpus_and_fit(
+    arch: int, tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every launch compiles to a cubin for sm_80 / sm_90, fits one SM, and does not spill.
+
+    The interpreter never runs Triton's compiler; this does, with each
+    launcher's own arguments, at a Llama-3-8B layer's shape (32 query heads, 8
+    KV heads, head size 128), in fp16, bf16 and fp32. No GPU needed
+    (kernels/aot.py).
+    """
+    from kernels.aot import MAX_SHARED_BYTES_PER_PROGRAM, compile_kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile, do not reuse
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        launches = compile_kernels(arch, dtype, num_heads=32, num_kv_heads=8, head_size=128)
+        assert [(x.kernel, len(x.grid)) for x in launches] == [
+            ("reshape_and_cache_kernel_flash", 2),
+            ("kernel_unified_attention", 2),
+            ("kernel_unified_attention", 3),
+            ("reduce_segments", 2),
+            ("flash_attention_kernel", 2),
+        ]
+        for x in launches:
+            assert x.shared_bytes <= MAX_SHARED_BYTES_PER_PROGRAM[arch], x
+            assert x.local_bytes == 0, x  # no register spills
+            assert x.programs_per_sm() >= 1, x
+
+
+def test_programs_per_sm() -> None:
+    """The occupancy arithmetic: registers, shared memory and the per-SM cap, the tightest wins."""
+    from kernels.aot import CompiledLaunch
+
+    def launch(registers: int, shared: int, arch: int = 80) -> CompiledLaunch:
+        return CompiledLaunch("k", arch, (1,), "fp16", 4, registers, shared, 0)
+
+    assert launch(128, 0).programs_per_sm() == 4  # 65536 / (128 * 128 threads)
+    assert launch(121, 0).programs_per_sm() == 4  # rounded up to 128 per thread
+    assert launch(32, 40 * 1024).programs_per_sm() == 4  # 164 KiB / 40 KiB
+    assert launch(16, 0).programs_per_sm() == 32  # the cap on resident programs
+    assert launch(32, 176 * 1024).programs_per_sm() == 0  # over an A100's 163 KiB
+    assert launch(32, 176 * 1024, arch=90).programs_per_sm() == 1
+
+
 # --- the engine on the Triton backend -------------------------------------------------------
 
 
