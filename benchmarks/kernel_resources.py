@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     # Wide enough for the table when the output is a file or a pipe, not a terminal.
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 140))
     start = time.perf_counter()
     for arch in args.arch:
         table = Table(
