@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
@@ -125,6 +125,41 @@ def test_inprocess_span_attributes(tiny_model_dir: str) -> None:
     # A step links to every request it served.
     step = next(s for s in spans if s.name == "EngineCore.step")
     assert len(step.links) == 2
+
+
+def test_request_span_sums_whole_streamed_completions(tiny_model_dir: str) -> None:
+    """DELTA outputs carry a few tokens each; the span still counts whole completions,
+    and an n=2 request's one span ends once, after both children, with both."""
+    from tracevllm.sampling_params import RequestOutputKind
+
+    exporter = InMemorySpanExporter()
+    delta = RequestOutputKind.DELTA
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False, trace_detail="request") as llm:
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        engine = llm.llm_engine
+        one = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, output_kind=delta)
+        engine.add_request("one", PROMPTS[0], one)
+        two = SamplingParams(
+            n=2, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True, output_kind=delta
+        )
+        engine.add_request("two", PROMPTS[1], two)
+        texts: defaultdict[tuple[str, int], str] = defaultdict(str)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    texts[(out.request_id, c.index)] += c.text
+    spans = {s.attributes["gen_ai.request.id"]: s for s in exporter.get_finished_spans()
+             if s.name == "llm_request"}  # fmt: skip
+    one, two_span = spans["one"].attributes, spans["two"].attributes
+    assert one["gen_ai.usage.output_tokens"] == 5
+    assert one["tracevllm.completion.text"] == texts[("one", 0)]
+    assert two_span["gen_ai.usage.output_tokens"] == 2 * 4
+    assert list(two_span["gen_ai.response.finish_reasons"]) == ["length", "length"]
+    assert two_span["tracevllm.completion.text"] == "\n---\n".join(
+        [texts[("two", 0)], texts[("two", 1)]]
+    )
 
 
 def test_full_detail_adds_every_layer(tiny_model_dir: str) -> None:

@@ -80,13 +80,12 @@ class RequestState:
         request_id = self.request_id
         outputs = [completion]
         if self.parent_req is not None:
-            # Only the whole parent is returned, once every child has finished.
-            if not finished:
-                return None
-            if not self.parent_req.add_output(self.request_id, completion):
+            # A child's output goes out under the parent's id (FINAL_ONLY: all
+            # n at once, when the last child finishes).
+            outputs, finished = self.parent_req.get_outputs(self.request_id, completion)
+            if not outputs:
                 return None
             request_id = self.parent_req.request_id
-            outputs = self.parent_req.get_outputs()
         return RequestOutput(
             request_id=request_id,
             prompt=self.prompt,
@@ -122,6 +121,17 @@ class RequestState:
             logprobs=logprobs,
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None,
+        )
+
+    def completion_summary(self) -> CompletionOutput:
+        """The whole completion so far, whatever the output kind: for the ``llm_request`` span."""
+        return CompletionOutput(
+            index=self.request_index,
+            text=self.detokenizer.output_text,
+            token_ids=list(self.detokenizer.token_ids),
+            cumulative_logprob=self.logprobs_processor.cumulative_logprob,
+            logprobs=None,
+            finish_reason=str(self.finish_reason) if self.finish_reason else None,
         )
 
 
@@ -222,8 +232,8 @@ class OutputProcessor:
                 request_outputs.append(request_output)
             if finish_reason is not None:
                 req_state.finish_reason = finish_reason
-                if request_output is not None and req_state.span is not None:
-                    self.do_tracing(req_state, request_output.outputs)
+                if req_state.span is not None:
+                    self._trace_finished(req_state)
                 self.request_states.pop(output.request_id)
                 if req_state.parent_req is not None and not req_state.parent_req.child_requests:
                     self.parent_requests.pop(req_state.parent_req.request_id, None)
@@ -245,6 +255,22 @@ class OutputProcessor:
     # --8<-- [end:process_outputs]
 
     # --8<-- [start:do_tracing]
+    def _trace_finished(self, req_state: RequestState) -> None:
+        """End the request's span once it is done: for n > 1, once all n children are.
+
+        The children share the parent's span; the whole completions are
+        summed up, not the last (DELTA: partial) outputs.
+        """
+        summary = req_state.completion_summary()
+        parent = req_state.parent_req
+        if parent is None:
+            self.do_tracing(req_state, [summary])
+            return
+        parent.finished_completions.append(summary)
+        if not parent.child_requests:
+            completions = sorted(parent.finished_completions, key=lambda c: c.index)
+            self.do_tracing(req_state, completions)
+
     def do_tracing(self, req_state: RequestState, completions: list[CompletionOutput]) -> None:
         """End the request's ``llm_request`` span with vLLM's GenAI attributes.
 

@@ -9,7 +9,7 @@ back into one ``RequestOutput``.
 from __future__ import annotations
 
 from tracevllm.outputs import CompletionOutput
-from tracevllm.sampling_params import SamplingParams
+from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ParentRequest:
@@ -19,6 +19,9 @@ class ParentRequest:
         self.n = sampling_params.n
         self.child_requests: set[str] = set()
         self.output_aggregator: list[CompletionOutput | None] = [None] * self.n
+        # Each finished child's whole completion, for the llm_request span
+        # (tracevllm's: vLLM's span does not record completions).
+        self.finished_completions: list[CompletionOutput] = []
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         """The child's request id and its own params (n=1; seed+index if seeded,
@@ -31,11 +34,21 @@ class ParentRequest:
             params.seed += index
         return child_id, params
 
-    def add_output(self, child_request_id: str, completion: CompletionOutput) -> bool:
-        """Record a finished child; True once every child has finished."""
-        self.output_aggregator[completion.index] = completion
-        self.child_requests.discard(child_request_id)
-        return not self.child_requests
+    def get_outputs(
+        self, child_request_id: str, completion: CompletionOutput
+    ) -> tuple[list[CompletionOutput], bool]:
+        """What to return for one child's new output, and whether the parent is finished.
 
-    def get_outputs(self) -> list[CompletionOutput]:
-        return [c for c in self.output_aggregator if c is not None]
+        Streaming (CUMULATIVE, DELTA): the child's output right away, under the
+        parent's id; the parent is finished once every child is. FINAL_ONLY:
+        nothing until the last child finishes, then all n completions.
+        """
+        if completion.finished():
+            self.child_requests.discard(child_request_id)
+        finished = not self.child_requests
+        if self.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+            return [completion], finished
+        self.output_aggregator[completion.index] = completion
+        if not finished:
+            return [], False
+        return [c for c in self.output_aggregator if c is not None], True
