@@ -126,6 +126,9 @@ class _CompileOnly:
 
         fn = self.kernel
         options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        # What a launch gets by default in triton 3.9, said explicitly (left
+        # unset, Triton warns that 3.10 will change the default).
+        options["enable_fp_fusion"] = True
         values = dict(zip(fn.arg_names, args, strict=False)) | kwargs
         signature, constexprs = {}, {}
         for i, param in enumerate(fn.params):

@@ -86,6 +86,27 @@ def test_reshape_and_cache_flash_triton_matches_torch(
     torch.testing.assert_close(cache.cpu(), expected, atol=0, rtol=0)
 
 
+@live
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reshape_and_cache_flash_triton_random_shapes(seed: int) -> None:
+    """Random token counts, heads (1..8), head sizes (64, 128), pages (1..32), padding."""
+    gen = torch.Generator().manual_seed(200 + seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    num_tokens, num_kv_heads = rand(1, 40), rand(1, 8)
+    head_size, block_size = (64, 128)[rand(0, 1)], (1, 4, 16, 32)[rand(0, 3)]
+    num_blocks = num_tokens // block_size + 3
+    key = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+    value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=gen)[:num_tokens] + block_size
+    slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1  # padding tokens
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
+    expected = cache.clone()
+    reshape_and_cache_flash_torch(key, value, expected, slots)
+    cache, key, value, slots = (t.to(DEVICE) for t in (cache, key, value, slots))
+    reshape_and_cache_flash_triton(key, value, cache, slots)
+    torch.testing.assert_close(cache.cpu(), expected, atol=0, rtol=0)
+
+
 # --- the paged read -------------------------------------------------------------------------
 
 # (q_lens, seq_lens, (num_heads, num_kv_heads), head_size, block_size)
@@ -288,6 +309,25 @@ def test_flash_attention_steps_match_naive(name: str) -> None:
     torch.testing.assert_close(blocked, expected, atol=2e-5, rtol=2e-5)
     q, k, v = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
     out = flash_attention_triton(q, k, v, causal, block_m=16, block_n=16)
+    torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+@live
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_flash_attention_random_shapes(seed: int) -> None:
+    """Random lengths (queries after cached keys, or bidirectional), GQA 1/3/8, head 64/128."""
+    gen = torch.Generator().manual_seed(300 + seed)
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
+    num_kv_heads, group = rand(1, 2), (1, 3, 8)[rand(0, 2)]
+    head_size, causal = (64, 128)[rand(0, 1)], bool(rand(0, 1))
+    q_len = rand(1, 40)
+    kv_len = q_len + rand(0, 30) if causal else rand(1, 70)
+    shape = (rand(1, 2), num_kv_heads * group)
+    q = torch.randn(*shape, q_len, head_size, generator=gen)
+    k = torch.randn(shape[0], num_kv_heads, kv_len, head_size, generator=gen)
+    v = torch.randn(shape[0], num_kv_heads, kv_len, head_size, generator=gen)
+    expected = naive_attention(q, k, v, causal)
+    out = flash_attention_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), causal)
     torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
