@@ -388,6 +388,11 @@ MIN_LAUNCH_GRID_SIZE_2D = 128
 NUM_PAR_SOFTMAX_SEGMENTS = 16
 
 
+def use_split_softmax(max_query_len: int, num_seqs: int, seq_threshold_3D: int | None) -> bool:
+    """vLLM's choice of the 3D launch: decodes only, and few enough of them."""
+    return seq_threshold_3D is not None and max_query_len == 1 and num_seqs <= seq_threshold_3D
+
+
 # --8<-- [start:unified_attention_triton]
 def unified_attention_triton(
     q: torch.Tensor,  # [num_tokens, num_heads, head_size]
@@ -427,7 +432,7 @@ def unified_attention_triton(
     # bound instead, floor(num_tokens / BLOCK_Q) + num_seqs; spare programs return.
     total_num_q_blocks = num_tokens // block_q + num_seqs
 
-    use_3d = seq_threshold_3D is not None and max_query_len == 1 and num_seqs <= seq_threshold_3D
+    use_3d = use_split_softmax(max_query_len, num_seqs, seq_threshold_3D)
     if use_3d:
         # Per-segment partials, in fp32. vLLM allocates these once, in the
         # metadata builder, so CUDA graphs see fixed addresses; here each call

@@ -271,6 +271,24 @@ def test_split_softmax_only_for_small_decode_only_batches(
         assert reduce.launches - before == int(split), (q_lens, threshold)
 
 
+def test_triton_backend_names_its_launch() -> None:
+    """The unified_attention span says which launch the step takes: vLLM's rule, per step."""
+    from tracevllm.attention.backends.abstract import AttentionMetadata
+    from tracevllm.attention.backends.triton_attn import TritonAttentionImpl
+
+    impl = TritonAttentionImpl(num_heads=9, head_size=64, scale=0.125, num_kv_heads=3)
+    assert impl.seq_threshold_3D == 128 // 3
+
+    def metadata(query_lens: list[int]) -> AttentionMetadata:
+        n = len(query_lens)
+        ints = torch.zeros(n, dtype=torch.int32)
+        return AttentionMetadata(sum(query_lens), max(query_lens), ints, 8, ints, ints, ints)
+
+    assert "3D" in impl.launch_name(metadata([1] * 42))
+    assert "2D" in impl.launch_name(metadata([1] * 43))
+    assert "2D" in impl.launch_name(metadata([1, 5]))
+
+
 @live
 def test_split_softmax_fp16() -> None:
     seq_lens, (num_heads, num_kv_heads), head_size, block_size = SPLIT_CASES["short_and_long"]

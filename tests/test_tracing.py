@@ -86,6 +86,9 @@ def test_inprocess_span_tree(tiny_model_dir: str) -> None:
             assert parent_name(span) == expected_parents[span.name], span.name
     # At detail "request" the KV write/read is traced for one layer only.
     assert {s.attributes["tracevllm.layer"] for s in spans if s.name == "unified_attention"} == {0}
+    launches = {s.attributes["tracevllm.attention.launch"] for s in spans
+                if s.name == "unified_attention"}  # fmt: skip
+    assert [launch.split()[0] for launch in launches] == ["unified_attention_torch"]
     assert names["LlamaDecoderLayer.forward"] == 0
     # One trace for the whole generate call; every span has its code location.
     assert len({s.context.trace_id for s in spans}) == 1

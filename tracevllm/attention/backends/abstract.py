@@ -58,6 +58,10 @@ class AttentionImpl:
         self.scale = scale
         self.num_kv_heads = num_kv_heads
 
+    def launch_name(self, attn_metadata: AttentionMetadata) -> str:
+        """Which kernel launch ``forward`` will take for this batch (for the trace)."""
+        return type(self).__name__
+
     def do_kv_cache_update(
         self,
         layer: Attention,

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 
 class TorchAttentionImpl(AttentionImpl):
+    def launch_name(self, attn_metadata: AttentionMetadata) -> str:
+        return "unified_attention_torch (SDPA: one padded call for the decodes, one per prefill)"
+
     def do_kv_cache_update(
         self,
         layer: Attention,

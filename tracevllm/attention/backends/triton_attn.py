@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.unified_attention import MIN_LAUNCH_GRID_SIZE_2D
+from kernels.unified_attention import MIN_LAUNCH_GRID_SIZE_2D, use_split_softmax
 from tracevllm import _custom_ops as ops
 from tracevllm.attention.backends.abstract import (
     AttentionBackend,
@@ -39,6 +39,12 @@ class TritonAttentionImpl(AttentionImpl):
         # MIN_LAUNCH_GRID_SIZE_2D of them, a decode-only step splits each
         # context into segments instead (vLLM's TritonAttentionMetadataBuilder).
         self.seq_threshold_3D = MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads
+
+    def launch_name(self, attn_metadata: AttentionMetadata) -> str:
+        num_seqs = attn_metadata.seq_lens.shape[0]
+        if use_split_softmax(attn_metadata.max_query_len, num_seqs, self.seq_threshold_3D):
+            return "kernel_unified_attention 3D (split-softmax) + reduce_segments"
+        return "kernel_unified_attention 2D"
 
     def do_kv_cache_update(
         self,

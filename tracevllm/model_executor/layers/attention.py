@@ -103,6 +103,7 @@ class Attention(nn.Module):
                 "tracevllm.seq_lens": attn_metadata.seq_lens.tolist(),
                 "tracevllm.block_table_shape": list(attn_metadata.block_table.shape),
                 "tracevllm.backend": self.attn_backend.get_name(),
+                "tracevllm.attention.launch": self.impl.launch_name(attn_metadata),
             },
         ):
             unified_attention_with_output(query, key, value, output, self.layer_name)
