@@ -9,6 +9,9 @@ arguments its launcher passes, and read from the cubin what one program
 which is where registers spill. Those bound how many programs an SM keeps in
 flight at once (occupancy). It says nothing about speed or about numerical
 results on the device: that needs the GPU itself (``make bench-kernels``).
+One difference from a real launch: Triton's JIT specializes integer
+arguments (an int equal to 1 becomes a constant, a multiple of 16 is marked
+aligned), which is left out here, so a device's figures can differ a little.
 
 Usage: inside ``compile_launches(module, ["kernel", ...], arch=90)``, calling a
 launcher (``unified_attention_triton(...)``) with CPU tensors compiles each
