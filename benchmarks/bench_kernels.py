@@ -26,17 +26,19 @@ import torch
 import torch.nn.functional as F
 
 # Peak HBM bandwidth (bytes/s) and dense bf16 tensor-core peak (FLOP/s) by
-# device name, from the vendors' data sheets; longest match first.
+# device name, from the vendors' data sheets. The first name contained in the
+# device's name wins, so a name that contains another (GH200, H200) comes first.
 PEAKS: list[tuple[str, float, float]] = [
+    ("GH200", 4.0e12, 989e12),
     ("H200", 4.8e12, 989e12),
     ("H100 NVL", 3.9e12, 835e12),
     ("H100 PCIe", 2.0e12, 756e12),
     ("H100", 3.35e12, 989e12),  # SXM
-    ("GH200", 4.0e12, 989e12),
     ("A100-SXM4-80GB", 2.039e12, 312e12),
     ("A100 80GB PCIe", 1.935e12, 312e12),
     ("A100", 1.555e12, 312e12),  # 40GB
     ("L40S", 0.864e12, 362e12),
+    ("L40", 0.864e12, 181e12),
     ("L4", 0.3e12, 121e12),
     ("A10G", 0.6e12, 70e12),
     ("A10", 0.6e12, 125e12),

@@ -1,9 +1,12 @@
 """FlashAttention's forward pass, from PyTorch to Triton, in three steps.
 
-Mirrors the idea behind vLLM's attention kernels (vllm/v1/attention/ops/
-triton_unified_attention.py is this loop plus a page table; vllm_flash_attn is
-Tri Dao's CUDA version) rather than one vLLM file: vLLM ships no contiguous
-FlashAttention of its own. The three steps compute the same function:
+Mirrors vllm/v1/attention/ops/triton_prefill_attention.py
+(``context_attention_fwd``, adapted from SGLang and LightLLM, which vLLM's
+Triton backend uses for encoder attention): one program per (query block,
+head), a loop over key blocks with an online softmax, 32-wide tiles for fp32.
+triton_unified_attention.py is the same loop plus a page table, and
+vllm_flash_attn is Tri Dao's CUDA version. The three steps compute the same
+function:
 
 1. ``naive_attention``: softmax(Q K^T * scale) V, the whole score matrix at once.
 2. ``blocked_attention``: the same, one block of keys at a time, with an online
