@@ -9,6 +9,7 @@ from a bug.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +23,17 @@ class GreedyReference:
     top2_gaps: list[float]
 
 
+# (prompt ids, generated ids, logits [vocab]) -> the logits greedy picks from
+LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
+
+
 @torch.inference_mode()
-def hf_greedy(model: Any, prompt_ids: list[int], max_tokens: int) -> GreedyReference:
+def hf_greedy(
+    model: Any,
+    prompt_ids: list[int],
+    max_tokens: int,
+    logits_processor: LogitsProcessor | None = None,
+) -> GreedyReference:
     input_ids = torch.tensor([prompt_ids])
     out = model(input_ids=input_ids, use_cache=True)
     past = out.past_key_values
@@ -31,6 +41,8 @@ def hf_greedy(model: Any, prompt_ids: list[int], max_tokens: int) -> GreedyRefer
     tokens: list[int] = []
     gaps: list[float] = []
     for _ in range(max_tokens):
+        if logits_processor is not None:
+            logits = logits_processor(prompt_ids, tokens, logits.float().clone())
         top2 = torch.topk(logits.float(), 2)
         gaps.append(float(top2.values[0] - top2.values[1]))
         next_id = int(top2.indices[0])

@@ -93,6 +93,60 @@ def test_lossless_preemption(default_model_dir: str, prompt_ids: Any, references
         assert llm.llm_engine.num_preemptions > 0
 
 
+def test_penalties_match_hf(
+    default_model_dir: str, prompt_ids: Any, references: list[GreedyReference]
+) -> None:
+    """Greedy with penalties, beside a request without: each equals its HF reference.
+
+    The repetition penalty is HF's own ``RepetitionPenaltyLogitsProcessor`` in
+    the reference loop; frequency and presence follow the OpenAI definition
+    (generated tokens only), applied after it, in vLLM's order.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    def processor(repetition: float, frequency: float, presence: float) -> Any:
+        hf = RepetitionPenaltyLogitsProcessor(penalty=repetition)
+
+        def apply(prompt: list[int], generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+            logits = hf(torch.tensor([prompt + generated]), logits[None])[0]
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long),
+                                    minlength=logits.shape[0]).float()  # fmt: skip
+            return logits - frequency * counts - presence * (counts > 0).float()
+
+        return apply
+
+    knobs = [(1.3, 0.0, 0.0), None, (1.1, 0.5, 0.4)]  # None: a plain greedy neighbour
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    model.eval()
+    refs = [
+        references[i] if k is None else hf_greedy(model, prompt_ids[i], MAX_TOKENS, processor(*k))
+        for i, k in enumerate(knobs)
+    ]
+    params = [
+        GREEDY
+        if k is None
+        else SamplingParams(
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            repetition_penalty=k[0],
+            frequency_penalty=k[1],
+            presence_penalty=k[2],
+        )
+        for k in knobs
+    ]
+    with LLM(enable_multiprocessing=False) as llm:
+        prompts = [{"prompt_token_ids": p} for p in prompt_ids[: len(knobs)]]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outputs, refs)):
+        assert_lossless(out.outputs[0].token_ids, ref, f"penalties {knobs[i]}, prompt {i}")
+    # The penalties changed something: otherwise this test would prove nothing.
+    assert outputs[0].outputs[0].token_ids != references[0].token_ids
+    assert outputs[2].outputs[0].token_ids != references[2].token_ids
+
+
 def test_lossless_block_size_32(default_model_dir: str, prompt_ids: Any, references: Any):
     # (d) a bigger page: different slot_mapping and block tables, same tokens.
     with LLM(block_size=32, enable_multiprocessing=True) as llm:

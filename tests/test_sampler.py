@@ -145,3 +145,66 @@ def test_logprobs_and_ranks() -> None:
     assert lp.selected_token_ranks.tolist() == expected_ranks.tolist()
     lists = lp.tolists()
     assert lists.sampled_token_ranks == expected_ranks.tolist()
+
+
+def test_penalties_follow_their_definitions() -> None:
+    """apply_all_penalties against the definitions, token by token: repetition over
+    prompt and output (divide positive logits, multiply negative ones), then
+    frequency x count and presence x seen over the output only; padding counts for nothing."""
+    from tracevllm.sample.ops.penalties import apply_all_penalties
+
+    vocab = 8
+    x = logits(3, seed=5)[:, :vocab]  # positive and negative logits
+    prompts = [[1, 2, 2], [3], [6, 6]]
+    outputs = [[2, 5, 5], [], [7]]
+    rep, freq, pres = [1.5, 1.0, 2.0], [0.5, 0.0, -0.5], [0.25, 1.0, 0.0]
+    expected = x.clone()
+    for r in range(3):
+        for t in range(vocab):
+            v = float(expected[r, t])
+            if t in prompts[r] or t in outputs[r]:
+                v = v / rep[r] if v > 0 else v * rep[r]
+            count = outputs[r].count(t)
+            expected[r, t] = v - freq[r] * count - pres[r] * (count > 0)
+    longest = max(len(p) for p in prompts)
+    prompt_ids = torch.tensor([p + [vocab] * (longest - len(p)) for p in prompts])
+    got = apply_all_penalties(
+        x.clone(),
+        prompt_ids,
+        torch.tensor(pres),
+        torch.tensor(freq),
+        torch.tensor(rep),
+        outputs,
+    )
+    torch.testing.assert_close(got, expected)
+
+
+def test_input_batch_keeps_penalties_with_their_rows() -> None:
+    """Through remove + condense (a row moves), each request keeps its penalties and prompt."""
+    from tracevllm.sampling_params import SamplingParams
+    from tracevllm.worker.input_batch import CachedRequestState, InputBatch
+
+    batch = InputBatch(4, 32, 64, VOCAB, block_size=4)
+    prompts = {"a": [1, 2, 3], "b": [4], "c": [5, 6]}
+    knobs = {"a": (1.2, 0.0, 0.0), "b": (1.0, 0.0, 0.0), "c": (1.0, 0.5, -1.0)}
+    for req_id, prompt in prompts.items():
+        rep, freq, pres = knobs[req_id]
+        params = SamplingParams(
+            temperature=0.0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres
+        )
+        state = CachedRequestState(req_id, prompt, params, None, ([0],), 0, output_token_ids=[9])
+        batch.add_request(state)
+    assert batch.make_sampling_metadata().no_penalties is False
+    batch.remove_request("a")
+    batch.condense()  # "c" moves from row 2 to row 0
+    md = batch.make_sampling_metadata()
+    assert batch.req_ids == ["c", "b"]
+    assert md.prompt_token_ids is not None and md.repetition_penalties is not None
+    assert md.prompt_token_ids.tolist() == [[5, 6], [4, VOCAB]]
+    assert md.repetition_penalties.tolist() == [1.0, 1.0]
+    assert md.frequency_penalties is not None and md.frequency_penalties.tolist() == [0.5, 0.0]
+    assert md.presence_penalties is not None and md.presence_penalties.tolist() == [-1.0, 0.0]
+    assert md.output_token_ids == [[9], [9]]
+    batch.remove_request("c")
+    batch.condense()
+    assert batch.make_sampling_metadata().no_penalties  # "b" uses none

@@ -23,6 +23,9 @@ from tracevllm.sampling_params import SamplingParams, SamplingType
         ({"stop": ["ok", ""]}, "stop"),
         ({"n": 2, "temperature": 0.0}, "n"),
         ({"logprobs": -1}, "logprobs"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ],
 )
 def test_bad_values_name_the_field(kwargs: dict, field: str) -> None:

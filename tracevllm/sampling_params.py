@@ -1,12 +1,13 @@
 """Sampling parameters for one request.
 
 Mirrors vllm/sampling_params.py (``SamplingParams``, ``SamplingType``,
-``RequestOutputKind``). Kept: n, temperature, top_p, top_k, min_p, seed,
-stop/stop_token_ids, ignore_eos, max_tokens/min_tokens, logprobs,
-skip_special_tokens, include_stop_str_in_output, output_kind. Left out:
-penalties, logit bias, allowed/bad words, structured outputs, prompt logprobs,
-beam search. Like vLLM's, it is a msgspec Struct, so it crosses the process
-boundary inside ``EngineCoreRequest`` as msgpack without pickling.
+``RequestOutputKind``). Kept: n, presence/frequency/repetition penalties,
+temperature, top_p, top_k, min_p, seed, stop/stop_token_ids, ignore_eos,
+max_tokens/min_tokens, logprobs, skip_special_tokens,
+include_stop_str_in_output, output_kind. Left out: logit bias, allowed/bad
+words, structured outputs, prompt logprobs, beam search. Like vLLM's, it is a
+msgspec Struct, so it crosses the process boundary inside
+``EngineCoreRequest`` as msgpack without pickling.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
     """
 
     n: int = 1
+    # OpenAI's: subtracted from the logit of every token generated so far,
+    # once (presence) or once per occurrence (frequency); in [-2, 2].
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # CTRL's / HF's: > 1 makes every token of the prompt and output less
+    # likely, < 1 more likely; 1 is off.
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     # 0 or -1: no top-k (vLLM accepts both).
@@ -98,6 +106,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             raise ValueError(f"n must be an int, but is of type {type(self.n).__name__}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}."
+            )
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:

@@ -21,6 +21,9 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1: fewer repeats")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
     parser.add_argument("--raw", action="store_true", help="no chat template")
 
 
@@ -33,6 +36,9 @@ def _sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.sampling_seed,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
     )
 
 

@@ -2,14 +2,14 @@
 
 Mirrors vllm/v1/sample/metadata.py (``SamplingMetadata``) and the tensor types
 of vllm/v1/outputs.py (``SamplerOutput``, ``LogprobsTensors``; the plain-list
-types the scheduler sees are in tracevllm/outputs.py). Left out: penalties,
+types the scheduler sees are in tracevllm/outputs.py). Left out:
 allowed/bad words, logits processors (min-p is a plain field here, as in
 vLLM before logits processors), spec-decode token ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -31,6 +31,16 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     # None: no logprobs; 0: the sampled token's only.
     max_num_logprobs: int | None
+    # Penalties: when no request uses one, nothing below is filled in.
+    no_penalties: bool = True
+    # [num_reqs, max_prompt_len], int64, padded with vocab_size
+    prompt_token_ids: torch.Tensor | None = None
+    # [num_reqs] each
+    frequency_penalties: torch.Tensor | None = None
+    presence_penalties: torch.Tensor | None = None
+    repetition_penalties: torch.Tensor | None = None
+    # Per request, its generated tokens (the runner's own lists, not copies).
+    output_token_ids: list[list[int]] = field(default_factory=list)
 
 
 class LogprobsTensors(NamedTuple):

@@ -2,7 +2,7 @@
 
 Mirrors vllm/v1/sample/sampler.py (``Sampler``) with its default
 ``logprobs_mode="raw_logprobs"``: logprobs are those of the model's raw
-distribution, before temperature and filtering. Left out: penalties, logit
+distribution, before penalties, temperature and filtering. Left out: logit
 bias, allowed/bad words, min-tokens and other logits processors, prompt
 logprobs, ``logprobs=-1`` (full vocabulary), the rejection sampler.
 """
@@ -14,6 +14,7 @@ from torch import nn
 
 from tracevllm import tracing
 from tracevllm.sample.metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
+from tracevllm.sample.ops.penalties import apply_all_penalties
 from tracevllm.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
@@ -26,10 +27,11 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         """``logits``: [num_reqs, vocab_size], one row per request in batch order."""
         num_logprobs = sampling_metadata.max_num_logprobs
-        # Logprobs come from the raw logits, before temperature and filtering.
+        # Logprobs come from the raw logits, before penalties, temperature and filtering.
         raw_logprobs = self.compute_logprobs(logits) if num_logprobs is not None else None
         logits = logits.to(torch.float32)
-        # (vLLM applies penalties and logits processors here.)
+        # (vLLM applies its logits processors here, then the penalties.)
+        logits = self.apply_penalties(logits, sampling_metadata)
         sampled = self.sample(logits, sampling_metadata)  # [num_reqs], int64
         logprobs_tensors = None
         if raw_logprobs is not None and num_logprobs is not None:
@@ -40,6 +42,24 @@ class Sampler(nn.Module):
         )
 
     # --8<-- [end:sampler_forward]
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        """Repetition, frequency and presence penalties, before any sampling (greedy too)."""
+        md = sampling_metadata
+        if md.no_penalties:
+            return logits
+        assert md.prompt_token_ids is not None
+        assert md.presence_penalties is not None and md.frequency_penalties is not None
+        assert md.repetition_penalties is not None
+        return apply_all_penalties(
+            logits,
+            md.prompt_token_ids,
+            md.presence_penalties,
+            md.frequency_penalties,
+            md.repetition_penalties,
+            md.output_token_ids,
+        )
 
     def sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax; the others are scaled, filtered and drawn."""

@@ -7,7 +7,7 @@ rows and only edits what changed: new requests take the lowest free row,
 finished ones leave a hole, and ``condense`` moves rows from the end into the
 holes so that rows ``0 .. num_reqs-1`` are the batch.
 
-Left out: penalties, logit bias, bad words, allowed token ids, logits
+Left out: logit bias, bad words, allowed token ids, logits
 processors (min-p, a logits processor in vLLM, is a plain per-row value here),
 prompt embeddings, spec-decode token ids, LoRA, pooling, multimodal. vLLM
 rebuilds ``SamplingMetadata`` only when the batch changed; here it is rebuilt
@@ -90,11 +90,17 @@ class InputBatch:
         self.top_p_cpu = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k_cpu = np.full(max_num_reqs, vocab_size, dtype=np.int32)
         self.min_p_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalties_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalties_cpu = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalties_cpu = np.ones(max_num_reqs, dtype=np.float32)
         self.greedy_reqs: set[str] = set()
         self.random_reqs: set[str] = set()
         self.top_p_reqs: set[str] = set()
         self.top_k_reqs: set[str] = set()
         self.min_p_reqs: set[str] = set()
+        self.frequency_penalties_reqs: set[str] = set()
+        self.presence_penalties_reqs: set[str] = set()
+        self.repetition_penalties_reqs: set[str] = set()
         # row -> generator, only for requests that have a seed.
         self.generators: dict[int, torch.Generator] = {}
         # req_id -> number of top logprobs asked for.
@@ -151,6 +157,15 @@ class InputBatch:
         self.min_p_cpu[req_index] = params.min_p
         if params.min_p > 0.0:
             self.min_p_reqs.add(req_id)
+        self.frequency_penalties_cpu[req_index] = params.frequency_penalty
+        if params.frequency_penalty != 0.0:
+            self.frequency_penalties_reqs.add(req_id)
+        self.presence_penalties_cpu[req_index] = params.presence_penalty
+        if params.presence_penalty != 0.0:
+            self.presence_penalties_reqs.add(req_id)
+        self.repetition_penalties_cpu[req_index] = params.repetition_penalty
+        if params.repetition_penalty != 1.0:
+            self.repetition_penalties_reqs.add(req_id)
         if request.generator is not None:
             self.generators[req_index] = request.generator
         if params.logprobs is not None:
@@ -173,6 +188,9 @@ class InputBatch:
             self.top_p_reqs,
             self.top_k_reqs,
             self.min_p_reqs,
+            self.frequency_penalties_reqs,
+            self.presence_penalties_reqs,
+            self.repetition_penalties_reqs,
         ):
             reqs.discard(req_id)
         self.generators.pop(req_index, None)
@@ -223,6 +241,9 @@ class InputBatch:
             self.top_p_cpu,
             self.top_k_cpu,
             self.min_p_cpu,
+            self.frequency_penalties_cpu,
+            self.presence_penalties_cpu,
+            self.repetition_penalties_cpu,
         ):
             arr[tgt] = arr[src]
         self.block_table.move_row(src, tgt)
@@ -239,6 +260,14 @@ class InputBatch:
         return len(self.greedy_reqs) == 0
 
     @property
+    def no_penalties(self) -> bool:
+        return not (
+            self.frequency_penalties_reqs
+            or self.presence_penalties_reqs
+            or self.repetition_penalties_reqs
+        )
+
+    @property
     def max_num_logprobs(self) -> int | None:
         return max(self.num_logprobs.values()) if self.num_logprobs else None
 
@@ -249,6 +278,7 @@ class InputBatch:
         def rows(arr: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(arr[:n].copy()).to(self.device)
 
+        no_penalties = self.no_penalties
         return SamplingMetadata(
             temperature=None if self.all_greedy else rows(self.temperature_cpu),
             all_greedy=self.all_greedy,
@@ -258,4 +288,20 @@ class InputBatch:
             min_p=rows(self.min_p_cpu) if self.min_p_reqs else None,
             generators=dict(self.generators),
             max_num_logprobs=self.max_num_logprobs,
+            no_penalties=no_penalties,
+            prompt_token_ids=None if no_penalties else self._make_prompt_token_ids_tensor(),
+            frequency_penalties=None if no_penalties else rows(self.frequency_penalties_cpu),
+            presence_penalties=None if no_penalties else rows(self.presence_penalties_cpu),
+            repetition_penalties=None if no_penalties else rows(self.repetition_penalties_cpu),
+            output_token_ids=[] if no_penalties else self.req_output_token_ids[:n],  # type: ignore[arg-type]
         )
+
+    def _make_prompt_token_ids_tensor(self) -> torch.Tensor:
+        """[num_reqs, longest prompt], int64: each row's prompt, padded with vocab_size."""
+        n = self.num_reqs
+        max_prompt_len = int(self.num_prompt_tokens[:n].max())
+        prompt_token_ids = self.token_ids_cpu[:n, :max_prompt_len].astype(np.int64)
+        # vocab_size is no token's id: the penalties count it as nothing.
+        pad = np.arange(max_prompt_len)[None, :] >= self.num_prompt_tokens[:n, None]
+        prompt_token_ids[pad] = self.vocab_size
+        return torch.from_numpy(prompt_token_ids).to(self.device)
