@@ -147,6 +147,41 @@ def test_penalties_match_hf(
     assert outputs[2].outputs[0].token_ids != references[2].token_ids
 
 
+def test_min_tokens_masks_eos_as_hf_does(default_model_dir: str, tokenizer: Any) -> None:
+    """min_tokens forbids EOS until that many tokens exist (vLLM's MinTokensLogitsProcessor),
+    so greedy runs past where it would stop; equal to HF's greedy under its own
+    ``MinNewTokensLengthLogitsProcessor``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    messages = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    eos, min_tokens, max_tokens = tokenizer.eos_token_id, 12, 24
+    with LLM(enable_multiprocessing=False) as llm:
+        plain, held = llm.generate(
+            [{"prompt_token_ids": prompt}] * 2,
+            [
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=min_tokens),
+            ],
+            use_tqdm=False,
+        )
+    plain_ids, held_ids = plain.outputs[0].token_ids, held.outputs[0].token_ids
+    assert plain_ids[-1] == eos and len(plain_ids) < min_tokens  # stops early unheld
+    assert eos not in held_ids[:min_tokens] and len(held_ids) > min_tokens
+
+    hf_min = MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, eos)
+
+    def processor(prompt: list[int], generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return hf_min(torch.tensor([prompt + generated]), logits[None])[0]
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
+    ref = hf_greedy(model.eval(), prompt, len(held_ids), processor)
+    assert_lossless(held_ids, ref, "min_tokens")
+
+
 def test_lossless_block_size_32(default_model_dir: str, prompt_ids: Any, references: Any):
     # (d) a bigger page: different slot_mapping and block tables, same tokens.
     with LLM(block_size=32, enable_multiprocessing=True) as llm:

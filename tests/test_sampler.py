@@ -208,3 +208,30 @@ def test_input_batch_keeps_penalties_with_their_rows() -> None:
     batch.remove_request("c")
     batch.condense()
     assert batch.make_sampling_metadata().no_penalties  # "b" uses none
+
+
+def test_min_tokens_masks_stop_tokens_until_reached() -> None:
+    """The batch lists rows still short of min_tokens (through a row move); the
+    sampler sets their stop tokens to -inf, so even greedy cannot pick them."""
+    from tracevllm.sampling_params import SamplingParams
+    from tracevllm.worker.input_batch import CachedRequestState, InputBatch
+
+    batch = InputBatch(4, 32, 64, VOCAB, block_size=4)
+    outputs: dict[str, list[int]] = {"a": [], "b": [7]}
+    for req_id, min_tokens in (("a", 0), ("b", 3)):
+        params = SamplingParams(temperature=0.0, min_tokens=min_tokens, stop_token_ids=[4, 5])
+        state = CachedRequestState(
+            req_id, [1, 2], params, None, ([0],), 0, output_token_ids=outputs[req_id]
+        )
+        batch.add_request(state)
+    batch.remove_request("a")
+    batch.condense()  # "b" moves to row 0
+    md = batch.make_sampling_metadata()
+    assert md.min_tokens == {0: (3, {4, 5})}
+    x = logits(1, seed=7)
+    x[0, 4] = 100.0  # the greedy pick, were it allowed
+    assert sample(x, md) != [4] and sample(x, md)[0] not in (4, 5)
+    outputs["b"] += [8, 9]  # three tokens now: stop tokens allowed again
+    md = batch.make_sampling_metadata()
+    assert md.min_tokens == {}
+    assert sample(x, md) == [4]

@@ -3,7 +3,7 @@
 Mirrors vllm/v1/sample/metadata.py (``SamplingMetadata``) and the tensor types
 of vllm/v1/outputs.py (``SamplerOutput``, ``LogprobsTensors``; the plain-list
 types the scheduler sees are in tracevllm/outputs.py). Left out:
-allowed/bad words, logits processors (min-p is a plain field here, as in
+allowed/bad words, logits processors as objects (min-p is a plain field here, as in
 vLLM before logits processors), spec-decode token ids.
 """
 
@@ -41,6 +41,9 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None = None
     # Per request, its generated tokens (the runner's own lists, not copies).
     output_token_ids: list[list[int]] = field(default_factory=list)
+    # row -> (min_tokens, stop token ids), for rows still short of min_tokens
+    # (vLLM keeps this state inside its MinTokensLogitsProcessor).
+    min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
 
 
 class LogprobsTensors(NamedTuple):

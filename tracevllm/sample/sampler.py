@@ -2,9 +2,11 @@
 
 Mirrors vllm/v1/sample/sampler.py (``Sampler``) with its default
 ``logprobs_mode="raw_logprobs"``: logprobs are those of the model's raw
-distribution, before penalties, temperature and filtering. Left out: logit
-bias, allowed/bad words, min-tokens and other logits processors, prompt
-logprobs, ``logprobs=-1`` (full vocabulary), the rejection sampler.
+distribution, before penalties, temperature and filtering. vLLM's two
+built-in logits processors that can change a greedy pick are plain steps
+here: min-tokens (``apply_min_tokens``) and min-p (in ``sample``). Left out:
+logit bias, allowed/bad words, custom logits processors, prompt logprobs,
+``logprobs=-1`` (full vocabulary), the rejection sampler.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Sampler(nn.Module):
         # Logprobs come from the raw logits, before penalties, temperature and filtering.
         raw_logprobs = self.compute_logprobs(logits) if num_logprobs is not None else None
         logits = logits.to(torch.float32)
-        # (vLLM applies its logits processors here, then the penalties.)
+        # vLLM's non-argmax-invariant logits processors (here min-tokens), then penalties.
+        logits = self.apply_min_tokens(logits, sampling_metadata)
         logits = self.apply_penalties(logits, sampling_metadata)
         sampled = self.sample(logits, sampling_metadata)  # [num_reqs], int64
         logprobs_tensors = None
@@ -42,6 +45,26 @@ class Sampler(nn.Module):
         )
 
     # --8<-- [end:sampler_forward]
+
+    @staticmethod
+    def apply_min_tokens(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+        """Forbid stop tokens (EOS included) to a request still short of ``min_tokens``.
+
+        vLLM's ``MinTokensLogitsProcessor.apply``: their logits become -inf, so
+        not even greedy can pick them, and the request runs on.
+        """
+        if not sampling_metadata.min_tokens:
+            return logits
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for row, (_, stop_token_ids) in sampling_metadata.min_tokens.items():
+            rows += [row] * len(stop_token_ids)
+            token_ids += stop_token_ids
+        index = (
+            torch.tensor(rows, device=logits.device),
+            torch.tensor(token_ids, device=logits.device),
+        )
+        return logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:

@@ -103,6 +103,8 @@ class InputBatch:
         self.repetition_penalties_reqs: set[str] = set()
         # row -> generator, only for requests that have a seed.
         self.generators: dict[int, torch.Generator] = {}
+        # row -> (min_tokens, stop token ids) of requests with min_tokens > 0.
+        self.min_tokens: dict[int, tuple[int, set[int]]] = {}
         # req_id -> number of top logprobs asked for.
         self.num_logprobs: dict[str, int] = {}
 
@@ -166,6 +168,8 @@ class InputBatch:
         self.repetition_penalties_cpu[req_index] = params.repetition_penalty
         if params.repetition_penalty != 1.0:
             self.repetition_penalties_reqs.add(req_id)
+        if params.min_tokens > 0 and params.all_stop_token_ids:
+            self.min_tokens[req_index] = (params.min_tokens, set(params.all_stop_token_ids))
         if request.generator is not None:
             self.generators[req_index] = request.generator
         if params.logprobs is not None:
@@ -194,6 +198,7 @@ class InputBatch:
         ):
             reqs.discard(req_id)
         self.generators.pop(req_index, None)
+        self.min_tokens.pop(req_index, None)
         self.num_logprobs.pop(req_id, None)
         return req_index
 
@@ -250,6 +255,9 @@ class InputBatch:
         generator = self.generators.pop(src, None)
         if generator is not None:
             self.generators[tgt] = generator
+        min_tokens = self.min_tokens.pop(src, None)
+        if min_tokens is not None:
+            self.min_tokens[tgt] = min_tokens
 
     @property
     def all_greedy(self) -> bool:
@@ -294,6 +302,11 @@ class InputBatch:
             presence_penalties=None if no_penalties else rows(self.presence_penalties_cpu),
             repetition_penalties=None if no_penalties else rows(self.repetition_penalties_cpu),
             output_token_ids=[] if no_penalties else self.req_output_token_ids[:n],  # type: ignore[arg-type]
+            min_tokens={
+                row: (min_tokens, stop_token_ids)
+                for row, (min_tokens, stop_token_ids) in self.min_tokens.items()
+                if len(self.req_output_token_ids[row] or ()) < min_tokens
+            },
         )
 
     def _make_prompt_token_ids_tensor(self) -> torch.Tensor:
