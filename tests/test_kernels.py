@@ -59,6 +59,24 @@ def test_kernels_in_triton_interpreter() -> None:
 # --- the paged write ------------------------------------------------------------------------
 
 
+def _check_write(
+    key: torch.Tensor,  # [num_tokens(+pad), num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens(+pad), num_kv_heads, head_size]
+    slots: torch.Tensor,  # [num_tokens], -1 = padding
+    num_blocks: int,
+    block_size: int,
+    gen: torch.Generator,
+) -> None:
+    """Into a random cache, the Triton write leaves exactly what the torch reference leaves."""
+    num_kv_heads, head_size = key.shape[1], key.shape[2]
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
+    expected = cache.clone()
+    reshape_and_cache_flash_torch(key, value, expected, slots)
+    cache, key, value, slots = (t.to(DEVICE) for t in (cache, key, value, slots))
+    reshape_and_cache_flash_triton(key, value, cache, slots)
+    torch.testing.assert_close(cache.cpu(), expected, atol=0, rtol=0)
+
+
 @live
 @pytest.mark.parametrize(
     "num_tokens,num_kv_heads,head_size,block_size",
@@ -78,12 +96,7 @@ def test_reshape_and_cache_flash_triton_matches_torch(
     slots = torch.randperm((num_blocks - 1) * block_size, generator=gen)[:num_tokens] + block_size
     slots[1] = -1  # a padding token
     # The slot mapping is shorter than K/V: the extra row must not be written either.
-    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
-    expected = cache.clone()
-    reshape_and_cache_flash_torch(key, value, expected, slots)
-    cache, key, value, slots = (t.to(DEVICE) for t in (cache, key, value, slots))
-    reshape_and_cache_flash_triton(key, value, cache, slots)
-    torch.testing.assert_close(cache.cpu(), expected, atol=0, rtol=0)
+    _check_write(key, value, slots, num_blocks, block_size, gen)
 
 
 @live
@@ -99,12 +112,7 @@ def test_reshape_and_cache_flash_triton_random_shapes(seed: int) -> None:
     value = torch.randn(num_tokens, num_kv_heads, head_size, generator=gen)
     slots = torch.randperm((num_blocks - 1) * block_size, generator=gen)[:num_tokens] + block_size
     slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1  # padding tokens
-    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
-    expected = cache.clone()
-    reshape_and_cache_flash_torch(key, value, expected, slots)
-    cache, key, value, slots = (t.to(DEVICE) for t in (cache, key, value, slots))
-    reshape_and_cache_flash_triton(key, value, cache, slots)
-    torch.testing.assert_close(cache.cpu(), expected, atol=0, rtol=0)
+    _check_write(key, value, slots, num_blocks, block_size, gen)
 
 
 # --- the paged read -------------------------------------------------------------------------

@@ -47,13 +47,17 @@ def prompt_ids(tokenizer: Any) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(default_model_dir: str, prompt_ids: list[list[int]]) -> list[GreedyReference]:
+def hf_model(default_model_dir: str) -> Any:
+    """HF transformers' Llama on the same weights, fp32: the reference for every test here."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
-    model.eval()
-    return [hf_greedy(model, ids, MAX_TOKENS) for ids in prompt_ids]
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def references(hf_model: Any, prompt_ids: list[list[int]]) -> list[GreedyReference]:
+    return [hf_greedy(hf_model, ids, MAX_TOKENS) for ids in prompt_ids]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -94,7 +98,7 @@ def test_lossless_preemption(default_model_dir: str, prompt_ids: Any, references
 
 
 def test_penalties_match_hf(
-    default_model_dir: str, prompt_ids: Any, references: list[GreedyReference]
+    hf_model: Any, prompt_ids: Any, references: list[GreedyReference]
 ) -> None:
     """Greedy with penalties, beside a request without: each equals its HF reference.
 
@@ -103,7 +107,6 @@ def test_penalties_match_hf(
     (generated tokens only), applied after it, in vLLM's order.
     """
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     def processor(repetition: float, frequency: float, presence: float) -> Any:
@@ -118,10 +121,10 @@ def test_penalties_match_hf(
         return apply
 
     knobs = [(1.3, 0.0, 0.0), None, (1.1, 0.5, 0.4)]  # None: a plain greedy neighbour
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
-    model.eval()
     refs = [
-        references[i] if k is None else hf_greedy(model, prompt_ids[i], MAX_TOKENS, processor(*k))
+        references[i]
+        if k is None
+        else hf_greedy(hf_model, prompt_ids[i], MAX_TOKENS, processor(*k))
         for i, k in enumerate(knobs)
     ]
     params = [
@@ -147,12 +150,11 @@ def test_penalties_match_hf(
     assert outputs[2].outputs[0].token_ids != references[2].token_ids
 
 
-def test_min_tokens_masks_eos_as_hf_does(default_model_dir: str, tokenizer: Any) -> None:
+def test_min_tokens_masks_eos_as_hf_does(hf_model: Any, tokenizer: Any) -> None:
     """min_tokens forbids EOS until that many tokens exist (vLLM's MinTokensLogitsProcessor),
     so greedy runs past where it would stop; equal to HF's greedy under its own
     ``MinNewTokensLengthLogitsProcessor``."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
     messages = [{"role": "user", "content": "What is 2+2? Answer with a number only."}]
@@ -177,8 +179,7 @@ def test_min_tokens_masks_eos_as_hf_does(default_model_dir: str, tokenizer: Any)
     def processor(prompt: list[int], generated: list[int], logits: torch.Tensor) -> torch.Tensor:
         return hf_min(torch.tensor([prompt + generated]), logits[None])[0]
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
-    ref = hf_greedy(model.eval(), prompt, len(held_ids), processor)
+    ref = hf_greedy(hf_model, prompt, len(held_ids), processor)
     assert_lossless(held_ids, ref, "min_tokens")
 
 

@@ -17,6 +17,7 @@ each step (a few small tensors).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -197,8 +198,8 @@ class InputBatch:
             self.repetition_penalties_reqs,
         ):
             reqs.discard(req_id)
-        self.generators.pop(req_index, None)
-        self.min_tokens.pop(req_index, None)
+        for by_row in self._row_keyed:
+            by_row.pop(req_index, None)
         self.num_logprobs.pop(req_id, None)
         return req_index
 
@@ -252,12 +253,14 @@ class InputBatch:
         ):
             arr[tgt] = arr[src]
         self.block_table.move_row(src, tgt)
-        generator = self.generators.pop(src, None)
-        if generator is not None:
-            self.generators[tgt] = generator
-        min_tokens = self.min_tokens.pop(src, None)
-        if min_tokens is not None:
-            self.min_tokens[tgt] = min_tokens
+        for by_row in self._row_keyed:
+            if src in by_row:
+                by_row[tgt] = by_row.pop(src)
+
+    @property
+    def _row_keyed(self) -> tuple[dict[int, Any], ...]:
+        """The knobs kept only for the rows that use them, keyed by row: they move with it."""
+        return (self.generators, self.min_tokens)
 
     @property
     def all_greedy(self) -> bool:
