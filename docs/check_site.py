@@ -1,29 +1,47 @@
-"""Open the built book in headless Chromium and check that it works offline.
+"""Open the built book in headless Chromium and check that it works offline
+and reads well at 1280 px.
 
 Run by ``make docs-check`` (part of ``make test``). It builds the site
-strictly into a temporary directory, serves it on 127.0.0.1 from a thread, and
-drives Debian's ``/usr/bin/chromium`` over the DevTools protocol (on a pipe:
-no port, no extra package). For every page it checks that:
+strictly into ``site/`` (what ``make docs`` builds), serves it on 127.0.0.1
+from a thread, and drives Debian's ``/usr/bin/chromium`` over the DevTools
+protocol (on a pipe: no port, no extra package), in a 1280 × 900 window. For
+every page it checks that:
 
 - the page rendered: its title and a phrase from its text are in the DOM;
-- every mermaid diagram drew: Material replaces each ``pre.mermaid`` with a
-  ``div.mermaid`` whose (closed) shadow root holds the ``<svg>``; the DOM is
-  read with ``pierce`` so closed shadow roots are visible;
+- every mermaid diagram drew, inside its box: Material replaces each
+  ``pre.mermaid`` with a ``div.mermaid`` whose shadow root holds the
+  ``<svg>`` (shadow roots are opened for the test); the svg fits its box,
+  every node and subgraph fits the svg, and no subgraph title overlaps a
+  node;
+- no code block is wider than the content column (it would scroll sideways);
+- every recorded view and diagram is drawn at 60 % of its size or more (a
+  smaller one has unreadable text);
+- a chapter of the request's path opens with where the request is;
 - no request left localhost: every URL the page asked for (Network domain
   events) is on 127.0.0.1 or data:, and the resolver maps every other host to
   nothing anyway (``--host-resolver-rules``).
+
+It also checks that every link of the labs' READMEs resolves: a link to the
+book (``http://127.0.0.1:8000/...``, where ``make docs-serve`` serves it) to
+a built page and anchor, any other link to a file of the checkout. And it
+takes a full-page screenshot of every page into ``site/_review/`` for a
+reviewer's eye.
 
 Exit status 0 when all pages pass.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import functools
+import glob
 import http.server
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,6 +52,12 @@ from urllib.parse import urlparse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+SITE = os.path.join(ROOT, "site")
+REVIEW = os.path.join(SITE, "_review")
+WIDTH, HEIGHT = 1280, 900
+BOOK_URL = "http://127.0.0.1:8000/"  # where the labs' READMEs point: make docs-serve
+# Below this, a recorded view's text is too small to read.
+MIN_IMAGE_SCALE = 0.6
 
 # page -> (a phrase its text must contain, number of mermaid diagrams it holds)
 PAGES: dict[str, tuple[str, int]] = {
@@ -52,6 +76,75 @@ PAGES: dict[str, tuple[str, int]] = {
     "reference/vllm-map/": ("scheduler.py", 0),
     "reference/source/tracevllm/core/sched/scheduler.py/": ("def schedule", 0),
 }
+# Pages that open with the request's path (docs/hooks/chapters.py).
+PATH_PAGES = {
+    f"chapters/{name}/"
+    for name in (
+        "entry",
+        "engine-core",
+        "scheduling",
+        "kv-cache",
+        "input-preparation",
+        "model-execution",
+        "paged-attention",
+        "sampling",
+    )
+}
+# Shadow roots are closed by Material; open them so the checks can look in.
+OPEN_SHADOW_ROOTS = """
+const attach = Element.prototype.attachShadow;
+Element.prototype.attachShadow = function (init) {
+  return attach.call(this, Object.assign({}, init, {mode: "open"}));
+};
+"""
+# Measures the page: what overflows, what overlaps, what is scaled down.
+MEASURE = r"""
+(() => {
+  const box = (el) => el.getBoundingClientRect();
+  const inside = (a, b) => a.left >= b.left - 1 && a.right <= b.right + 1
+    && a.top >= b.top - 1 && a.bottom <= b.bottom + 1;
+  const overlap = (a, b) => Math.min(a.right, b.right) - Math.max(a.left, b.left) > 1
+    && Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 1;
+  const label = (el) => (el.textContent || "").trim().slice(0, 40);
+  const out = {code: [], mermaid: [], drawn: 0, images: [], drawn_images: [],
+    path: !!document.querySelector(
+    ".md-content .request-path")};
+  for (const code of document.querySelectorAll(".md-content pre > code")) {
+    if (code.closest(".source-listing")) continue;  // generated source pages scroll
+    if (code.scrollWidth > code.clientWidth + 1) {
+      const longest = code.innerText.split("\n").reduce((a, b) => a.length >= b.length ? a : b);
+      const line = longest.trim().slice(0, 70);
+      out.code.push(`${code.scrollWidth}px in ${code.clientWidth}px: ${line}`);
+    }
+  }
+  for (const host of document.querySelectorAll("div.mermaid")) {
+    const svg = host.shadowRoot && host.shadowRoot.querySelector("svg");
+    if (!svg) continue;
+    out.drawn += 1;
+    const s = box(svg);
+    if (!inside(s, box(host))) out.mermaid.push("the diagram is wider than its box");
+    const nodes = [...svg.querySelectorAll(".node")];
+    for (const el of [...nodes, ...svg.querySelectorAll(".cluster, .edgeLabel")]) {
+      if (!inside(box(el), s)) out.mermaid.push(`clipped: ${label(el)}`);
+    }
+    for (const title of svg.querySelectorAll(".cluster-label")) {
+      for (const node of nodes) {
+        if (overlap(box(title), box(node))) {
+          out.mermaid.push(`subgraph title "${label(title)}" overlaps "${label(node)}"`);
+        }
+      }
+    }
+  }
+  for (const img of document.querySelectorAll(".md-content img")) {
+    if (!img.complete || !img.naturalHeight) {
+      out.images.push(`not loaded: ${img.getAttribute("src")}`);
+      continue;
+    }
+    out.drawn_images.push([img.src, box(img).width]);
+  }
+  return out;
+})()
+"""
 
 
 class Quiet(http.server.SimpleHTTPRequestHandler):
@@ -151,52 +244,38 @@ class DevTools:
             self.proc.wait()
 
 
-def _svg_in_mermaid(node: dict[str, Any], inside: bool = False) -> int:
-    """Number of mermaid hosts whose subtree (shadow roots included) holds an <svg>."""
-    classes = ""
-    attrs = node.get("attributes") or []
-    for k, v in zip(attrs[::2], attrs[1::2]):
-        if k == "class":
-            classes = v
-    is_host = node.get("nodeName") == "DIV" and "mermaid" in classes.split()
-    kids = list(node.get("children") or []) + list(node.get("shadowRoots") or [])
-    if is_host:
-        return int(any(_has_svg(k) for k in kids))
-    return sum(_svg_in_mermaid(k) for k in kids)
-
-
-def _has_svg(node: dict[str, Any]) -> bool:
-    if node.get("nodeName", "").lower() == "svg":
-        return True
-    kids = list(node.get("children") or []) + list(node.get("shadowRoots") or [])
-    return any(_has_svg(k) for k in kids)
-
-
 def check_page(dt: DevTools, base: str, path: str, phrase: str, diagrams: int) -> list[str]:
     target = dt.send("Target.createTarget", {"url": "about:blank"})["targetId"]
     session = dt.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
     for domain in ("Page", "Network", "Runtime", "DOM"):
         dt.send(f"{domain}.enable", session=session)
+    metrics = {"width": WIDTH, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}
+    dt.send("Emulation.setDeviceMetricsOverride", metrics, session=session)
+    dt.send("Page.addScriptToEvaluateOnNewDocument", {"source": OPEN_SHADOW_ROOTS}, session=session)
     dt.events.clear()
     dt.send("Page.navigate", {"url": base + path}, session=session)
     dt.wait_for("Page.loadEventFired", session)
     problems: list[str] = []
     # Mermaid draws after load, asynchronously: poll for the diagrams.
     deadline = time.monotonic() + 15
-    drawn = 0
     while True:
-        doc = dt.send("DOM.getDocument", {"depth": -1, "pierce": True}, session=session)
-        drawn = _svg_in_mermaid(doc["root"])
-        if drawn >= diagrams or time.monotonic() > deadline:
+        found = evaluate(dt, session, MEASURE)
+        if found["drawn"] >= diagrams or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    if drawn < diagrams:
-        problems.append(f"{drawn}/{diagrams} mermaid diagrams drew")
-    text = dt.send(
-        "Runtime.evaluate",
-        {"expression": "document.body.innerText", "returnByValue": True},
-        session=session,
-    )["result"].get("value", "")
+    if found["drawn"] < diagrams:
+        problems.append(f"{found['drawn']}/{diagrams} mermaid diagrams drew")
+    problems += [f"mermaid: {p}" for p in found["mermaid"]]
+    problems += [f"code block scrolls sideways, {p}" for p in found["code"]]
+    problems += [f"image {p}" for p in found["images"]]
+    for src, width in found["drawn_images"]:
+        natural = image_width(os.path.join(SITE, urlparse(src).path.lstrip("/")))
+        if natural and width / natural < MIN_IMAGE_SCALE:
+            name = os.path.basename(urlparse(src).path)
+            problems.append(f"image {name} drawn at {width / natural:.0%} of its size")
+    if path in PATH_PAGES and not found["path"]:
+        problems.append("no request-path strip under the title")
+    text = evaluate(dt, session, "document.body.innerText")
     if phrase.lower() not in text.lower():
         problems.append(f"text {phrase!r} not on the page")
     for ev in dt.events:
@@ -208,7 +287,81 @@ def check_page(dt: DevTools, base: str, path: str, phrase: str, diagrams: int) -
             continue
         if parsed.hostname != "127.0.0.1":
             problems.append(f"request left localhost: {url}")
+    screenshot(dt, session, path)
     dt.send("Target.closeTarget", {"targetId": target})
+    return problems
+
+
+def image_width(path: str) -> float | None:
+    """An image's own width: an SVG's width attribute, else its viewBox's
+    (rich's recorded views give only a viewBox, so the browser cannot say)."""
+    if not path.endswith(".svg") or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        head = f.read(2000)
+    tag = head[head.index("<svg") : head.index(">", head.index("<svg"))]
+    width = re.search(r'\swidth="([\d.]+)"', tag)
+    view_box = re.search(r'viewBox="[\d.]+ [\d.]+ ([\d.]+) [\d.]+"', tag)
+    found = width or view_box
+    return float(found.group(1)) if found else None
+
+
+def evaluate(dt: DevTools, session: str, expression: str) -> Any:
+    reply = dt.send(
+        "Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=session
+    )
+    if "exceptionDetails" in reply:
+        raise RuntimeError(f"page script failed: {reply['exceptionDetails']}")
+    return reply["result"].get("value")
+
+
+def screenshot(dt: DevTools, session: str, path: str) -> None:
+    """The whole page at 1280 px, into site/_review/, for a reviewer."""
+    height = evaluate(dt, session, "document.documentElement.scrollHeight")
+    clip = {"x": 0, "y": 0, "width": WIDTH, "height": min(int(height), 16000), "scale": 1}
+    shot = dt.send(
+        "Page.captureScreenshot",
+        {"format": "png", "captureBeyondViewport": True, "clip": clip},
+        session=session,
+    )
+    name = (path.strip("/").replace("/", "_") or "index") + ".png"
+    with open(os.path.join(REVIEW, name), "wb") as f:
+        f.write(base64.b64decode(shot["data"]))
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def check_lab_links(site: str) -> list[str]:
+    """Every link of chapters/README.md and the labs' READMEs resolves: to a
+    page (and anchor) of the built book, or to a file of the checkout."""
+    problems = []
+    readmes = [os.path.join(ROOT, "chapters", "README.md")]
+    readmes += sorted(glob.glob(os.path.join(ROOT, "chapters", "[0-9][0-9]-*", "README.md")))
+    for readme in readmes:
+        with open(readme) as f:
+            links = LINK.findall(f.read())
+        where = os.path.relpath(readme, ROOT)
+        for link in links:
+            if link.startswith(BOOK_URL):
+                page, _, anchor = link.removeprefix(BOOK_URL).partition("#")
+                html = (
+                    os.path.join(site, page, "index.html")
+                    if page.endswith("/") or not page
+                    else os.path.join(site, page)
+                )
+                if not os.path.isfile(html):
+                    problems.append(f"{where}: {link}: no such page in the built book")
+                    continue
+                with open(html) as f:
+                    if anchor and f'id="{anchor}"' not in f.read():
+                        problems.append(f"{where}: {link}: no anchor #{anchor} on that page")
+            elif re.match(r"\w+://", link):
+                problems.append(f"{where}: {link}: a link out of the checkout and the book")
+            else:
+                target = os.path.normpath(os.path.join(os.path.dirname(readme), link.split("#")[0]))
+                if not os.path.exists(target):
+                    problems.append(f"{where}: {link}: no such file")
     return problems
 
 
@@ -217,20 +370,24 @@ def main() -> int:
         print(f"{CHROMIUM} not found: run `make setup-browser` (apt-get install chromium)")
         return 2
     t0 = time.monotonic()
+    subprocess.run(
+        [os.path.join(ROOT, ".venv", "bin", "mkdocs"), "build", "--strict", "-q", "-d", SITE],
+        cwd=ROOT,
+        check=True,
+    )
+    print(f"mkdocs build --strict: {time.monotonic() - t0:.1f} s")
+    shutil.rmtree(REVIEW, ignore_errors=True)
+    os.makedirs(REVIEW)
+    failures = 0
+    for problem in check_lab_links(SITE):
+        print(f"  FAIL lab README link: {problem}")
+        failures += 1
+    handler = functools.partial(Quiet, directory=SITE)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}/"
     with tempfile.TemporaryDirectory() as tmp:
-        site = os.path.join(tmp, "site")
-        subprocess.run(
-            [os.path.join(ROOT, ".venv", "bin", "mkdocs"), "build", "--strict", "-q", "-d", site],
-            cwd=ROOT,
-            check=True,
-        )
-        print(f"mkdocs build --strict: {time.monotonic() - t0:.1f} s")
-        handler = functools.partial(Quiet, directory=site)
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        base = f"http://127.0.0.1:{server.server_address[1]}/"
         dt = DevTools(os.path.join(tmp, "chromium-profile"))
-        failures = 0
         try:
             for path, (phrase, diagrams) in PAGES.items():
                 problems = check_page(dt, base, path, phrase, diagrams)
@@ -240,7 +397,8 @@ def main() -> int:
         finally:
             dt.close()
             server.shutdown()
-    print(f"{len(PAGES) - failures}/{len(PAGES)} pages ok in {time.monotonic() - t0:.1f} s")
+    print(f"screenshots at 1280 px: {os.path.relpath(REVIEW, ROOT)}/")
+    print(f"{len(PAGES)} pages, {failures} failure(s) in {time.monotonic() - t0:.1f} s")
     return 1 if failures else 0
 
 

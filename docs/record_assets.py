@@ -13,6 +13,10 @@ same renderers as ``tracevllm view``) and writes them to
 - ``preempt``: two chat prompts in a KV cache of 7 usable blocks: a
   preemption, then the resumed request's prefix hits (the KV cache chapter).
 
+Beside the views it writes ``facts.json``, the figures the prose quotes
+(checked at build time by docs/hooks/recorded.py), and the diagrams of
+docs/diagrams.py, drawn from the same spans.
+
 The ``batch`` and ``preempt`` runs are in one process so that every request
 is added before the first step: their step composition does not depend on
 timing, and each re-recording gives the same block ids and slot mappings.
@@ -32,14 +36,25 @@ import re
 import shutil
 import subprocess
 import sys
-from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console, RenderableType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "docs"))
+
+import diagrams  # noqa: E402  (docs/, beside this file)
+from recording import (  # noqa: E402
+    Steps,
+    first_step,
+    fold_ints,
+    prepared_inputs_table,
+    schedule_table,
+    step_facts,
+    step_view,
+    steps_of,
+)
 
 from tracevllm.tracing.exporters import SpanRecord, read_spans_jsonl  # noqa: E402
 from tracevllm.views.completion import render_completion  # noqa: E402
@@ -75,6 +90,7 @@ def run_single() -> None:
 
 
 def _run_in_process(name: str, prompts: list[str], max_tokens: int, **engine_kwargs: Any) -> None:
+    """One process, every request added before the first step."""
     from tracevllm import LLM, SamplingParams
 
     out = os.path.join(RUNS_DIR, name)
@@ -97,31 +113,37 @@ def _run_in_process(name: str, prompts: list[str], max_tokens: int, **engine_kwa
         print(f"  {o.request_id}: {o.outputs[0].text!r}")
 
 
+BATCH = {"max_tokens": 4, "max_num_batched_tokens": 32}
+PREEMPT = {"max_tokens": 40, "num_gpu_blocks_override": 8, "block_size": 16}
+
+
 def run_batch() -> None:
-    _run_in_process("batch", BATCH_PROMPTS, max_tokens=4, max_num_batched_tokens=32)
+    _run_in_process("batch", BATCH_PROMPTS, **BATCH)  # type: ignore[arg-type]
 
 
 def run_preempt() -> None:
-    _run_in_process(
-        "preempt", BATCH_PROMPTS[:2], max_tokens=40, num_gpu_blocks_override=8, block_size=16
-    )
+    _run_in_process("preempt", BATCH_PROMPTS[:2], **PREEMPT)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- drawing
 _FONT_FACE = re.compile(r"@font-face\s*\{[^}]*\}")
 
 
-def save_svg(name: str, renderable: RenderableType, title: str, width: int = 120) -> None:
-    """Record one renderable as an SVG. Rich's SVG names web fonts on a CDN;
-    they are dropped so that the book never reaches outside (a local monospace
-    font draws it)."""
+def save_svg(name: str, renderable: RenderableType, title: str, width: int = 100) -> None:
+    """Record one renderable as an SVG, ``width`` terminal columns wide. Rich's
+    SVG names web fonts on a CDN; they are dropped so that the book never
+    reaches outside (a local monospace font draws it)."""
     console = Console(record=True, width=width, file=io.StringIO(), color_system="truecolor")
     console.print(renderable)
     svg = console.export_svg(title=title)
     svg = _FONT_FACE.sub("", svg)
     assert not re.search(r"url\(\W*http", svg), "external URL left in SVG"
+    write_text(name, svg)
+
+
+def write_text(name: str, text: str) -> None:
     with open(os.path.join(OUT_DIR, name), "w") as f:
-        f.write(svg)
+        f.write(text)
     print("  wrote", os.path.relpath(os.path.join(OUT_DIR, name), ROOT))
 
 
@@ -132,130 +154,50 @@ def load(name: str) -> list[SpanRecord]:
     return read_spans_jsonl(path)
 
 
-def steps_of(spans: list[SpanRecord]) -> dict[int, dict[str, SpanRecord]]:
-    """step id -> {span name: span} for the spans under each EngineCore.step."""
-    children: dict[str, list[SpanRecord]] = defaultdict(list)
-    for s in spans:
-        if s.parent_span_id:
-            children[s.parent_span_id].append(s)
-    steps: dict[int, dict[str, SpanRecord]] = {}
-    for step in (s for s in spans if s.name == "EngineCore.step"):
-        found: dict[str, SpanRecord] = {"EngineCore.step": step}
-        stack = list(children[step.span_id])
-        while stack:
-            s = stack.pop()
-            found.setdefault(s.name, s)
-            stack.extend(children[s.span_id])
-        if "Scheduler.schedule" in found:
-            steps[int(found["Scheduler.schedule"].attributes["tracevllm.step_id"])] = found
-    return steps
-
-
-def step_view(step: dict[str, SpanRecord]) -> dict[str, Any]:
-    return json.loads(step["Scheduler.schedule"].attributes["tracevllm.view.step"])
-
-
-def prepared_inputs_table(steps: dict[int, dict[str, SpanRecord]], ids: list[int]) -> str:
-    """The runner's flat batch for some steps, as a markdown table."""
-    fields = [
-        ("tracevllm.req_ids", "req_ids (batch rows)"),
-        ("tracevllm.num_scheduled_tokens", "num_scheduled_tokens"),
-        ("tracevllm.block_table", "block_table rows"),
-        ("tracevllm.positions", "positions"),
-        ("tracevllm.query_start_loc", "query_start_loc"),
-        ("tracevllm.seq_lens", "seq_lens"),
-        ("tracevllm.slot_mapping", "slot_mapping"),
-        ("tracevllm.logits_indices", "logits_indices"),
-    ]
-    lines = ["| | " + " | ".join(f"step {i}" for i in ids) + " |"]
-    lines.append("|---|" + "---|" * len(ids))
-    for key, label in fields:
-        cells = []
-        for i in ids:
-            attrs = steps[i]["ModelRunner._prepare_inputs"].attributes
-            if key not in attrs:
-                raise SystemExit(f"ModelRunner._prepare_inputs has no {key} any more")
-            cells.append(_compact(attrs[key]))
-        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _compact(value: Any) -> str:
-    """A list as `[a b c]`, runs of four or more consecutive ints folded (`16…52`)."""
-    if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
-        parts: list[str] = []
-        start = prev = value[0]
-        for v in [*value[1:], None]:
-            if v is not None and v == prev + 1:
-                prev = v
-                continue
-            if prev - start >= 3:
-                parts.append(f"{start}…{prev}")
-            else:
-                parts.extend(str(x) for x in range(start, prev + 1))
-            if v is not None:
-                start = prev = v
-        return "`[" + " ".join(parts) + "]`"
-    if isinstance(value, list):
-        return "<br>".join(f"`{v}`" for v in value)
-    return f"`{value}`"
-
-
-def schedule_table(steps: dict[int, dict[str, SpanRecord]]) -> str:
-    """Every step of a run: which requests, how many tokens each, and why."""
-    lines = [
-        "| step | request: computed + scheduled / tokens (kind) | budget | "
-        "KV blocks used / free | preempted |",
-        "|---|---|---|---|---|",
-    ]
-    for i in sorted(steps):
-        view = step_view(steps[i])
-        reqs = []
-        for r in view["requests"]:
-            # A request admitted this step (new or resumed) had computed nothing
-            # before: what it starts with is its prefix-cache hit.
-            hit = ""
-            if r["kind"] != "cached" and r["num_computed_tokens"]:
-                hit = f", hit {r['num_computed_tokens']}"
-            reqs.append(
-                f"{r['req_id']}: {r['num_computed_tokens']} + {r['num_scheduled_tokens']}"
-                f" / {r['num_tokens']} ({r['kind']}{hit})"
-            )
-        kv = view["kv"]
-        lines.append(
-            f"| {i} | {'<br>'.join(reqs) or '—'} | "
-            f"{view['token_budget']['used']}/{view['token_budget']['total']} | "
-            f"{kv['used']} / {kv['free']} | {', '.join(view['preempted']) or ''} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def write_text(name: str, text: str) -> None:
-    with open(os.path.join(OUT_DIR, name), "w") as f:
-        f.write(text)
-    print("  wrote", os.path.relpath(os.path.join(OUT_DIR, name), ROOT))
-
-
-def _first(steps: dict[int, dict[str, SpanRecord]], pred: Callable[[dict[str, Any]], bool]) -> int:
-    for i in sorted(steps):
-        if pred(step_view(steps[i])):
-            return i
-    raise SystemExit("no recorded step matches: did the workload change?")
-
-
-def draw_single() -> None:
+def draw_single() -> dict[str, Any]:
     spans = load("single")
     steps = steps_of(spans)
-    save_svg("single-waterfall.svg", render_waterfall(spans, width=40), "one request", 150)
+    # 80 columns: what a reader's terminal shows, and legible in the book.
+    save_svg("single-waterfall.svg", render_waterfall(spans), "one request", 80)
     request = next(s for s in spans if s.name == "llm_request")
-    save_svg("single-completion.svg", render_completion(request.attributes), "llm_request", 100)
+    save_svg("single-completion.svg", render_completion(request.attributes), "llm_request")
     pid = steps[1]["Scheduler.schedule"].pid
-    save_svg("single-step-1.svg", render_step(step_view(steps[1]), pid), "prefill step", 100)
-    save_svg("single-step-2.svg", render_step(step_view(steps[2]), pid), "decode step", 100)
+    save_svg("single-step-1.svg", render_step(step_view(steps[1]), pid), "prefill step")
+    save_svg("single-step-2.svg", render_step(step_view(steps[2]), pid), "decode step")
     write_text("single-schedule.md", schedule_table(steps))
     write_text("single-prepare-inputs.md", prepared_inputs_table(steps, [1, 2]))
-    # The request's span tree, names and processes only (stable from run to run).
-    kinds = {s.span_id: s for s in spans}
+    write_text("single-spans.md", span_table(spans, steps))
+    facts = step_facts(steps)
+    prefill, decode = facts["1"], facts["2"]
+    shape = steps[1]["reshape_and_cache_flash"].attributes["tracevllm.kv_cache_shape"]
+    write_text(
+        "kv-layout.svg",
+        diagrams.kv_layout(
+            prefill["requests"]["0"]["blocks"],
+            PREEMPT["block_size"],
+            decode["requests"]["0"]["after"],
+            decode["slot_mapping"][0],
+            shape,
+        ),
+    )
+    return {
+        "steps": facts,
+        "num_steps": len(steps),
+        "last_step": max(steps),
+        "prompt_tokens": prefill["num_tokens"],
+        "output_tokens": request.attributes["gen_ai.usage.output_tokens"],
+        "text": request.attributes.get("tracevllm.completion.text", ""),
+        "blocks": prefill["requests"]["0"]["blocks"],
+        "prefill_slots": fold_ints(prefill["slot_mapping"]),
+        "decode_slot": decode["slot_mapping"][0],
+        "kv_cache_shape": shape,
+        "usable_blocks": prefill["kv"]["used"] + prefill["kv"]["free"],
+    }
+
+
+def span_table(spans: list[SpanRecord], steps: Steps) -> str:
+    """The request's span tree, names and processes only (stable from run to run)."""
+    by_id = {s.span_id: s for s in spans}
     rows = ["| span | process | parent |", "|---|---|---|"]
     for s in spans:
         if s.name in (
@@ -264,14 +206,14 @@ def draw_single() -> None:
             "OutputProcessor.process_outputs",
         ):
             continue  # one per step: the step spans show them
-        parent = kinds.get(s.parent_span_id or "")
+        parent = by_id.get(s.parent_span_id or "")
         per_step = s.name.startswith(("ModelRunner", "Scheduler", "Sampler", "LlamaFor")) or (
             s.name in ("reshape_and_cache_flash", "unified_attention", "EngineCore.step")
         )
-        if per_step and steps[1]["EngineCore.step"].span_id not in _ancestors(s, kinds):
+        if per_step and steps[1]["EngineCore.step"].span_id not in _ancestors(s, by_id):
             continue  # only the first step's
         rows.append(f"| `{s.name}` | {s.process_kind} | {f'`{parent.name}`' if parent else '—'} |")
-    write_text("single-spans.md", "\n".join(rows) + "\n")
+    return "\n".join(rows) + "\n"
 
 
 def _ancestors(span: SpanRecord, by_id: dict[str, SpanRecord]) -> set[str]:
@@ -282,11 +224,17 @@ def _ancestors(span: SpanRecord, by_id: dict[str, SpanRecord]) -> set[str]:
     return out
 
 
-def draw_batch() -> None:
-    spans = load("batch")
-    steps = steps_of(spans)
+def _what(r: dict[str, Any]) -> str:
+    if r["computed"] >= r["prompt"]:
+        return "decode"
+    return "prompt" if r["after"] >= r["prompt"] else "prompt (chunk)"
+
+
+def draw_batch() -> dict[str, Any]:
+    steps = steps_of(load("batch"))
     write_text("batch-schedule.md", schedule_table(steps))
-    mixed = _first(
+    facts = step_facts(steps)
+    mixed = first_step(
         steps,
         lambda v: (
             {r["num_computed_tokens"] >= r["num_prompt_tokens"] for r in v["requests"]}
@@ -294,20 +242,125 @@ def draw_batch() -> None:
         ),
     )
     for i in sorted({1, 2, mixed}):
-        save_svg(f"batch-step-{i}.svg", render_step(step_view(steps[i])), f"step {i}", 100)
+        save_svg(f"batch-step-{i}.svg", render_step(step_view(steps[i])), f"step {i}")
     write_text("batch-prepare-inputs.md", prepared_inputs_table(steps, sorted({2, mixed})))
-    write_text("batch-mixed-step.txt", f"{mixed}\n")
+    budget = BATCH["max_num_batched_tokens"]
+    timeline = [
+        (int(i), [(r, f["scheduled"], _what(f)) for r, f in step["requests"].items()])
+        for i, step in facts.items()
+    ]
+    write_text("batch-timeline.svg", diagrams.budget_timeline(timeline, budget))
+    at = facts[str(mixed)]
+    tables = [(r, f["blocks"]) for r, f in at["requests"].items()]
+    ref_cnt = {int(b): n for b, n in at["ref_cnt"].items()}
+    write_text(
+        "batch-shared-blocks.svg",
+        diagrams.block_sharing(tables, ref_cnt, f"Block tables at step {mixed}"),
+    )
+    chunk = next(r for r in at["requests"].values() if r["computed"] < r["prompt"])
+    write_text("batch-causal-mask.svg", diagrams.causal_mask(chunk["scheduled"], chunk["after"]))
+    shared = max(ref_cnt, key=lambda b: ref_cnt[b])
+    admitted = facts["2"]["requests"]
+    return {
+        "steps": facts,
+        "budget": budget,
+        "max_tokens": BATCH["max_tokens"],
+        "prompt_tokens": [facts["1"]["requests"]["0"]["prompt"]]
+        + [admitted[r]["prompt"] for r in sorted(admitted) if r != "0"],
+        "hit": admitted["1"]["computed"],
+        "mixed_step": mixed,
+        "shared_block": shared,
+        "shared_ref_cnt": ref_cnt[shared],
+        "last_step": max(steps),
+    }
 
 
-def draw_preempt() -> None:
-    spans = load("preempt")
-    steps = steps_of(spans)
-    write_text("preempt-schedule.md", schedule_table(steps))
-    pre = _first(steps, lambda v: bool(v["preempted"]))
-    resumed = _first(steps, lambda v: any(r["kind"] == "resumed" for r in v["requests"]))
+def draw_preempt() -> dict[str, Any]:
+    steps = steps_of(load("preempt"))
+    write_text("preempt-schedule.md", schedule_table(steps, fold=True))
+    write_text("preempt-schedule-full.md", schedule_table(steps))
+    facts = step_facts(steps)
+    pre = first_step(steps, lambda v: bool(v["preempted"]))
+    resumed = first_step(steps, lambda v: any(r["kind"] == "resumed" for r in v["requests"]))
     for i in (pre - 1, pre, resumed):
-        save_svg(f"preempt-step-{i}.svg", render_step(step_view(steps[i])), f"step {i}", 100)
-    write_text("preempt-steps.txt", f"{pre} {resumed}\n")
+        save_svg(f"preempt-step-{i}.svg", render_step(step_view(steps[i])), f"step {i}")
+    before, at = facts[str(pre - 1)], facts[str(pre)]
+    victim_id = at["preempted"][0]
+    victim = before["requests"][victim_id]
+    runner_id, runner = next((r, f) for r, f in at["requests"].items())
+    # The victim's blocks no one else holds go back to the queue, tail first.
+    shared = {b for r, f in before["requests"].items() if r != victim_id for b in f["blocks"]}
+    freed = [b for b in reversed(victim["blocks"]) if b not in shared]
+    taken = [b for b in runner["blocks"] if b not in before["requests"][runner_id]["blocks"]]
+    # Its full blocks were hashed; the partial last one was not.
+    num_full = victim["after"] // PREEMPT["block_size"]
+    hashed = set(victim["blocks"][:num_full])
+    queue_after = [(b, b in hashed) for b in freed if b not in taken]
+    # Where the step view lists the free queue, it must agree.
+    recorded = step_view(steps[pre])["kv"].get("free_queue_head")
+    if recorded is not None and recorded != [[b, c] for b, c in queue_after]:
+        raise SystemExit(f"after step {pre} the free queue is {recorded}, not {queue_after}")
+    write_text(
+        "preempt-free-queue.svg",
+        diagrams.free_queue(
+            [
+                (
+                    f"end of step {pre - 1}: the pool is full",
+                    {r: f["blocks"] for r, f in before["requests"].items()},
+                    [],
+                    "every block held: nothing to allocate",
+                ),
+                (
+                    f"step {pre}: request {victim_id} is preempted, its blocks freed tail first",
+                    {runner_id: before["requests"][runner_id]["blocks"]},
+                    [(b, b in hashed) for b in freed],
+                    "the shared block stays with request " + f"{runner_id}: ref_cnt 2 → 1",
+                ),
+                (
+                    f"step {pre}: request {runner_id} takes block {taken[0]} from the head",
+                    {runner_id: runner["blocks"]},
+                    [(b, c) for b, c in queue_after],
+                    f"cached: they wait for request {victim_id}",
+                ),
+            ],
+            "The free queue around the preemption",
+        ),
+    )
+    back = facts[str(resumed)]["requests"][victim_id]
+    fourth = [
+        first_step(
+            steps,
+            lambda v, r=r: any(q["req_id"] == r and len(q["block_ids"]) > 3 for q in v["requests"]),
+        )
+        for r in sorted(facts["1"]["requests"])
+    ]
+    return {
+        "steps": facts,
+        "usable_blocks": facts["1"]["kv"]["used"] + facts["1"]["kv"]["free"],
+        "num_gpu_blocks": PREEMPT["num_gpu_blocks_override"],
+        "max_tokens": PREEMPT["max_tokens"],
+        "prompt_tokens": [f["prompt"] for _, f in sorted(facts["1"]["requests"].items())],
+        "fourth_block": fourth,
+        "step": pre,
+        "victim": {
+            "id": victim_id,
+            "computed": victim["after"],
+            "tokens": victim["tokens"] + 1,  # it sampled one more in step pre - 1
+            "full_blocks": num_full,
+        },
+        "runner": {"id": runner_id, "computed": runner["computed"], "blocks": runner["blocks"]},
+        "freed": freed,
+        "taken": taken,
+        "runner_last_step": max(int(i) for i, f in facts.items() if runner_id in f["requests"]),
+        "resume": {
+            "step": resumed,
+            "hit": back["computed"],
+            "recomputed": back["scheduled"],
+            "tokens": back["tokens"],
+            "blocks": back["blocks"],
+        },
+        "last_step": max(steps),
+    }
 
 
 def main() -> None:
@@ -321,9 +374,8 @@ def main() -> None:
         run_single()
         run_batch()
         run_preempt()
-    draw_single()
-    draw_batch()
-    draw_preempt()
+    facts = {"single": draw_single(), "batch": draw_batch(), "preempt": draw_preempt()}
+    write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

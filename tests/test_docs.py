@@ -9,6 +9,7 @@ import ast
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -117,3 +118,73 @@ def test_every_chapter_names_its_vllm_counterpart() -> None:
         assert "vLLM 0.22.0" in text and VLLM_PATH.search(text), (
             f"{chapter.name} names no vLLM 0.22.0 file"
         )
+
+
+def _hook(name: str) -> object:
+    """A docs/hooks/ module, loaded the way mkdocs loads it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_number_quoted_from_a_recording_must_match_it() -> None:
+    """[62](rec:preempt.victim.computed) renders as 62 only while the recording
+    says 62; a re-recording that changes it, or a typo, stops the build."""
+    pytest.importorskip("mkdocs")
+    from mkdocs.exceptions import PluginError
+
+    hook: Any = _hook("recorded")
+    hook._facts.clear()
+    hook._facts.update({"run": {"steps": {"3": {"slots": [53, 83]}}, "hit": 48, "text": "Hi."}})
+    assert hook.check("48", "run.hit", "page.md") == "48"
+    assert hook.check("`[53 83]`", "run.steps.3.slots", "page.md") == "`[53 83]`"
+    assert hook.check("83", "run.steps.3.slots.1", "page.md") == "83"
+    with pytest.raises(
+        PluginError, match="quotes '16' for rec:run.hit, but the recording says '48'"
+    ):
+        hook.check("16", "run.hit", "page.md")
+    with pytest.raises(PluginError, match="no such figure"):
+        hook.check("48", "run.miss", "page.md")
+
+
+def test_every_number_the_book_quotes_matches_its_recording() -> None:
+    """What the build checks, as a test: every rec: link of every page, against
+    docs/assets/recorded/facts.json."""
+    pytest.importorskip("mkdocs")
+    hook: Any = _hook("recorded")
+    hook.load(str(ROOT))
+    quoted = 0
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for m in hook.LINK.finditer(page.read_text()):
+            hook.check(m["text"], m["key"], str(page.relative_to(ROOT)))
+            quoted += 1
+    assert quoted > 50  # the chapters quote their recorded runs throughout
+
+
+def test_every_embed_is_titled_with_its_file() -> None:
+    pytest.importorskip("mkdocs")
+    hook: Any = _hook("chapters")
+    text = '```python\n--8<-- "tracevllm/a.py:x"\n```\n'
+    assert hook.title_embeds(text).startswith('```python title="tracevllm/a.py"\n')
+    folded = '??? success "S"\n    ```python\n    --8<-- "kernels/b.py:y"\n    ```\n'
+    assert '    ```python title="kernels/b.py"\n' in hook.title_embeds(folded)
+    titled = '```python title="mine"\n--8<-- "tracevllm/a.py:x"\n```\n'
+    assert hook.title_embeds(titled) == titled
+
+
+def test_each_stage_chapter_opens_with_the_request_path() -> None:
+    """Every chapter of the request's path (the nav's section, the map
+    excepted) has its stage, so it opens with previous -> this -> next."""
+    pytest.importorskip("mkdocs")
+    hook: Any = _hook("chapters")
+    nav = (ROOT / "mkdocs.yml").read_text()
+    section = nav[nav.index("The request's path:") : nav.index("Watching and going further:")]
+    pages = [p.removeprefix("chapters/") for p in re.findall(r"(chapters/[\w-]+\.md)", section)]
+    assert [s.page for s in hook.STAGES] == [p for p in pages if p != "map.md"]
+    strip = hook.path_strip("scheduling.md")
+    assert "[EngineCore loop](engine-core.md) → **Scheduling** → [KV cache](kv-cache.md)" in strip
+    assert hook.path_strip("tracing.md") == ""

@@ -7,6 +7,7 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,13 +22,18 @@ from tracevllm.labs import LABS, LabError, lab_override, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ROOT / "chapters"
+BOOK = "http://127.0.0.1:8000/"  # where `make docs-serve` serves the built book
 BOOK_PAGES = {
-    "01": "scheduling.md",
-    "02": "kv-cache.md",
-    "03": "input-preparation.md",
-    "04": "paged-attention.md",
-    "05": "sampling.md",
-    "06": "output-processing.md",
+    "01": "scheduling",
+    "02": "kv-cache",
+    "03": "input-preparation",
+    "04": "paged-attention",
+    "05": "sampling",
+    "06": "sampling",
+    "07": "kv-cache",
+    "08": "kv-cache",
+    "09": "sampling",
+    "10": "pytorch-to-triton",
 }
 
 
@@ -67,8 +73,76 @@ def test_lab_folder_matches_the_engine(number: str) -> None:
     skeleton = getattr(load_path(folder / "lab.py", f"skeleton_{number}"), lab.function)
     assert signature(skeleton) == signature(engine_fn)
     readme = (folder / "README.md").read_text()
-    assert f"(../../docs/chapters/{BOOK_PAGES[number]})" in readme
+    # The built page (rendered, with its code), not the markdown source.
+    assert f"({BOOK}chapters/{BOOK_PAGES[number]}/" in readme
+    assert (ROOT / "docs" / "chapters" / f"{BOOK_PAGES[number]}.md").is_file()
+    assert "../../docs/" not in readme
     assert "vLLM 0.22.0" in readme and f"make lab CH={number}" in readme
+
+
+def _section(markdown: str, title: str) -> str:
+    """The text of the ``## title`` section, up to the next ``## ``."""
+    match = re.search(rf"^## {title}\n(.*?)(?=^## |\Z)", markdown, re.S | re.M)
+    assert match is not None, f"no ## {title} section"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("number", sorted(LABS))
+def test_lab_hints_state_rules_not_code(number: str) -> None:
+    """A hint says what must hold, with an example; it does not hand over code:
+    no code block, and no inline code that calls, indexes or assigns."""
+    lab = LABS[number]
+    hints = _section((CHAPTERS / f"{number}-{lab.topic}" / "README.md").read_text(), "Hints")
+    assert "```" not in hints, f"lab {number}: a code block in the hints"
+    # A call, an index, or an assignment to a name (a one-letter name is an
+    # example's variable: `Q = 2`).
+    looks_like_code = re.compile(r"\w[(\[]|[A-Za-z_][\w.]{2,}\s*=")
+    code = [c for c in re.findall(r"`([^`]+)`", hints) if looks_like_code.search(c)]
+    assert not code, f"lab {number}: the hints hand over code: {code}"
+
+
+# A fence whose only line embeds a source section.
+EMBED = re.compile(
+    r'^(?P<indent>[ \t]*)```\w+[^\n]*\n[ \t]*--8<-- "(?P<path>[^":]+):(?P<section>[^"]+)"', re.M
+)
+
+
+def _section_source(path: str, section: str) -> str:
+    text = (ROOT / path).read_text()
+    start = text.index(f"--8<-- [start:{section}]")
+    return text[start : text.index(f"--8<-- [end:{section}]")]
+
+
+def test_the_book_folds_every_lab_solution() -> None:
+    """A chapter may show the code a lab asks for only folded away, in a
+    collapsed "Solution — after lab NN" admonition, so that a reader doing the
+    lab meets the rule first."""
+    folded = 0
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        lines = page.read_text().splitlines()
+        text = "\n".join(lines)
+        for m in EMBED.finditer(text):
+            source = _section_source(m["path"], m["section"])
+            for number, lab in LABS.items():
+                if not re.search(rf"def {lab.function}\(", source):
+                    continue
+                where = f"{page.relative_to(ROOT)}: {m['path']}:{m['section']}"
+                # The admonition that holds the embed: the last less-indented
+                # line above it must open it.
+                line_no = text[: m.start()].count("\n")
+                indent = len(m["indent"])
+                assert indent > 0, f"{where} shows lab {number}'s solution unfolded"
+                opener = next(
+                    line
+                    for line in reversed(lines[:line_no])
+                    if line.strip() and len(line) - len(line.lstrip()) < indent
+                )
+                assert opener.startswith("??? ") and f"Solution — after lab {number}" in opener, (
+                    f"{where}: lab {number}'s solution must sit in a collapsed "
+                    f"admonition titled 'Solution — after lab {number}', not under {opener!r}"
+                )
+                folded += 1
+    assert folded >= 8  # labs 01-06, 09 and 10 (07 and 08: the book does not embed them)
 
 
 def test_labs_check_on_one_lab() -> None:
@@ -116,7 +190,8 @@ def test_no_lab_means_the_engine_function_itself(monkeypatch: pytest.MonkeyPatch
     ("value", "message"),
     [
         ("99", "TRACEVLLM_LAB=99: there is no lab 99. Labs: 01 (token-budget)"),
-        ("7", "there is no lab 07"),
+        ("42", "there is no lab 42"),
+        ("10", "the engine never calls blocked_attention() (see chapters/10-online-softmax"),
         ("01,abc", "a lab is a number or a lab folder named NN-topic"),
         ("/nonexistent/03-slot-mapping", "/nonexistent/03-slot-mapping/lab.py does not exist"),
     ],
@@ -203,12 +278,12 @@ GENERATE = textwrap.dedent(
 )
 
 
-def _run_in_subprocess(model_dir: str, lab_env: str) -> dict[str, Any]:
-    """GENERATE in a fresh interpreter: hooks resolve when the engine is imported."""
+def _python(code: str, lab_env: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter, one process, with TRACEVLLM_LAB set:
+    hooks resolve when the engine is imported."""
     env = dict(os.environ, TRACEVLLM_ENABLE_MULTIPROCESSING="0", TRACEVLLM_LAB=lab_env)
-    code = GENERATE + "\nimport json, sys\nprint('RESULT=' + json.dumps(run(sys.argv[1])))\n"
     proc = subprocess.run(
-        [sys.executable, "-c", code, model_dir],
+        [sys.executable, "-c", code, *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -216,17 +291,25 @@ def _run_in_subprocess(model_dir: str, lab_env: str) -> dict[str, Any]:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _run_in_subprocess(model_dir: str, lab_env: str) -> dict[str, Any]:
+    """GENERATE in a fresh interpreter."""
+    code = GENERATE + "\nimport json, sys\nprint('RESULT=' + json.dumps(run(sys.argv[1])))\n"
+    proc = _python(code, lab_env, model_dir)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT="))
     return json.loads(line.removeprefix("RESULT="))  # type: ignore[no-any-return]
 
 
 def test_plugged_labs_serve_the_same_output(tiny_model_dir: str, tmp_path: Path) -> None:
-    """TRACEVLLM_LAB with all six labs (each a pass-through to the engine's own
+    """TRACEVLLM_LAB with every pluggable lab (each a pass-through to the engine's own
     function) gives the same tokens as the engine alone, and every lab
     function was called. The engine runs in-process (no engine process), the
     plugged one in a fresh interpreter."""
     folders = []
-    for number, lab in sorted(LABS.items()):
+    pluggable = {number: lab for number, lab in LABS.items() if lab.span is not None}
+    for number, lab in sorted(pluggable.items()):
         folder = tmp_path / f"{number}-{lab.topic}"
         folder.mkdir()
         (folder / "lab.py").write_text(PASS_THROUGH_LAB.format(name=lab.function))
@@ -244,5 +327,36 @@ def test_plugged_labs_serve_the_same_output(tiny_model_dir: str, tmp_path: Path)
     assert (
         baseline["texts"][4] == baseline["texts"][0][: baseline["texts"][0].index(plugged["stop"])]
     )
-    assert sorted(plugged["calls"]) == sorted(LABS)
+    assert sorted(plugged["calls"]) == sorted(pluggable)
     assert all(n > 0 for n in plugged["calls"].values()), plugged["calls"]
+
+
+def test_a_plugged_lab_says_so(tiny_model_dir: str, tmp_path: Path) -> None:
+    """TRACEVLLM_LAB=03 prints one line naming the lab's file when the engine
+    loads it, tags the spans its function ran under (``tracevllm.labs``), and
+    the live view prints the slot mapping it computed."""
+    folder = tmp_path / "03-slot-mapping"
+    folder.mkdir()
+    (folder / "lab.py").write_text(PASS_THROUGH_LAB.format(name="compute_slot_mapping"))
+    code = textwrap.dedent(
+        """
+        import sys
+        from tracevllm import LLM, SamplingParams
+
+        llm = LLM(model=sys.argv[1], enable_multiprocessing=False, trace_detail="request",
+                  trace_dir=sys.argv[2], trace_live_views=True)
+        llm.generate(["Hello, world!"], SamplingParams(max_tokens=2, temperature=0))
+        llm.shutdown()
+        """
+    )
+    proc = _python(code, str(folder), tiny_model_dir, str(tmp_path / "trace"))
+    named = f"03: compute_slot_mapping from {folder / 'lab.py'}"
+    assert proc.stderr.count(f"lab {named}") == 1, proc.stderr[-2000:]
+    from tracevllm.tracing.exporters import read_spans_jsonl
+
+    spans = read_spans_jsonl(str(tmp_path / "trace" / "spans.jsonl"))
+    tagged = {s.name for s in spans if s.attributes.get("tracevllm.labs") == [named]}
+    assert tagged == {"ModelRunner._prepare_inputs"}
+    prepared = [s for s in spans if s.name == "ModelRunner._prepare_inputs"]
+    first = " ".join(str(slot) for slot in prepared[0].attributes["tracevllm.slot_mapping"])
+    assert f"slot_mapping [{first}]" in " ".join(proc.stdout.split())

@@ -87,5 +87,77 @@ def test_waterfall_marks_the_boundary_crossing() -> None:
         _span("c", "a", "LLMEngine.add_request", 1, "frontend", 2),
     ]
     lines = _text(render_waterfall(spans)).splitlines()
-    crossed = [line for line in lines if "⇄" in line and line.startswith("│")]
+    crossed = [line for line in lines if "⇄ " in line and "EngineCore" in line]
     assert len(crossed) == 1 and "EngineCore.add_request" in crossed[0] and "EC 2" in crossed[0]
+
+
+def _run(pids: tuple[int, int] = (123456, 123999)) -> list[SpanRecord]:
+    """A request's span tree, two processes, six-digit pids, 900 ms."""
+    fe, ec = pids
+
+    def span(i: str, parent: str | None, name: str, kind: str, t: int, ms: int) -> SpanRecord:
+        return SpanRecord(
+            "t",
+            i,
+            parent,
+            name,
+            t * 1_000_000,
+            (t + ms) * 1_000_000,
+            {},
+            {"process.pid": fe if kind == "frontend" else ec, "tracevllm.process_kind": kind},
+        )
+
+    return [
+        span("a", None, "LLM.generate", "frontend", 0, 900),
+        span("b", "a", "llm_request", "frontend", 1, 890),
+        span("c", "b", "LLMEngine.add_request", "frontend", 1, 5),
+        span("d", "c", "InputProcessor.process_inputs", "frontend", 1, 3),
+        span("e", "b", "EngineCore.add_request", "engine_core", 7, 1),
+        span("f", "b", "EngineCore.step", "engine_core", 8, 300),
+        span("g", "f", "ModelRunner.execute_model", "engine_core", 9, 250),
+        span("h", "g", "ModelRunner._prepare_inputs", "engine_core", 9, 2),
+        span("i", "g", "LlamaForCausalLM.forward", "engine_core", 12, 240),
+        span("j", "i", "reshape_and_cache_flash", "engine_core", 13, 1),
+    ]
+
+
+def _lines(width: int) -> list[str]:
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(render_waterfall(_run()))
+    return console.export_text().splitlines()
+
+
+def test_waterfall_is_readable_at_80_columns() -> None:
+    """The columns give way before the timeline does: at 80 columns every span
+    keeps its whole name, its process and its duration, and its bar has room."""
+    lines = _lines(80)
+    assert max(len(line) for line in lines) <= 80
+    for name in ("LLM.generate", "InputProcessor.process_inputs", "reshape_and_cache_flash"):
+        assert any(name in line for line in lines), name
+    assert "…" not in "\n".join(lines)  # nothing cut
+    forward = next(line for line in lines if "LlamaForCausalLM.forward" in line)
+    assert " EC " in forward and "240.00" in forward
+    whole = next(line for line in lines if line.startswith("LLM.generate"))
+    assert whole.count("█") >= 30  # the 900 ms root spans the whole timeline
+    assert "FE pid 123456" in lines[1] + lines[2] and "EC pid 123999" in lines[1] + lines[2]
+
+
+def test_a_wide_terminal_shows_pids_and_start_times() -> None:
+    lines = _lines(150)
+    forward = next(line for line in lines if "LlamaForCausalLM.forward" in line)
+    assert "EC 123999" in forward and "12.0" in forward
+    assert "start ms" in "\n".join(lines)
+    assert max(len(line) for line in lines) <= 150
+
+
+def test_a_narrow_terminal_shortens_names_before_cutting_them() -> None:
+    """A child of the same class drops the class (``._prepare_inputs``);
+    names are cut only past that."""
+    lines = _lines(70)
+    assert max(len(line) for line in lines) <= 70
+    text = "\n".join(lines)
+    assert "._prepare_inputs" in text and "ModelRunner._prepare_inputs" not in text
+    assert "ModelRunner.execute_model" in text  # its parent is another class
+    assert "…" not in text
+    cut = _lines(50)
+    assert max(len(line) for line in cut) <= 50 and "…" in "\n".join(cut)

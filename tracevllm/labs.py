@@ -17,12 +17,20 @@ The hook resolves when the engine module is imported, so with no lab set it
 costs nothing per call: the engine calls its own function directly. The
 engine's own functions stay reachable as ``reference(name)`` (the labs' tests
 run against them to prove the tests right).
+
+A plugged lab says so: one line on stderr when the engine loads it
+(``lab 03: compute_slot_mapping from chapters/03-slot-mapping/lab.py``), and,
+with tracing on, the attribute ``tracevllm.labs`` on the span that is open
+when its function runs, so a trace shows whose code served a request.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
+import multiprocessing
 import re
 import sys
 from collections.abc import Callable
@@ -30,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
+
+from opentelemetry import trace
 
 from tracevllm import envs
 
@@ -42,18 +52,82 @@ class Lab:
     topic: str  # the folder is chapters/<number>-<topic>
     function: str  # the name the lab's lab.py defines, and the hook's name
     module: str  # the engine module whose function the lab replaces
+    # The span open when the engine calls the function, which names the lab
+    # (tracevllm.labs) when it is plugged in; None for a lab the engine never
+    # calls (a kernel only the book runs).
+    span: str | None
 
 
-# The labs, in chapter order: which function each one rewrites, and where it lives.
+# The labs: which function each one rewrites, where it lives, and its span.
 LABS: dict[str, Lab] = {
     lab.number: lab
     for lab in (
-        Lab("01", "token-budget", "compute_num_new_tokens", "tracevllm.core.sched.scheduler"),
-        Lab("02", "allocate-slots", "allocate_slots", "tracevllm.core.kv_cache_manager"),
-        Lab("03", "slot-mapping", "compute_slot_mapping", "tracevllm.worker.block_table"),
-        Lab("04", "paged-attention", "unified_attention_torch", "tracevllm._custom_ops"),
-        Lab("05", "top-k-top-p", "apply_top_k_top_p", "tracevllm.sample.ops.topk_topp_sampler"),
-        Lab("06", "stop-strings", "check_stop_strings", "tracevllm.engine.detokenizer"),
+        Lab(
+            "01",
+            "token-budget",
+            "compute_num_new_tokens",
+            "tracevllm.core.sched.scheduler",
+            "Scheduler.schedule",
+        ),
+        Lab(
+            "02",
+            "allocate-slots",
+            "allocate_slots",
+            "tracevllm.core.kv_cache_manager",
+            "Scheduler.schedule",
+        ),
+        Lab(
+            "03",
+            "slot-mapping",
+            "compute_slot_mapping",
+            "tracevllm.worker.block_table",
+            "ModelRunner._prepare_inputs",
+        ),
+        Lab(
+            "04",
+            "paged-attention",
+            "unified_attention_torch",
+            "tracevllm._custom_ops",
+            "unified_attention",
+        ),
+        Lab(
+            "05",
+            "top-k-top-p",
+            "apply_top_k_top_p",
+            "tracevllm.sample.ops.topk_topp_sampler",
+            "Sampler.forward",
+        ),
+        Lab(
+            "06",
+            "stop-strings",
+            "check_stop_strings",
+            "tracevllm.engine.detokenizer",
+            "OutputProcessor.process_outputs",
+        ),
+        Lab(
+            "07",
+            "block-hash",
+            "get_request_block_hasher",
+            "tracevllm.core.kv_cache_utils",
+            # Its hasher runs there for output tokens; for a prompt, on the
+            # engine's input thread, where no span is open.
+            "Scheduler.update_from_output",
+        ),
+        Lab(
+            "08",
+            "free-block-queue",
+            "get_new_blocks",
+            "tracevllm.core.block_pool",
+            "Scheduler.schedule",
+        ),
+        Lab(
+            "09",
+            "detokenizer",
+            "update",
+            "tracevllm.engine.detokenizer",
+            "OutputProcessor.process_outputs",
+        ),
+        Lab("10", "online-softmax", "blocked_attention", "kernels.flash_attention", None),
     )
 }
 
@@ -117,6 +191,12 @@ def selected_labs() -> dict[str, tuple[Lab, Path]]:
     for spec in value.split(","):
         if spec.strip():
             lab, path = find_lab_file(spec)
+            if lab.span is None:
+                raise LabError(
+                    f"TRACEVLLM_LAB={spec}: the engine never calls {lab.function}() "
+                    f"(see chapters/{lab.number}-{lab.topic}/README.md); "
+                    f"test it with make lab CH={lab.number}."
+                )
             selected[lab.function] = (lab, path)
     return selected
 
@@ -140,6 +220,16 @@ def load_lab_module(path: Path) -> ModuleType:
     return module
 
 
+def describe(lab: Lab, path: Path) -> str:
+    """``compute_slot_mapping from chapters/03-slot-mapping/lab.py`` (the path
+    relative to the working directory when it is below it)."""
+    try:
+        shown = path.relative_to(Path.cwd())
+    except ValueError:
+        shown = path
+    return f"{lab.function} from {shown}"
+
+
 def lab_override(name: str, default: F) -> F:
     """``default``, or the function ``name`` of the lab TRACEVLLM_LAB plugs in."""
     _REFERENCES[name] = default
@@ -152,7 +242,32 @@ def lab_override(name: str, default: F) -> F:
         raise LabError(
             f"TRACEVLLM_LAB: {path} (lab {lab.number}) does not define a function {name}()."
         )
-    return function  # type: ignore[no-any-return]
+    named = f"{lab.number}: {describe(lab, path)}"
+    # Once, in the process that loads the engine: a spawned engine process
+    # imports the engine again, and would say it twice.
+    if multiprocessing.parent_process() is None:
+        print(f"lab {named}", file=sys.stderr, flush=True)
+    return _tagged(function, named)
+
+
+def _tagged(function: F, named: str) -> F:
+    """``function``, naming the lab on the span open when it runs (and so, for
+    a function that makes a function, on the span open when that one runs)."""
+
+    @functools.wraps(function)
+    def served(*args: Any, **kwargs: Any) -> Any:
+        span = trace.get_current_span()
+        if span.is_recording():
+            current = dict(getattr(span, "attributes", None) or {}).get(LABS_ATTRIBUTE, ())
+            if named not in current:
+                span.set_attribute(LABS_ATTRIBUTE, [*current, named])
+        result = function(*args, **kwargs)
+        return _tagged(result, named) if inspect.isfunction(result) else result
+
+    return served  # type: ignore[return-value]
+
+
+LABS_ATTRIBUTE = "tracevllm.labs"
 
 
 def lab_hook(name: str) -> Callable[[F], F]:
@@ -170,5 +285,8 @@ def reference(name: str) -> Callable[..., Any]:
         labs = [lab for lab in LABS.values() if lab.function == name]
         if not labs:
             raise LabError(f"no lab hook named {name!r}")
-        importlib.import_module(labs[0].module)
+        module = importlib.import_module(labs[0].module)
+        if labs[0].span is None:  # no hook: the engine never calls it
+            function: Callable[..., Any] = getattr(module, name)
+            return function
     return _REFERENCES[name]

@@ -80,7 +80,12 @@ def test_random_batches_against_a_loop(block_size: int) -> None:
         req_indices, positions = flatten(num_computed, num_scheduled)
         bt = make_block_table(rows, block_size=block_size)
         slots = bt.compute_slot_mapping(req_indices, positions)
-        assert slots.tolist() == slow_slots(rows, req_indices, positions, block_size)
+        expected = slow_slots(rows, req_indices, positions, block_size)
+        assert slots.tolist() == expected, (
+            f"block_size={block_size}, block table rows={rows}, "
+            f"req_indices={req_indices.tolist()}, positions={positions.tolist()}: "
+            f"got slots {slots.tolist()}, expected {expected}"
+        )
 
 
 def test_the_rest_of_the_buffer_is_padding() -> None:

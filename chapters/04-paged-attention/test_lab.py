@@ -80,7 +80,18 @@ def run_case(
     for r in range(num_reqs):
         rows = slice(int(qsl[r]), int(qsl[r + 1]))
         expected = naive_attention(q[rows], keys[r], values[r], scale)
-        torch.testing.assert_close(out[rows].double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[rows].double(),
+            expected,
+            atol=1e-5,
+            rtol=1e-5,
+            msg=lambda m, r=r: (
+                f"request {r} of query_lens={query_lens}, seq_lens={seq_lens} "
+                f"(block_size={block_size}, num_heads={num_heads}, "
+                f"num_kv_heads={num_kv_heads}, block_table row "
+                f"{block_table[r].tolist()}): {m}"
+            ),
+        )
 
 
 def test_one_whole_prompt() -> None:

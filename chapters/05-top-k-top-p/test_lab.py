@@ -119,6 +119,11 @@ def test_random_rows_against_the_slow_version(mode: str) -> None:
         torch.tensor(p, dtype=torch.float32) if p is not None else None,
     )
     expected = slow_top_k_top_p(logits, k, p)
-    assert kept(result) == kept(expected)
+    for r, (got_row, want_row) in enumerate(zip(kept(result), kept(expected))):
+        assert got_row == want_row, (
+            f"row {r} (k={k[r] if k else None}, p={p[r] if p else None}, logits "
+            f"{[round(x, 3) for x in logits[r].tolist()]}): kept token ids {got_row}, "
+            f"expected {want_row}"
+        )
     survivors = expected > NEG_INF
     assert torch.equal(result[survivors], logits[survivors])

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from tracevllm.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from tracevllm.labs import lab_hook
 
 if TYPE_CHECKING:
     from tracevllm.request import Request
@@ -67,6 +68,7 @@ class BlockPool:
             self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
             self.num_cached_blocks += 1
 
+    @lab_hook("get_new_blocks")  # lab 08: chapters/08-free-block-queue
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop blocks from the head of the free queue (the least recently used).
 

@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
 
+from tracevllm.labs import lab_hook
+
 if TYPE_CHECKING:
     from tracevllm.request import Request
 
@@ -75,6 +77,7 @@ def hash_block_tokens(
 # --8<-- [end:hash_block_tokens]
 
 
+@lab_hook("get_request_block_hasher")  # lab 07: chapters/07-block-hash
 def get_request_block_hasher(
     block_size: int, hash_fn: Callable[[Any], bytes]
 ) -> Callable[[Request], list[BlockHash]]:

@@ -48,6 +48,7 @@ class IncrementalDetokenizer:
         return len(self.token_ids)
 
     # --8<-- [start:detokenizer_update]
+    @lab_hook("update")  # lab 09: chapters/09-detokenizer
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Detokenize new tokens, then look for stop strings.
 

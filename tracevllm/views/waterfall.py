@@ -1,11 +1,23 @@
 """The span tree as a waterfall, coloured by process, so the moment a request
-crosses from the frontend into the engine core shows at a glance."""
+crosses from the frontend into the engine core shows at a glance.
+
+The timeline is the point of the view, so it keeps its width: in a narrow
+terminal the other columns give way first, in this order: the process id (the
+process kind stays, as FE / EC), the start column, the indentation, then the
+class of a span whose parent has the same class (``ModelRunner._prepare_inputs``
+under ``ModelRunner.execute_model`` reads ``._prepare_inputs``); only then are
+names cut. An 80-column terminal shows every span's name, process, duration
+and bar.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from rich.bar import Bar
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.table import Table
 from rich.text import Text
 
@@ -15,64 +27,159 @@ PROCESS_STYLE = {"frontend": "cyan", "engine_core": "magenta", "inprocess": "cya
 PROCESS_SHORT = {"frontend": "FE", "engine_core": "EC", "inprocess": "1P"}
 # Siblings with the same name beyond this many are folded into one line.
 MAX_SAME_NAME = 3
+# The timeline never gets narrower than this while another column can give way,
+# and, once none can, than the second before names are cut.
+MIN_TIMELINE = 30
+MIN_TIMELINE_LAST = 20
+MAX_NAME = 56
 
 
-def render_waterfall(spans: list[SpanRecord], width: int = 40, max_rows: int = 200) -> Table:
-    by_id = {s.span_id: s for s in spans}
-    children: dict[str | None, list[SpanRecord]] = defaultdict(list)
-    for s in spans:
-        parent = s.parent_span_id if s.parent_span_id in by_id else None
-        children[parent].append(s)
-    t0 = min((s.start_ns for s in spans), default=0)
-    t1 = max((s.end_ns for s in spans), default=1)
-    total = max(t1 - t0, 1)
+@dataclass(frozen=True)
+class _Row:
+    depth: int
+    name: str
+    short: str  # the name without its class when the parent span has the same class
+    crossed: bool  # the parent span is in another process
+    span: SpanRecord | None  # None: a folded "… N more" line
 
-    table = Table(
-        title="Span waterfall · FE = frontend, EC = engine core, 1P = one process · "
-        "⇄ = crossed the process boundary",
-        title_justify="left",
-    )
-    table.add_column("span", no_wrap=True, overflow="ellipsis", max_width=56)
-    table.add_column("pid", no_wrap=True)
-    table.add_column("start ms", justify="right", no_wrap=True)
-    table.add_column("ms", justify="right", no_wrap=True)
-    table.add_column("timeline", width=width, no_wrap=True)
-    rows = 0
 
-    def add(span: SpanRecord, depth: int, parent: SpanRecord | None) -> None:
-        nonlocal rows
-        if rows >= max_rows:
-            return
-        rows += 1
-        style = PROCESS_STYLE.get(span.process_kind, "white")
-        crossed = parent is not None and parent.pid != span.pid
-        name = Text("  " * depth + ("⇄ " if crossed else "") + span.name, style=style)
-        if crossed:
-            name.stylize("bold")
-        table.add_row(
-            name,
-            Text(f"{PROCESS_SHORT.get(span.process_kind, '?')} {span.pid}", style=style),
-            f"{(span.start_ns - t0) / 1e6:.1f}",
-            f"{span.duration_ms:.2f}",
-            Bar(total, span.start_ns - t0, span.end_ns - t0, width=width, color=style),
-        )
-        seen: dict[str, int] = defaultdict(int)
-        kids = children.get(span.span_id, [])
-        for kid in kids:
-            seen[kid.name] += 1
-            if seen[kid.name] <= MAX_SAME_NAME:
-                add(kid, depth + 1, span)
-        for kid_name, count in seen.items():
-            if count > MAX_SAME_NAME and rows < max_rows:
-                rows += 1
-                table.add_row(
-                    Text("  " * (depth + 1) + f"… {count - MAX_SAME_NAME} more {kid_name}"),
-                    "",
-                    "",
-                    "",
-                    "",
-                )
+@dataclass(frozen=True)
+class _Layout:
+    pid: bool  # "EC 1234" rather than "EC"
+    start: bool  # the start-time column
+    indent: int  # spaces per tree level
+    short: bool  # short names
 
-    for root in children.get(None, []):
-        add(root, 0, None)
-    return table
+
+# From the widest to the narrowest; the first whose timeline fits wins.
+LAYOUTS = [
+    _Layout(pid=True, start=True, indent=2, short=False),
+    _Layout(pid=False, start=True, indent=2, short=False),
+    _Layout(pid=False, start=False, indent=2, short=False),
+    _Layout(pid=False, start=False, indent=1, short=False),
+    _Layout(pid=False, start=False, indent=1, short=True),
+]
+
+
+def _short(name: str, parent: SpanRecord | None) -> str:
+    cls, dot, method = name.partition(".")
+    if parent is not None and dot and parent.name.partition(".")[0] == cls:
+        return f".{method}"
+    return name
+
+
+class Waterfall:
+    """A renderable: lays itself out for the width it is given."""
+
+    def __init__(self, spans: list[SpanRecord], width: int | None, max_rows: int) -> None:
+        self.spans = spans
+        self.width = width  # the timeline's width; None: as wide as fits, up to 40
+        self.rows = list(self._rows(max_rows))
+        self.t0 = min((s.start_ns for s in spans), default=0)
+        self.total = max(max((s.end_ns for s in spans), default=1) - self.t0, 1)
+
+    def _rows(self, max_rows: int) -> Iterator[_Row]:
+        by_id = {s.span_id: s for s in self.spans}
+        children: dict[str | None, list[SpanRecord]] = defaultdict(list)
+        for s in self.spans:
+            children[s.parent_span_id if s.parent_span_id in by_id else None].append(s)
+        count = 0
+
+        def walk(span: SpanRecord, depth: int, parent: SpanRecord | None) -> Iterator[_Row]:
+            nonlocal count
+            if count >= max_rows:
+                return
+            count += 1
+            crossed = parent is not None and parent.pid != span.pid
+            yield _Row(depth, span.name, _short(span.name, parent), crossed, span)
+            seen: dict[str, int] = defaultdict(int)
+            for kid in children.get(span.span_id, []):
+                seen[kid.name] += 1
+                if seen[kid.name] <= MAX_SAME_NAME:
+                    yield from walk(kid, depth + 1, span)
+            for kid_name, n in seen.items():
+                if n > MAX_SAME_NAME and count < max_rows:
+                    count += 1
+                    more = f"… {n - MAX_SAME_NAME} more"
+                    yield _Row(depth + 1, f"{more} {kid_name}", more, False, None)
+
+        for root in children.get(None, []):
+            yield from walk(root, 0, None)
+
+    # ------------------------------------------------------------------ layout
+    def _label(self, row: _Row, layout: _Layout) -> str:
+        mark = "⇄ " if row.crossed else ""
+        return " " * (layout.indent * row.depth) + mark + (row.short if layout.short else row.name)
+
+    def _proc(self, span: SpanRecord, layout: _Layout) -> str:
+        kind = PROCESS_SHORT.get(span.process_kind, "?")
+        return f"{kind} {span.pid}" if layout.pid else kind
+
+    def _columns(self, layout: _Layout) -> dict[str, int]:
+        """Every column's width but the timeline's."""
+        spans = [r.span for r in self.rows if r.span is not None]
+        widths = {
+            "span": min(max((len(self._label(r, layout)) for r in self.rows), default=4), MAX_NAME),
+            "proc": max([4, *(len(self._proc(s, layout)) for s in spans)]),
+            "ms": max([2, *(len(f"{s.duration_ms:.2f}") for s in spans)]),
+        }
+        if layout.start:
+            widths["start ms"] = max([8, *(len(f"{self._ms(s.start_ns):.1f}") for s in spans)])
+        return widths
+
+    def _ms(self, ns: int) -> float:
+        return (ns - self.t0) / 1e6
+
+    def layout(self, max_width: int) -> tuple[_Layout, dict[str, int], int]:
+        """(layout, column widths, timeline width) for a terminal this wide."""
+        for layout in LAYOUTS:
+            widths = self._columns(layout)
+            room = max_width - sum(widths.values()) - len(widths)  # one space per gap
+            if room >= MIN_TIMELINE:
+                return layout, widths, min(room, self.width or 40)
+        if room >= MIN_TIMELINE_LAST:
+            return layout, widths, min(room, self.width or 40)
+        # Still too narrow: cut the names.
+        widths["span"] = max(max_width - sum(widths.values()) - len(widths) - MIN_TIMELINE_LAST, 12)
+        room = max_width - sum(widths.values()) - len(widths)
+        return layout, widths, max(min(room, self.width or 40), 1)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        layout, widths, timeline = self.layout(options.max_width)
+        table = Table.grid(padding=(0, 1, 0, 0))
+        table.add_column(no_wrap=True, overflow="ellipsis", width=widths["span"])
+        table.add_column(no_wrap=True, width=widths["proc"])
+        if layout.start:
+            table.add_column(justify="right", no_wrap=True, width=widths["start ms"])
+        table.add_column(justify="right", no_wrap=True, width=widths["ms"])
+        table.add_column(no_wrap=True, width=timeline)
+        header = ["span", "proc", *(["start ms"] if layout.start else []), "ms"]
+        scale = f"0–{self.total / 1e6:.0f} ms"
+        table.add_row(*(Text(h, style="bold") for h in header), Text(scale, style="bold"))
+        for row in self.rows:
+            label = self._label(row, layout)
+            if row.span is None:
+                table.add_row(Text(label, style="dim"))
+                continue
+            s, style = row.span, PROCESS_STYLE.get(row.span.process_kind, "white")
+            name = Text(label, style=f"bold {style}" if row.crossed else style)
+            cells = [name, Text(self._proc(s, layout), style=style)]
+            if layout.start:
+                cells.append(Text(f"{self._ms(s.start_ns):.1f}"))
+            cells.append(Text(f"{s.duration_ms:.2f}"))
+            begin, end = s.start_ns - self.t0, s.end_ns - self.t0
+            table.add_row(*cells, Bar(self.total, begin, end, width=timeline, color=style))
+        pids = ""
+        if not layout.pid:  # the pids leave their column for the legend
+            by_kind = {PROCESS_SHORT.get(s.process_kind, "?"): s.pid for s in self.spans}
+            pids = " (" + ", ".join(f"{k} pid {p}" for k, p in sorted(by_kind.items())) + ")"
+        legend = "FE frontend · EC engine core · 1P one process" + pids
+        legend += " · ⇄ parent in the other process"
+        yield Group(Text("Span waterfall", style="bold"), Text(legend, style="dim"), table)
+
+
+def render_waterfall(
+    spans: list[SpanRecord], width: int | None = None, max_rows: int = 200
+) -> Waterfall:
+    """The waterfall of ``spans``; ``width``: the timeline's width at most."""
+    return Waterfall(spans, width, max_rows)

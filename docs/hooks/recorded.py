@@ -1,0 +1,88 @@
+"""mkdocs hook: a number quoted from a recorded run must match the recording.
+
+``make docs-assets`` (docs/record_assets.py) writes, beside the recorded
+views, ``docs/assets/recorded/facts.json``: the figures the prose quotes
+(step numbers, token counts, block ids, slots), read from the same spans. A
+chapter quotes one as a link to its key:
+
+    request 1 is preempted at [62](rec:preempt.victim.computed) computed tokens
+
+This hook checks the text against the recording and renders the text alone. A
+key the recording lacks, or a text that no longer matches it (the engine
+changed, the run was re-recorded), raises ``PluginError``: the build stops, so
+the prose cannot silently contradict its own pictures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import Files
+from mkdocs.structure.pages import Page
+
+FACTS = "docs/assets/recorded/facts.json"
+# [text](rec:key.path) -- the text is what the reader sees.
+LINK = re.compile(r"\[(?P<text>[^\]]+)\]\(rec:(?P<key>[\w.-]+)\)")
+
+_facts: dict[str, Any] = {}
+
+
+def load(root: str) -> None:
+    path = os.path.join(root, FACTS)
+    _facts.clear()
+    if os.path.exists(path):
+        with open(path) as f:
+            _facts.update(json.load(f))
+
+
+def lookup(key: str) -> Any:
+    """``preempt.victim.computed`` or ``batch.steps.3.slot_mapping.0``."""
+    value: Any = _facts
+    for part in key.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise PluginError(
+                f"rec:{key}: the recording has no such figure ({FACTS}). "
+                "Add it to facts() in docs/record_assets.py, or fix the key."
+            )
+    return value
+
+
+def _normal(text: str) -> str:
+    """What a quoted figure says, less its formatting: `52` -> 52, 1,456 -> 1456,
+    [1, 2, 3] -> 123."""
+    return re.sub(r"[`\[\],\s]", "", text)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ",".join(_shown(v) for v in value) + "]"
+    return str(value)
+
+
+def check(text: str, key: str, where: str) -> str:
+    value = lookup(key)
+    if _normal(text) != _normal(_shown(value)):
+        raise PluginError(
+            f"{where}: quotes {text!r} for rec:{key}, but the recording says {_shown(value)!r}. "
+            "The run was re-recorded or the engine changed: re-read the passage and fix it."
+        )
+    return text
+
+
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    load(os.path.dirname(os.path.abspath(config.config_file_path)))
+    return config
+
+
+def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    where = page.file.src_uri
+    return LINK.sub(lambda m: check(m["text"], m["key"], where), markdown)
