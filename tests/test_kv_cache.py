@@ -23,7 +23,7 @@ BS = 4  # block size
 
 def make_request(req_id: str, prompt: list[int], block_size: int = BS) -> Request:
     params = SamplingParams(max_tokens=16, temperature=0)
-    params.update_from_tokenizer(2)
+    params.update_from_generation_config({}, 2)
     return Request(
         req_id, prompt, params, block_hasher=get_request_block_hasher(block_size, sha256)
     )

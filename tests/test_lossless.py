@@ -162,17 +162,23 @@ def test_min_tokens_masks_eos_as_hf_does(hf_model: Any, tokenizer: Any) -> None:
     prompt = tokenizer.encode(text, add_special_tokens=False)
     eos, min_tokens, max_tokens = tokenizer.eos_token_id, 12, 24
     with LLM(enable_multiprocessing=False) as llm:
-        plain, held = llm.generate(
-            [{"prompt_token_ids": prompt}] * 2,
+        plain, held, ignored = llm.generate(
+            [{"prompt_token_ids": prompt}] * 3,
             [
                 SamplingParams(temperature=0.0, max_tokens=max_tokens),
                 SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=min_tokens),
+                # ignore_eos does not lift the mask: EOS is still held back
+                # until min_tokens (vLLM keeps it among all_stop_token_ids).
+                SamplingParams(
+                    temperature=0.0, max_tokens=min_tokens, min_tokens=min_tokens, ignore_eos=True
+                ),
             ],
             use_tqdm=False,
         )
     plain_ids, held_ids = plain.outputs[0].token_ids, held.outputs[0].token_ids
     assert plain_ids[-1] == eos and len(plain_ids) < min_tokens  # stops early unheld
     assert eos not in held_ids[:min_tokens] and len(held_ids) > min_tokens
+    assert ignored.outputs[0].token_ids == held_ids[:min_tokens]
 
     hf_min = MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, eos)
 

@@ -35,6 +35,7 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
+    include_finished_set: bool = False,
 ) -> Scheduler:
     model_config = ModelConfig(
         model="fake",
@@ -51,7 +52,10 @@ def make_scheduler(
         long_prefill_token_threshold=long_prefill_token_threshold,
         policy=policy,
     )
-    return Scheduler(VllmConfig(model_config, cache_config, scheduler_config))
+    return Scheduler(
+        VllmConfig(model_config, cache_config, scheduler_config),
+        include_finished_set=include_finished_set,
+    )
 
 
 def make_request(
@@ -66,7 +70,7 @@ def make_request(
         base = next(_prompt_base)
         prompt = [base + i for i in range(prompt)]
     params = SamplingParams(max_tokens=max_tokens, temperature=0, **kwargs)  # type: ignore[arg-type]
-    params.update_from_tokenizer(EOS)
+    params.update_from_generation_config({}, EOS)
     return Request(
         req_id,
         prompt,
@@ -403,7 +407,7 @@ def test_stop_through_scheduler() -> None:
 
 
 def test_tokens_after_a_stop_are_dropped() -> None:
-    sched = make_scheduler()
+    sched = make_scheduler(include_finished_set=True)
     sched.add_request(make_request("a", 4))
     so = sched.schedule()
     mro = ModelRunnerOutput(["a"], {"a": 0}, sampled_token_ids=[[EOS, 9, 9]])
@@ -435,7 +439,7 @@ def test_abort_frees_blocks() -> None:
 
 
 def test_outputs_events_and_stats() -> None:
-    sched = make_scheduler(num_gpu_blocks=17)
+    sched = make_scheduler(num_gpu_blocks=17, include_finished_set=True)
     a = make_request("a", list(range(10, 19)), max_tokens=2, logprobs=1)
     a.client_index = 1
     sched.add_request(a)
@@ -445,7 +449,8 @@ def test_outputs_events_and_stats() -> None:
     eco = sched.update_from_output(so, mro)
     assert set(eco) == {1}
     out = eco[1].outputs[0]
-    assert out.new_token_ids == [TOKEN] and out.num_cached_tokens == 0
+    assert out.new_token_ids == [TOKEN]
+    assert out.prefill_stats is not None and out.prefill_stats.num_cached_tokens == 0
     assert out.new_logprobs == LogprobsLists([[TOKEN, 3]], [[-0.1, -2.0]], [1])
     assert out.events is not None
     assert [e.type for e in out.events] == [
@@ -466,7 +471,8 @@ def test_outputs_events_and_stats() -> None:
     assert so.scheduled_new_reqs[0].block_ids == ([1, 2, 4],)  # a holds 1, 2, 3
     assert set(eco) == {0, 1}
     b_out = eco[0].outputs[0]
-    assert b_out.num_cached_tokens == 8 and b_out.finish_reason == FinishReason.LENGTH
+    assert b_out.prefill_stats is not None and b_out.prefill_stats.num_cached_tokens == 8
+    assert b_out.finish_reason == FinishReason.LENGTH
     assert eco[0].finished_requests == {"b"} and eco[1].finished_requests == {"a"}
     stats = eco[0].scheduler_stats or eco[1].scheduler_stats
     assert stats is not None and stats.prefix_cache_stats.hits == 8

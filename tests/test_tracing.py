@@ -3,8 +3,10 @@ across two processes, and files that load."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from rich.console import Console
 
 from tracevllm import LLM, SamplingParams
 from tracevllm.tracing.exporters import read_spans_jsonl, to_perfetto
@@ -107,9 +110,15 @@ def test_inprocess_span_attributes(tiny_model_dir: str) -> None:
         assert a["gen_ai.usage.output_tokens"] == 5 == a["gen_ai.usage.completion_tokens"]
         assert a["gen_ai.usage.input_tokens"] > 0
         assert list(a["gen_ai.response.finish_reasons"]) == ["length"]
-        assert a["gen_ai.request.max_tokens"] == 5 and a["gen_ai.request.temperature"] == 0.0
+        # As vLLM's do_tracing: request parameters only when truthy (greedy: no temperature).
+        assert a["gen_ai.request.max_tokens"] == 5 and "gen_ai.request.temperature" not in a
+        assert a["gen_ai.request.n"] == 1 and a["gen_ai.request.top_p"] == 1.0
         assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
         assert a["gen_ai.latency.time_in_queue"] >= 0
+        prefill = a["gen_ai.latency.time_in_model_prefill"]
+        decode = a["gen_ai.latency.time_in_model_decode"]
+        assert prefill > 0 and decode > 0
+        assert a["gen_ai.latency.time_in_model_inference"] == pytest.approx(prefill + decode)
         assert len(a["tracevllm.latency.inter_token_ms"]) == 4
     first = next(s for s in spans if s.name == "Scheduler.schedule")
     assert first.attributes["tracevllm.token_budget.used"] == sum(
@@ -163,6 +172,36 @@ def test_request_span_sums_whole_streamed_completions(tiny_model_dir: str) -> No
     assert two_span["tracevllm.completion.text"] == "\n---\n".join(
         [texts[("two", 0)], texts[("two", 1)]]
     )
+
+
+def test_stopped_requests_report_stop_not_abort(tiny_model_dir: str) -> None:
+    """FinishReason.STOP is 0, a falsy value: a request that stopped (on a stop
+    token in the core, or a stop string in the frontend) must still say "stop"
+    on its span and in the completion view, not "abort"."""
+    from tracevllm.views.completion import render_completion
+
+    exporter = InMemorySpanExporter()
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False, trace_detail="request") as llm:
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        first = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0]
+        stop_string = llm.get_tokenizer().decode(first.token_ids[2:3])
+        outs = llm.generate(
+            PROMPTS[:1] * 2,
+            [
+                SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[first.token_ids[1]]),
+                SamplingParams(temperature=0.0, max_tokens=5, stop=[stop_string]),
+            ],
+            use_tqdm=False,
+        )
+    assert [o.outputs[0].finish_reason for o in outs] == ["stop", "stop"]
+    spans = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
+    stopped = [s.attributes for s in spans if s.attributes["gen_ai.request.id"] in "12"]
+    assert [list(a["gen_ai.response.finish_reasons"]) for a in stopped] == [["stop"], ["stop"]]
+    console = Console(record=True, width=100, file=io.StringIO())
+    console.print(render_completion(dict(stopped[0])))
+    assert re.search(r"finish reason\s+stop", console.export_text())
 
 
 def test_full_detail_adds_every_layer(tiny_model_dir: str) -> None:

@@ -35,6 +35,11 @@ class ModelConfig:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # Most logprobs a request may ask for (vLLM's default 20; -1: the vocabulary).
+    max_logprobs: int = 20
+    # Where default sampling parameters come from: "auto" (the model's
+    # generation_config.json), "vllm" (vLLM's neutral defaults) or a directory.
+    generation_config: str = "auto"
     hf_config: dict[str, Any] = field(default_factory=dict)
     # Set in __post_init__ from dtype and hf_config.
     torch_dtype: str = "float32"
@@ -42,16 +47,21 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.tokenizer is None:
             self.tokenizer = self.model
-        if not self.hf_config:
-            path = os.path.join(self.model, "config.json")
-            with open(path) as f:
-                self.hf_config = json.load(f)
+        path = os.path.join(self.model, "config.json")
+        from_file = not self.hf_config
+        if from_file:
+            self.hf_config = _read_hf_config(path)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 or >= 0, got {self.max_logprobs}.")
         archs = self.hf_config.get("architectures") or []
         if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(
                 f"Model architectures {archs} are not supported by tracevllm. "
                 f"Supported architectures: {list(SUPPORTED_ARCHITECTURES)}."
             )
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if from_file and key not in self.hf_config:
+                raise ValueError(f"{path} has no {key!r}, which a Llama config.json must have.")
         # fp32 on CPU (DESIGN.md §5): "auto" means float32 here, as vLLM's CPU
         # backend upcasts half types it cannot run fast.
         allowed = ("auto", "float32", "float16", "bfloat16")
@@ -105,6 +115,41 @@ class ModelConfig:
     def get_max_model_len(self) -> int:
         assert self.max_model_len is not None
         return self.max_model_len
+
+    def try_get_generation_config(self) -> dict[str, Any]:
+        """The non-default fields of the model's generation config (stop
+        tokens, sampling defaults); {} when there is none."""
+        src = self.model if self.generation_config in ("auto", "vllm") else self.generation_config
+        if not os.path.isfile(os.path.join(src, "generation_config.json")):
+            return {}
+        from transformers import GenerationConfig
+
+        return GenerationConfig.from_pretrained(src).to_diff_dict()
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """Default SamplingParams fields from the generation config (vLLM's
+        list: repetition_penalty, temperature, top_k, top_p, min_p, and
+        max_new_tokens as max_tokens). Nothing under ``generation_config="vllm"``."""
+        if self.generation_config == "vllm":
+            return {}
+        config = self.try_get_generation_config()
+        names = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+        diff = {name: config[name] for name in names if config.get(name) is not None}
+        if "max_new_tokens" in diff:
+            diff["max_tokens"] = diff.pop("max_new_tokens")
+        return diff
+
+
+def _read_hf_config(path: str) -> dict[str, Any]:
+    """config.json as a dict; a broken file is a ValueError that names it."""
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}.") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}.")
+    return config
 
 
 @dataclass(slots=True)

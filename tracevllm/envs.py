@@ -35,6 +35,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TRACEVLLM_ENGINE_READY_TIMEOUT_S": lambda: float(
         os.environ.get("TRACEVLLM_ENGINE_READY_TIMEOUT_S", "600")
     ),
+    # How long the frontend waits for an engine output, while requests are in
+    # flight, before it warns that the engine may be hung (seconds; vLLM's
+    # VLLM_ENGINE_ITERATION_TIMEOUT_S). It keeps waiting after the warning.
+    "TRACEVLLM_ENGINE_ITERATION_TIMEOUT_S": lambda: float(
+        os.environ.get("TRACEVLLM_ENGINE_ITERATION_TIMEOUT_S", "60")
+    ),
     # Tracing detail when none is passed in code: off | request | full.
     "TRACEVLLM_TRACE": lambda: os.environ.get("TRACEVLLM_TRACE", "off"),
     # Plug course labs into the running engine (tracevllm/labs.py): lab
@@ -51,6 +57,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_WORKER_MULTIPROC_METHOD: str
     TRACEVLLM_CACHE_DIR: str
     TRACEVLLM_ENGINE_READY_TIMEOUT_S: float
+    TRACEVLLM_ENGINE_ITERATION_TIMEOUT_S: float
     TRACEVLLM_TRACE: str
     TRACEVLLM_LAB: str | None
     TRACEVLLM_LOGGING_LEVEL: str

@@ -19,6 +19,7 @@ from tracevllm.engine import (
     EngineCoreRequest,
     FinishReason,
 )
+from tracevllm.metrics.stats import PrefillStats
 from tracevllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,8 +55,8 @@ class Request:
         self._all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose KV is in the cache (or scheduled to be this step).
         self.num_computed_tokens = 0
-        # Prompt tokens found in the prefix cache when first scheduled.
-        self.num_cached_tokens = -1
+        # Filled when first scheduled (prefix-cache hits), sent with the first output.
+        self.prefill_stats: PrefillStats | None = PrefillStats()
         self.num_preemptions = 0
 
         assert sampling_params.max_tokens is not None, "InputProcessor sets max_tokens"
@@ -131,6 +132,10 @@ class Request:
             return None
         events, self.events = self.events, []
         return events
+
+    def take_prefill_stats(self) -> PrefillStats | None:
+        prefill_stats, self.prefill_stats = self.prefill_stats, None
+        return prefill_stats
 
     def __lt__(self, other: Request) -> bool:
         """Order for the priority queue: (priority, arrival_time, request_id)."""

@@ -13,14 +13,24 @@ msgspec Struct, so it crosses the process boundary inside
 from __future__ import annotations
 
 import copy
+import math
 from enum import Enum, IntEnum
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:
+    from tracevllm.config import ModelConfig
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS).
 _SAMPLING_EPS = 1e-5
 # Temperatures this small make logits / temperature overflow (vLLM's _MAX_TEMP).
 _MAX_TEMP = 1e-2
+# vLLM's VLLM_MAX_N_SEQUENCES default.
+MAX_N_SEQUENCES = 16384
+# What a msgpack integer on the wire carries (vLLM's OpenAI layer bounds seed
+# the same way): a larger int would fail to encode after the request was accepted.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingType(IntEnum):
@@ -79,6 +89,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
     _all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
 
     def __post_init__(self) -> None:
+        # A tuple of stop strings is as good as a list (vLLM's pydantic layer
+        # accepts any sequence); normalise before the types are checked.
+        if isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is True:
+            self.logprobs = 1
+        self._verify_types()
         if self.seed == -1:
             self.seed = None
         if self.stop is None:
@@ -87,8 +106,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             self.stop = [self.stop]
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if self.logprobs is True:
-            self.logprobs = 1
         if self.stop and not self.include_stop_str_in_output:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
         self._verify_args()
@@ -101,11 +118,51 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             self.min_p = 0.0
         self._all_stop_token_ids.update(self.stop_token_ids)
 
+    # --8<-- [start:verify_types]
+    def _verify_types(self) -> None:
+        """Check every field against its annotation, as the wire decoder will.
+
+        The engine process decodes the request with msgspec against these same
+        annotations; a value that passed here but failed there would be lost on
+        the engine's input thread. So each field is converted here with
+        ``msgspec.convert(strict=True)``: a bool is not an int, a float is not
+        an int, a str is not a float. Beyond types: no NaN in any float, and
+        every int within the signed 64-bit range that msgpack carries.
+        (vLLM gets the type check from pydantic in its OpenAI layer and from
+        ``_verify_args`` for a few fields; tracevllm checks all, in one place.)
+        """
+        for field in msgspec.structs.fields(self):
+            if field.name.startswith("_"):
+                continue  # set by the engine, not by the user
+            value = getattr(self, field.name)
+            try:
+                if isinstance(field.type, type) and issubclass(field.type, Enum):
+                    # convert() takes an enum's wire value, not a member.
+                    if not isinstance(value, field.type):
+                        raise msgspec.ValidationError(f"Expected `{field.type.__name__}`")
+                else:
+                    msgspec.convert(value, field.type, strict=True)
+            except msgspec.ValidationError as e:
+                raise TypeError(
+                    f"{field.name} must be {_type_name(field.type)}, got "
+                    f"{type(value).__name__} {value!r} ({e})."
+                ) from None
+            for item in value if isinstance(value, list) else (value,):
+                if isinstance(item, float) and math.isnan(item):
+                    raise ValueError(f"{field.name} must be a number, got NaN.")
+                if isinstance(item, int) and not _INT64_MIN <= item <= _INT64_MAX:
+                    raise ValueError(
+                        f"{field.name} must be within the signed 64-bit range "
+                        f"[{_INT64_MIN}, {_INT64_MAX}], got {item}."
+                    )
+
+    # --8<-- [end:verify_types]
+
     def _verify_args(self) -> None:
-        if not isinstance(self.n, int) or isinstance(self.n, bool):
-            raise ValueError(f"n must be an int, but is of type {type(self.n).__name__}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N_SEQUENCES:
+            raise ValueError(f"n must be at most {MAX_N_SEQUENCES}, got {self.n}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -116,6 +173,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             )
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        # vLLM lets infinity through these two; here it would turn logits into
+        # NaN (logits / inf, -inf * inf), so they must be finite.
+        for name in ("temperature", "repetition_penalty"):
+            if math.isinf(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
@@ -133,8 +195,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(
+                f"logprobs must be non-negative or -1 (the whole vocabulary), got {self.logprobs}."
+            )
+        assert isinstance(self.stop_token_ids, list)
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (>= 0), got {self.stop_token_ids}.")
         assert isinstance(self.stop, list)
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
@@ -142,6 +209,31 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             raise ValueError("stop strings are only supported when detokenize is True.")
         if self.temperature < _SAMPLING_EPS and self.n > 1:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def verify(self, model_config: ModelConfig) -> None:
+        """The checks that need the model (vLLM's ``verify``), at the entry.
+
+        Every field is checked again first: msgspec does not check assignments,
+        so a field set after construction has not been seen yet.
+        """
+        self.__post_init__()
+        vocab_size = model_config.vocab_size
+        max_logprobs = model_config.max_logprobs
+        if max_logprobs == -1:
+            max_logprobs = vocab_size
+        if self.logprobs:
+            num_logprobs = vocab_size if self.logprobs == -1 else self.logprobs
+            if num_logprobs > max_logprobs:
+                raise ValueError(
+                    f"Requested sample logprobs of {num_logprobs}, which is greater than "
+                    f"max allowed: {max_logprobs} (logprobs; raise the engine's max_logprobs)."
+                )
+        assert self.stop_token_ids is not None
+        if bad := [t for t in self.stop_token_ids if t >= vocab_size]:
+            raise ValueError(
+                f"stop_token_ids {bad} are out of the vocabulary: token ids must be in "
+                f"[0, {vocab_size - 1}]."
+            )
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -159,12 +251,40 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
 
-    def update_from_tokenizer(self, eos_token_id: int | None) -> None:
-        """Record EOS; it stops generation unless ``ignore_eos`` (vLLM does this
-        in ``update_from_generation_config`` / ``update_from_tokenizer``)."""
-        self._eos_token_id = eos_token_id
-        if eos_token_id is not None and not self.ignore_eos:
+    # --8<-- [start:update_from_generation_config]
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], eos_token_id: int | None = None
+    ) -> None:
+        """Take the model's stop tokens, as vLLM does.
+
+        ``eos_token_id`` (the tokenizer's) stops the request unless
+        ``ignore_eos``; it always joins ``all_stop_token_ids``, which is what
+        ``min_tokens`` masks, so EOS is held back until ``min_tokens`` even
+        under ``ignore_eos``. The generation config may name more EOS ids
+        (Llama 3 instruct: ``<|eot_id|>``, ``<|eom_id|>``): they become stop
+        token ids.
+        """
+        if not self.ignore_eos:
+            self._eos_token_id = eos_token_id
+        if eos_token_id is not None:
             self._all_stop_token_ids.add(eos_token_id)
+        if (eos_ids := generation_config.get("eos_token_id")) is not None:
+            eos_ids = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+            # The primary EOS stops through eos_token_id, not as a stop token.
+            eos_ids.discard(eos_token_id)
+            if eos_ids:
+                self._all_stop_token_ids.update(eos_ids)
+                if not self.ignore_eos:
+                    assert self.stop_token_ids is not None
+                    eos_ids.update(self.stop_token_ids)
+                    self.stop_token_ids = sorted(eos_ids)
+
+    # --8<-- [end:update_from_generation_config]
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+def _type_name(tp: Any) -> str:
+    """``int``, ``int | None``, ``list[int] | None``: how an annotation reads."""
+    return getattr(tp, "__name__", None) or str(tp).replace("NoneType", "None")

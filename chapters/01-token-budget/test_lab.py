@@ -131,7 +131,7 @@ def make_scheduler(budget: int, threshold: int = 0, chunked: bool = True) -> Sch
 
 def make_request(req_id: str, prompt_len: int, base: int) -> Request:
     params = SamplingParams(max_tokens=8, temperature=0)
-    params.update_from_tokenizer(2)
+    params.update_from_generation_config({}, 2)
     prompt = [base + i for i in range(prompt_len)]
     hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
     return Request(req_id, prompt, params, block_hasher=hasher)

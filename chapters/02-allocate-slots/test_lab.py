@@ -31,7 +31,7 @@ def make_manager(
 
 def make_request(req_id: str, prompt: list[int]) -> Request:
     params = SamplingParams(max_tokens=16, temperature=0)
-    params.update_from_tokenizer(2)
+    params.update_from_generation_config({}, 2)
     return Request(req_id, prompt, params, block_hasher=get_request_block_hasher(BS, sha256))
 
 

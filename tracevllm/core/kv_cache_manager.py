@@ -21,13 +21,10 @@ from tracevllm.core.block_pool import BlockPool
 from tracevllm.core.kv_cache_utils import KVCacheBlock
 from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import PrefixCacheStats
+from tracevllm.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from tracevllm.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from tracevllm.metrics.stats import SchedulerStats
+from tracevllm.metrics.stats import PrefillStats, SchedulerStats
 from tracevllm.sampling_params import SamplingParams
 
 
@@ -53,6 +53,10 @@ class EngineCoreRequest(
     # that the engine process's spans join the same trace.
     trace_headers: Mapping[str, str] | None = None
     client_index: int = 0
+    # The id the user gave; request_id is made unique from it by
+    # InputProcessor.assign_request_id, so that a reused id can never be
+    # credited with the tokens of the request that had it before.
+    external_req_id: str | None = None
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -103,7 +107,8 @@ class EngineCoreOutput(
     stop_reason: int | str | None = None
     events: list[EngineCoreEvent] | None = None
     trace_headers: Mapping[str, str] | None = None
-    num_cached_tokens: int = 0
+    # Sent with the first output: how much of the prompt was cached.
+    prefill_stats: PrefillStats | None = None
 
     @property
     def finished(self) -> bool:
@@ -154,5 +159,7 @@ class EngineCoreRequestType(enum.Enum):
     ABORT = b"\x01"
     START_DP_WAVE = b"\x02"
     UTILITY = b"\x03"
-    # Sentinel used within the engine core process.
+    # Sentinel used within the engine core process. vLLM puts it on the input
+    # queue when the executor fails; tracevllm's input thread also puts it there
+    # when the frontend process dies (see EngineCoreProc.process_input_sockets).
     EXECUTOR_FAILED = b"\x04"

@@ -8,6 +8,7 @@ the offline ``LLM`` class on CPU (max_num_batched_tokens 4096, max_num_seqs 256)
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 from tracevllm.config import (
@@ -29,6 +30,8 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    max_logprobs: int = 20
+    generation_config: str = "auto"
     block_size: int = 16
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
@@ -51,17 +54,21 @@ class EngineArgs:
     def create_engine_config(self) -> VllmConfig:
         # Lazy: the loader pulls in torch/transformers only when a model must be
         # converted; resolving a ready directory is cheap.
-        from tracevllm.model_executor.model_loader import resolve_model
+        from tracevllm.model_executor.model_loader import check_tokenizer_dir, resolve_model
 
         model_dir = resolve_model(self.model)
-        tokenizer = resolve_model(self.tokenizer) if self.tokenizer else None
         model_config = ModelConfig(
             model=model_dir,
-            tokenizer=tokenizer,
+            tokenizer=os.path.abspath(os.path.expanduser(self.tokenizer or model_dir)),
             dtype=self.dtype,
             seed=self.seed,
             max_model_len=self.max_model_len,
+            max_logprobs=self.max_logprobs,
+            generation_config=self.generation_config,
         )
+        # Checked now, before the engine process loads any weight.
+        assert model_config.tokenizer is not None
+        check_tokenizer_dir(model_config.tokenizer)
         max_model_len = model_config.get_max_model_len()
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:

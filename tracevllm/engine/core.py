@@ -12,19 +12,21 @@ socket with HELLO → addresses → READY).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 import zmq
-from opentelemetry import trace
 
 from tracevllm import tracing
 from tracevllm.config import VllmConfig
@@ -36,20 +38,29 @@ from tracevllm.core.kv_cache_utils import (
 )
 from tracevllm.core.sched.scheduler import Scheduler
 from tracevllm.engine import (
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    FinishReason,
     UtilityOutput,
 )
 from tracevllm.executor.abstract import Executor, UniProcExecutor
 from tracevllm.request import Request, RequestStatus
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
+from tracevllm.tracing import records
 
 logger = logging.getLogger(__name__)
 
 # Sent on the output socket when the engine dies of an error (vLLM's name).
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
 READY = b"READY"
+
+
+def _remove_socket_dir(address: str) -> None:
+    """Remove the frontend's private socket directory (``ipc://DIR/name``)."""
+    if address.startswith("ipc://"):
+        shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
 
 
 class EngineCoreReadyResponse(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
@@ -78,8 +89,6 @@ class EngineCore:
         # Block hashes are computed as requests arrive (and as tokens are
         # appended), so the scheduler only compares them.
         self.request_block_hasher: Callable[[Request], list[BlockHash]] | None = None
-        # Trace context the step spans join (see _step_span).
-        self._step_trace_headers: Mapping[str, str] | None = None
         cache_config = vllm_config.cache_config
         if cache_config.enable_prefix_caching:
             hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
@@ -120,32 +129,38 @@ class EngineCore:
         """
         return Request.from_engine_core_request(request, self.request_block_hasher)
 
+    @tracing.instrument(
+        "EngineCore.add_request",
+        parent=records.core_add_request_parent,
+        record=records.core_add_request,
+    )
     def add_request(self, request: Request) -> None:
         """Hand a request to the scheduler's waiting queue.
 
         Its span's parent is the frontend's ``llm_request`` span, carried over
         the process boundary in ``trace_headers``.
         """
-        if not tracing.is_enabled():
-            self.scheduler.add_request(request)
-            return
-        with tracing.get_tracer().start_as_current_span(
-            "EngineCore.add_request",
-            context=tracing.extract_trace_context(request.trace_headers),
-            attributes={
-                **_ADD_REQUEST_CODE,
-                "gen_ai.request.id": request.request_id,
-                "tracevllm.num_prompt_tokens": request.num_prompt_tokens,
-                "tracevllm.num_block_hashes": len(request.block_hashes),
-            },
-        ):
-            self.scheduler.add_request(request)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def abort_all_after_failed_step(self) -> None:
+        """Leave the engine consistent after a step raised (in-process only).
+
+        tracevllm's own: in its own process, an exception in a step kills
+        EngineCore (the frontend gets EngineDeadError), as in vLLM. In the
+        caller's process (InprocClient) the exception, or a Ctrl-C, reaches
+        the caller mid-step instead: every request is finished with an
+        error, which frees its KV blocks, and the runner forgets them all,
+        so the next call starts clean.
+        """
+        self.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR)
+        self.model_executor.drop_all_requests()
+
     # --- the step -----------------------------------------------------------
     # --8<-- [start:step]
+    @tracing.instrument("EngineCore.step", parent=records.step_parent, record=records.step)
     def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         """Schedule, execute, and make output.
 
@@ -153,52 +168,14 @@ class EngineCore:
         """
         if not self.scheduler.has_requests():
             return {}, False
-        with self._step_span() as span:
-            scheduler_output = self.scheduler.schedule()
-            model_output = self.model_executor.execute_model(scheduler_output)
-            if model_output is None:
-                model_output = self.model_executor.sample_tokens()
-            engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
-            if span.is_recording():
-                self._link_step_to_requests(span, scheduler_output.num_scheduled_tokens)
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.model_executor.execute_model(scheduler_output)
+        if model_output is None:
+            model_output = self.model_executor.sample_tokens()
+        engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     # --8<-- [end:step]
-
-    # --8<-- [start:step_span]
-    def _step_span(self) -> Any:
-        """The ``EngineCore.step`` span, in the trace of the oldest request.
-
-        A step serves many requests but a span has one parent: it joins the
-        oldest request's trace and links to every request it served.
-        """
-        if not tracing.is_enabled():
-            return trace.use_span(trace.INVALID_SPAN)
-        oldest = next(iter(self.scheduler.running), None)
-        if oldest is None and self.scheduler.waiting:
-            oldest = self.scheduler.waiting.peek_request()
-        if oldest is not None and oldest.trace_headers:
-            self._step_trace_headers = oldest.trace_headers
-        # A step with no live request (it only tells the runner what finished)
-        # stays in the trace of the request served last.
-        headers = self._step_trace_headers
-        return tracing.get_tracer().start_as_current_span(
-            "EngineCore.step",
-            context=tracing.extract_trace_context(headers),
-            attributes=_STEP_CODE,
-        )
-
-    # --8<-- [end:step_span]
-
-    def _link_step_to_requests(self, span: trace.Span, scheduled: dict[str, int]) -> None:
-        for req_id in scheduled:
-            request = self.scheduler.requests.get(req_id)
-            context = tracing.extract_trace_context(request.trace_headers if request else None)
-            if context is None:
-                continue
-            req_span_context = trace.get_current_span(context).get_span_context()
-            span.add_link(req_span_context, {"gen_ai.request.id": req_id})
-        span.set_attribute(tracing.SpanAttributes.REQUEST_IDS, list(scheduled))
 
     def step_fn(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         return self.step()
@@ -221,11 +198,6 @@ class EngineCore:
     def shutdown(self) -> None:
         self.model_executor.shutdown()
         self.scheduler.shutdown()
-
-
-# Where EngineCore's hand-made spans point (the methods above read these globals).
-_ADD_REQUEST_CODE = tracing.code_attributes(EngineCore.add_request)
-_STEP_CODE = tracing.code_attributes(EngineCore.step)
 
 
 class EngineCoreProc(EngineCore):
@@ -266,12 +238,18 @@ class EngineCoreProc(EngineCore):
         self._ready.wait()
 
     @staticmethod
-    def run_engine_core(*args: Any, **kwargs: Any) -> None:
+    def run_engine_core(
+        *args: Any, startup_error_pipe: Connection | None = None, **kwargs: Any
+    ) -> None:
         """Entry point of the engine process (the target of multiprocessing).
 
         Its own TracerProvider is made here, in the child, and flushed in
         ``finally`` (multiprocessing exits children with os._exit, which skips
-        atexit hooks).
+        atexit hooks). A failure before READY is sent back, in words, on
+        ``startup_error_pipe`` (tracevllm's; vLLM reports it through its
+        handshake socket). On the way out, for whatever reason, it removes
+        the frontend's socket directory too, so that a frontend killed by a
+        signal leaves no socket file behind.
         """
         # SIGTERM/SIGINT become an orderly exit, so `finally` runs and the
         # tracer provider is flushed.
@@ -295,15 +273,21 @@ class EngineCoreProc(EngineCore):
             engine_core.run_busy_loop()
         except SystemExit:
             logger.debug("EngineCore exiting.")
-        except Exception:
-            logger.exception("EngineCore encountered a fatal error.")
-            if engine_core is not None:
-                engine_core._send_engine_dead()
+        except Exception as e:
+            if engine_core is None and startup_error_pipe is not None:
+                logger.exception("EngineCore failed to start.")
+                with contextlib.suppress(OSError):
+                    startup_error_pipe.send(f"{type(e).__name__}: {e}")
+            else:
+                logger.exception("EngineCore encountered a fatal error.")
+                if engine_core is not None:
+                    engine_core._send_engine_dead()
             raise
         finally:
             if engine_core is not None:
                 engine_core.shutdown()
             tracing.shutdown_tracer()
+            _remove_socket_dir(kwargs["input_address"])
 
     # --8<-- [start:run_busy_loop]
     def run_busy_loop(self) -> None:
@@ -351,8 +335,10 @@ class EngineCoreProc(EngineCore):
                 output.failure_message = f"Call to {method_name} method failed: {e}"
             self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=output)))
         elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:
-            # The input thread saw the frontend vanish.
-            return False
+            if isinstance(request, BaseException):
+                # An I/O thread failed: without it the frontend would wait forever.
+                raise RuntimeError("An EngineCore I/O thread failed.") from request
+            return False  # the input thread saw the frontend vanish
         return True
 
     # --8<-- [start:process_input_sockets]
@@ -360,8 +346,20 @@ class EngineCoreProc(EngineCore):
         """Input thread: decode frames into ``input_queue``.
 
         Also watches the parent process: if the frontend dies without a word
-        (SIGKILL), the engine must not live on as an orphan.
+        (SIGKILL), the engine must not live on as an orphan. A request that
+        cannot be decoded or prepared is answered with an error output
+        (vLLM's ``_handle_request_preproc_error``); if the thread itself
+        fails, the busy loop is told, and the engine reports itself dead.
         """
+        try:
+            self._process_input_sockets(input_address)
+        except BaseException as e:
+            logger.exception("EngineCore input thread failed.")
+            self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, e))
+        finally:
+            self._ready.set()
+
+    def _process_input_sockets(self, input_address: str) -> None:
         add_decoder = MsgpackDecoder(EngineCoreRequest)
         generic_decoder = MsgpackDecoder()
         parent = multiprocessing.parent_process()
@@ -392,28 +390,54 @@ class EngineCoreProc(EngineCore):
                 request_type = EngineCoreRequestType(bytes(type_frame.buffer))
                 request: Any
                 if request_type == EngineCoreRequestType.ADD:
-                    request = self.preprocess_add_request(add_decoder.decode(data_frames))
+                    try:
+                        request = self.preprocess_add_request(add_decoder.decode(data_frames))
+                    except Exception:
+                        self._handle_request_preproc_error(generic_decoder, data_frames)
+                        continue
                 else:
                     request = generic_decoder.decode(data_frames)
                 self.input_queue.put_nowait((request_type, request))
 
     # --8<-- [end:process_input_sockets]
 
+    def _handle_request_preproc_error(self, decoder: MsgpackDecoder, frames: Any) -> None:
+        """Answer a request that failed to decode or prepare with an ERROR output.
+
+        vLLM does this for a failed ``preprocess_add_request``; tracevllm also
+        for a frame that does not decode (a field of the wrong type), as long
+        as its request id can still be read. If not, the input thread fails,
+        and with it the engine: never a request nobody answers.
+        """
+        logger.exception("Unexpected error pre-processing a request")
+        values = decoder.decode(frames)  # EngineCoreRequest is a msgpack array
+        names = EngineCoreRequest.__struct_fields__
+        fields = dict(zip(names, values))  # trailing defaults are not sent
+        request_id, client_index = fields.get("request_id"), fields.get("client_index", 0)
+        if not isinstance(request_id, str) or not isinstance(client_index, int):
+            raise ValueError("An ADD frame without a readable request id.")
+        output = EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR)
+        self.output_queue.put_nowait((client_index, EngineCoreOutputs(outputs=[output])))
+
     def process_output_sockets(self, output_address: str) -> None:
         """Output thread: encode and PUSH whatever the busy loop produced."""
-        encoder = MsgpackEncoder()
-        with self.ctx.socket(zmq.PUSH) as socket:
-            socket.setsockopt(zmq.LINGER, 4000)
-            socket.connect(output_address)
-            while True:
-                output = self.output_queue.get()
-                if output == ENGINE_CORE_DEAD:
-                    socket.send(ENGINE_CORE_DEAD)
-                    return
-                assert isinstance(output, tuple)
-                client_index, outputs = output
-                outputs.engine_index = self.engine_index
-                socket.send(encoder.encode(outputs))
+        try:
+            encoder = MsgpackEncoder()
+            with self.ctx.socket(zmq.PUSH) as socket:
+                socket.setsockopt(zmq.LINGER, 4000)
+                socket.connect(output_address)
+                while True:
+                    output = self.output_queue.get()
+                    if output == ENGINE_CORE_DEAD:
+                        socket.send(ENGINE_CORE_DEAD)
+                        return
+                    assert isinstance(output, tuple)
+                    client_index, outputs = output
+                    outputs.engine_index = self.engine_index
+                    socket.send(encoder.encode(outputs))
+        except BaseException as e:
+            logger.exception("EngineCore output thread failed.")
+            self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, e))
 
     def _send_engine_dead(self) -> None:
         self.output_queue.put_nowait(ENGINE_CORE_DEAD)

@@ -13,18 +13,20 @@ PUSH. Input frames are ``(identity, request_type_byte, msgpack(request))``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import queue
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import uuid
 import weakref
 from concurrent.futures import Future
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -40,7 +42,7 @@ from tracevllm.engine.core import (
     EngineCoreProc,
     EngineCoreReadyResponse,
 )
-from tracevllm.engine.exceptions import EngineDeadError
+from tracevllm.engine.exceptions import EngineDeadError, describe_exit
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 logger = logging.getLogger(__name__)
@@ -91,7 +93,12 @@ class InprocClient(EngineCoreClient):
 
     @tracing.instrument("InprocClient.get_output")
     def get_output(self) -> EngineCoreOutputs:
-        outputs, model_executed = self.engine_core.step_fn()
+        try:
+            outputs, model_executed = self.engine_core.step_fn()
+        except BaseException:
+            # An error or a Ctrl-C mid-step: leave the core consistent, then raise.
+            self.engine_core.abort_all_after_failed_step()
+            raise
         self.engine_core.post_step(model_executed)
         return outputs.get(0) or EngineCoreOutputs()
 
@@ -128,34 +135,50 @@ class BackgroundResources:
         self.monitor_wake_r, self.monitor_wake_w = multiprocessing.Pipe(duplex=False)
 
     def __call__(self) -> None:
-        """Stop the engine process, the threads and the sockets; remove the socket dir."""
+        """Stop the engine process, the threads and the sockets; remove the socket dir.
+
+        Idempotent, and the socket dir goes even if a second Ctrl-C lands
+        half-way (the engine process also removes it on its way out).
+        """
         if self.shutting_down:
             return
         self.shutting_down = True
-        self.monitor_wake_w.send(None)
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()  # SIGTERM: the engine exits through its finally
-            self.proc.join(timeout=10)
-            if self.proc.is_alive():
-                logger.warning("EngineCore did not exit on SIGTERM; killing it.")
-                self.proc.kill()
-                self.proc.join(timeout=5)
-        if self.shutdown_path is not None:
-            # Tell the output thread to stop polling and close its socket.
-            with self.ctx.socket(zmq.PAIR) as s:
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(self.shutdown_path)
-                s.send(b"")
-        for thread in (self.output_thread, self.monitor_thread):
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout=5)
-        if self.input_socket is not None:
-            self.input_socket.close(linger=0)
-        self.ctx.destroy(linger=0)
-        if self.socket_dir is not None:
-            shutil.rmtree(self.socket_dir, ignore_errors=True)
-        self.monitor_wake_r.close()
-        self.monitor_wake_w.close()
+        try:
+            self.monitor_wake_w.send(None)
+            self._stop_process()
+            if self.shutdown_path is not None:
+                # Tell the output thread to stop polling and close its socket.
+                with self.ctx.socket(zmq.PAIR) as s:
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.connect(self.shutdown_path)
+                    s.send(b"")
+            for thread in (self.output_thread, self.monitor_thread):
+                if thread is not None and thread is not threading.current_thread():
+                    thread.join(timeout=5)
+        finally:
+            if self.socket_dir is not None:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)
+            if self.input_socket is not None:
+                self.input_socket.close(linger=0)
+            self.ctx.destroy(linger=0)
+            self.monitor_wake_r.close()
+            self.monitor_wake_w.close()
+
+    def _stop_process(self) -> None:
+        proc = self.proc
+        if proc is None or not proc.is_alive():
+            return
+        if proc.pid is not None:
+            # A stopped process (SIGSTOP, Ctrl-Z) would hold SIGTERM until it
+            # continues: let it continue, so that it can exit.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()  # SIGTERM: the engine exits through its finally
+        proc.join(timeout=10)
+        if proc.is_alive():
+            logger.warning("EngineCore did not exit on SIGTERM; killing it.")
+            proc.kill()
+            proc.join(timeout=5)
 
 
 class SyncMPClient(EngineCoreClient):
@@ -183,7 +206,10 @@ class SyncMPClient(EngineCoreClient):
         output_socket.setsockopt(zmq.LINGER, 0)
         output_socket.bind(output_address)
 
-        mp: Any = multiprocessing.get_context(_get_mp_method())
+        self.mp_method = _get_mp_method()
+        mp: Any = multiprocessing.get_context(self.mp_method)
+        # The engine reports a start-up failure here (its exception, in words).
+        startup_error_r, startup_error_w = mp.Pipe(duplex=False)
         proc = mp.Process(
             target=EngineCoreProc.run_engine_core,
             name="EngineCore",
@@ -191,17 +217,21 @@ class SyncMPClient(EngineCoreClient):
                 vllm_config=vllm_config,
                 input_address=input_address,
                 output_address=output_address,
+                startup_error_pipe=startup_error_w,
             ),
             daemon=True,
         )
         proc.start()
         # --8<-- [end:mp_client_sockets]
         resources.proc = proc
+        startup_error_w.close()
         try:
-            ready = self._wait_for_engine_startup(proc)
+            ready = self._wait_for_engine_startup(proc, startup_error_r)
         except BaseException:
             resources()
             raise
+        finally:
+            startup_error_r.close()
         self.core_engine = ready[0]  # the DEALER's identity
         self.num_gpu_blocks = ready[1].num_gpu_blocks
         self.max_model_len = ready[1].max_model_len
@@ -210,26 +240,43 @@ class SyncMPClient(EngineCoreClient):
         self._start_output_thread(output_socket)
         self._start_engine_core_monitor()
 
-    def _wait_for_engine_startup(self, proc: BaseProcess) -> tuple[bytes, EngineCoreReadyResponse]:
-        """Wait for READY, but notice at once if the process dies instead."""
+    def _wait_for_engine_startup(
+        self, proc: BaseProcess, startup_error: Connection
+    ) -> tuple[bytes, EngineCoreReadyResponse]:
+        """Wait for READY, but notice at once if the process fails instead."""
         timeout_s = envs.TRACEVLLM_ENGINE_READY_TIMEOUT_S
         poller = zmq.Poller()
         poller.register(self.input_socket, zmq.POLLIN)
         poller.register(proc.sentinel, zmq.POLLIN)
+        poller.register(startup_error.fileno(), zmq.POLLIN)
         events = dict(poller.poll(timeout=int(timeout_s * 1000)))
-        if self.input_socket not in events:
-            if not proc.is_alive():
-                raise RuntimeError(
-                    f"EngineCore failed to start (exit code {proc.exitcode}); "
-                    "see the engine process's error above."
-                )
+        if self.input_socket in events:
+            identity, status, payload = self.input_socket.recv_multipart()
+            assert status == READY, f"expected READY from EngineCore, got {status!r}"
+            return identity, MsgpackDecoder(EngineCoreReadyResponse).decode(payload)
+        if not events:
             raise TimeoutError(
                 f"EngineCore did not report READY within {timeout_s:.0f}s "
                 "(TRACEVLLM_ENGINE_READY_TIMEOUT_S)."
             )
-        identity, status, payload = self.input_socket.recv_multipart()
-        assert status == READY, f"expected READY from EngineCore, got {status!r}"
-        return identity, MsgpackDecoder(EngineCoreReadyResponse).decode(payload)
+        # It failed: read its reason, and wait for the exit so the code is known.
+        reason = ""
+        with contextlib.suppress(EOFError, OSError):
+            if startup_error.poll(5):
+                reason = startup_error.recv()
+        proc.join(timeout=10)
+        hint = ""
+        if not reason and self.mp_method == "spawn":
+            hint = (
+                " The engine process was started with spawn (torch was already imported), "
+                "which runs your script's top level again in it: if your script has no "
+                "`if __name__ == '__main__':` guard, add one."
+            )
+        raise RuntimeError(
+            f"EngineCore failed to start (it {describe_exit(proc.exitcode)})"
+            + (f": {reason}" if reason else "; see the engine process's error above.")
+            + hint
+        )
 
     def _start_output_thread(self, out_socket: zmq.Socket) -> None:
         """A thread polls PULL (and an inproc shutdown socket) into outputs_queue."""
@@ -254,7 +301,12 @@ class SyncMPClient(EngineCoreClient):
                     frame = out_socket.recv(copy=False)
                     if frame.bytes == ENGINE_CORE_DEAD:
                         resources.engine_dead = True
-                        outputs_queue.put_nowait(EngineDeadError())
+                        outputs_queue.put_nowait(
+                            EngineDeadError(
+                                "EngineCore hit a fatal error in a step and stopped; its "
+                                "traceback is in the engine process's log above."
+                            )
+                        )
                         continue
                     outputs: EngineCoreOutputs = decoder.decode(frame)
                     if outputs.utility_output is not None:
@@ -293,10 +345,12 @@ class SyncMPClient(EngineCoreClient):
             if resources.shutting_down or proc.sentinel not in ready:
                 return
             resources.engine_dead = True
-            logger.error("EngineCore process (pid %s) died unexpectedly.", proc.pid)
-            outputs_queue.put_nowait(EngineDeadError())
+            proc.join(timeout=5)  # reap it, so the exit code is known
+            reason = f"EngineCore process (pid {proc.pid}) {describe_exit(proc.exitcode)}."
+            logger.error(reason)
+            outputs_queue.put_nowait(EngineDeadError(reason))
             for future in list(utility_results.values()):
-                future.set_exception(EngineDeadError())
+                future.set_exception(EngineDeadError(reason))
 
         thread = threading.Thread(
             target=monitor_engine_cores, name="EngineCoreMonitor", daemon=True
@@ -307,14 +361,32 @@ class SyncMPClient(EngineCoreClient):
     # --8<-- [end:engine_core_monitor]
 
     def ensure_alive(self) -> None:
+        if self.resources.shutting_down:
+            raise RuntimeError("The engine has been shut down; create a new LLM.")
         if self.resources.engine_dead:
             raise EngineDeadError()
 
     @tracing.instrument("SyncMPClient.get_output")
     def get_output(self) -> EngineCoreOutputs:
         # Blocks while the engine process computes: in a trace this span is
-        # the frontend waiting on the other side of the boundary.
-        outputs = self.outputs_queue.get()
+        # the frontend waiting on the other side of the boundary. A dead
+        # engine ends the wait (the monitor thread); a hung one cannot, so
+        # say so every TRACEVLLM_ENGINE_ITERATION_TIMEOUT_S while it lasts.
+        waited = 0.0
+        while True:
+            timeout = envs.TRACEVLLM_ENGINE_ITERATION_TIMEOUT_S
+            try:
+                outputs = self.outputs_queue.get(timeout=timeout)
+                break
+            except queue.Empty:
+                waited += timeout
+                logger.warning(
+                    "No output from EngineCore (pid %s) for %.0f s while requests are "
+                    "in flight: it may be stopped (SIGSTOP, Ctrl-Z), swapping or stuck. "
+                    "Still waiting; Ctrl-C to stop.",
+                    self.engine_pid,
+                    waited,
+                )
         if isinstance(outputs, Exception):
             raise outputs
         return outputs

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 
 class EngineDeadError(Exception):
-    """The EngineCore process died; the engine cannot serve any more requests."""
+    """The EngineCore process died; the engine cannot serve any more requests.
 
-    def __init__(self, *args: object, suppress_context: bool = False) -> None:
-        msg = (
-            "EngineCore encountered an issue and its process is gone. See the stack "
-            "trace above (from the engine process) for the root cause; create a new "
-            "LLM to continue."
-        )
-        super().__init__(msg, *args)
+    The message says what happened when the frontend knows (the process
+    exited with a signal or an exit code; a fatal error inside a step).
+    """
+
+    def __init__(self, reason: str | None = None, *, suppress_context: bool = False) -> None:
+        reason = reason or "EngineCore encountered an issue and its process is gone."
+        super().__init__(f"{reason} Create a new LLM to continue.")
         # Make stack trace clearer when using with LLMEngine by
         # silencing irrelevant ZMQError.
         self.__suppress_context__ = suppress_context
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'exited with signal 9 (SIGKILL)' or 'exited with exit code 1'."""
+    import signal
+
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"exited with signal {-exitcode} ({name})"
+    return f"exited with exit code {exitcode}"

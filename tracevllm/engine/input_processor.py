@@ -10,14 +10,16 @@ prompt embeddings, structured-output and pooling validation.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from tracevllm import tracing
 from tracevllm.config import VllmConfig
-from tracevllm.core.kv_cache_manager import cdiv
 from tracevllm.engine import EngineCoreRequest
 from tracevllm.sampling_params import SamplingParams
+from tracevllm.tracing import records
+from tracevllm.utils.math_utils import cdiv
 
 # str, or {"prompt": str} / {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt).
 PromptType = str | Mapping[str, Any]
@@ -30,28 +32,45 @@ class InputProcessor:
         self.tokenizer = tokenizer
         # Known once the engine core reported READY (set by LLMEngine).
         self.num_gpu_blocks: int | None = vllm_config.cache_config.num_gpu_blocks
+        # The model's stop tokens (and sampling defaults), read once.
+        self.generation_config_fields = self.model_config.try_get_generation_config()
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Return (prompt text or None, prompt token ids)."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids
                 ):
-                    raise ValueError("prompt_token_ids must be a list of ints.")
-                return prompt.get("prompt"), list(ids)
+                    raise TypeError("prompt_token_ids must be a list of ints.")
+                text = prompt.get("prompt")
+                return (check_text(text, "prompt") if text is not None else None), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise ValueError(
+                text = check_text(prompt["prompt"], "prompt")
+                return text, self.tokenizer.encode(text)
+        raise TypeError(
             "prompt must be a str, {'prompt': str} or {'prompt_token_ids': list[int]}, "
             f"got {type(prompt).__name__}."
         )
 
+    @staticmethod
+    def assign_request_id(request: EngineCoreRequest) -> None:
+        """Make the request id unique: the user's id plus 8 random characters.
+
+        As vLLM's: the engine core and the output processor key on the
+        internal id, outputs carry the user's (``external_req_id``), so an id
+        reused after its request stopped cannot pick up the old one's tokens.
+        """
+        if request.external_req_id is not None:
+            raise ValueError("external_req_id is set by the engine; pass request_id.")
+        request.external_req_id = request.request_id
+        request.request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+
     # --8<-- [start:process_inputs]
-    @tracing.instrument("InputProcessor.process_inputs")
+    @tracing.instrument("InputProcessor.process_inputs", record=records.process_inputs)
     def process_inputs(
         self,
         request_id: str,
@@ -60,19 +79,28 @@ class InputProcessor:
         arrival_time: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
-    ) -> tuple[str | None, EngineCoreRequest]:
+    ) -> EngineCoreRequest:
         """Validate, tokenize, and build the request the core will receive."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}.")
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
-        prompt_text, prompt_token_ids = self.tokenize(prompt)
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}.")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}.")
+        if not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must fit in a signed 64-bit integer, got {priority}.")
+        _, prompt_token_ids = self.tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
 
         # The caller's params are never modified: the request gets its own copy.
         params = params.clone()
+        params.verify(self.model_config)
         max_model_len = self.model_config.get_max_model_len()
         if params.max_tokens is None:
             params.max_tokens = max_model_len - len(prompt_token_ids)
-        params.update_from_tokenizer(self.tokenizer.eos_token_id)
+        params.update_from_generation_config(
+            self.generation_config_fields, self.tokenizer.eos_token_id
+        )
         self._validate_fits_kv_cache(len(prompt_token_ids), params.max_tokens)
 
         request = EngineCoreRequest(
@@ -83,11 +111,7 @@ class InputProcessor:
             priority=priority,
             trace_headers=dict(trace_headers) if trace_headers else None,
         )
-        span = tracing.current_span()
-        if span.is_recording():
-            span.set_attribute("tracevllm.prompt_token_ids", prompt_token_ids)
-            span.set_attribute("tracevllm.max_tokens", params.max_tokens)
-        return prompt_text, request
+        return request
 
     # --8<-- [end:process_inputs]
 
@@ -130,3 +154,22 @@ class InputProcessor:
                 "Lower max_tokens or the prompt length, or give the cache more blocks "
                 "(num_gpu_blocks_override / kv_cache_memory_bytes)."
             )
+
+
+def request_prompt_text(prompt: PromptType) -> str | None:
+    """The prompt's text, if it has one (vLLM's ``extract_prompt_components``)."""
+    return prompt if isinstance(prompt, str) else prompt.get("prompt")
+
+
+def check_text(text: Any, name: str) -> str:
+    """A str the tokenizer can take: UTF-8, so no lone surrogate (e.g. "\\ud800")."""
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a str, got {type(text).__name__}.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{name} is not valid Unicode text: {e.reason} at position {e.start} "
+            f"({text[e.start : e.end]!r}). Remove or replace that character."
+        ) from None
+    return text

@@ -9,24 +9,24 @@ strings). Left out: pooling, LoRA, data parallelism, the stat loggers.
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry import trace
-
 from tracevllm import envs, tracing
-from tracevllm.config import VllmConfig
+from tracevllm.config import ModelConfig, VllmConfig
+from tracevllm.engine import EngineCoreRequest
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.engine.core_client import EngineCoreClient
-from tracevllm.engine.input_processor import InputProcessor, PromptType
+from tracevllm.engine.input_processor import InputProcessor, PromptType, request_prompt_text
 from tracevllm.engine.output_processor import OutputProcessor
 from tracevllm.engine.parallel_sampling import ParentRequest
-from tracevllm.metrics.stats import SchedulerStats
+from tracevllm.metrics.stats import IterationStats, SchedulerStats
 from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import SamplingParams
+from tracevllm.tracing.request_span import LLMRequestSpan, llm_request_span
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class LLMEngine:
         if multiprocess_mode is None:
             multiprocess_mode = envs.TRACEVLLM_ENABLE_MULTIPROCESSING
         self.multiprocess_mode = multiprocess_mode
+        self.log_stats = True
+        self.is_shut_down = False
         # Running totals from each step's SchedulerStats (vLLM's Prometheus
         # counters keep the same): preemptions, and the latest stats.
         self.num_preemptions = 0
@@ -64,7 +66,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(vllm_config.model_config.tokenizer)
             self.input_processor = InputProcessor(vllm_config, self.tokenizer)
             self.input_processor.num_gpu_blocks = self.engine_core.num_gpu_blocks
-            self.output_processor = OutputProcessor(self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
         except BaseException:
             self.shutdown()
             raise
@@ -79,6 +81,10 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.vllm_config.model_config
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -95,35 +101,22 @@ class LLMEngine:
         arrival_time: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
         priority: int = 0,
-    ) -> None:
+    ) -> str:
         """Validate and send one request to the engine core (n > 1: n children).
 
-        With tracing on, the request's ``llm_request`` span starts here (at its
-        arrival time) and its context travels in ``trace_headers``, so every
-        span about it, in either process, joins one trace.
+        Returns the internal request id (the user's id plus a random suffix);
+        outputs carry the user's id. With tracing on, the request's
+        ``llm_request`` span starts here, at its arrival time, and its context
+        travels in ``trace_headers``, so every span about it, in either
+        process, joins one trace.
         """
+        self._check_not_shut_down()
         arrival_time = arrival_time if arrival_time is not None else time.time()
-        span = None
-        if tracing.is_enabled():
-            span = tracing.get_tracer().start_span(
-                "llm_request",
-                context=tracing.extract_trace_context(trace_headers),
-                kind=trace.SpanKind.SERVER,
-                start_time=int(arrival_time * 1e9),
-                attributes={tracing.SpanAttributes.GEN_AI_REQUEST_ID: request_id},
+        n = params.n if isinstance(params, SamplingParams) else 1
+        with llm_request_span(request_id, arrival_time, n, trace_headers) as (span, headers):
+            return self._add_request(
+                request_id, prompt, params, arrival_time, headers, priority, span
             )
-            trace_headers = tracing.inject_trace_context(trace.set_span_in_context(span))
-        try:
-            with trace.use_span(span, end_on_exit=False) if span else contextlib.nullcontext():
-                self._add_request(
-                    request_id, prompt, params, arrival_time, trace_headers, priority, span
-                )
-        except BaseException as e:
-            if span is not None:
-                span.record_exception(e)
-                span.set_status(trace.StatusCode.ERROR, str(e))
-                span.end()
-            raise
 
     @tracing.instrument("LLMEngine.add_request")
     def _add_request(
@@ -134,30 +127,52 @@ class LLMEngine:
         arrival_time: float,
         trace_headers: Mapping[str, str] | None,
         priority: int,
-        span: trace.Span | None,
-    ) -> None:
-        prompt_text, request = self.input_processor.process_inputs(
+        span: LLMRequestSpan | None,
+    ) -> str:
+        request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, trace_headers, priority
         )
-        n = params.n
-        if n == 1:
-            self.output_processor.add_request(request, prompt_text, span=span)
-            self.engine_core.add_request(request)
-            return
+        self.input_processor.assign_request_id(request)
+        prompt_text = request_prompt_text(prompt)
+        params = request.sampling_params
+        if params.n == 1:
+            self._send(request, prompt_text, None, 0, span)
+            return request.request_id
         # Fan out: the core sees n independent requests sharing one prompt.
-        parent_req = ParentRequest(request_id, request.sampling_params)
-        for idx in range(n):
-            child_id, child_params = parent_req.get_child_info(idx)
-            child = type(request)(
-                request_id=child_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=child_params,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                trace_headers=request.trace_headers,
-            )
-            self.output_processor.add_request(child, prompt_text, parent_req, idx, span=span)
-            self.engine_core.add_request(child)
+        parent_req = ParentRequest(request)
+        try:
+            for idx in range(params.n):
+                child_id, child_params = parent_req.get_child_info(idx)
+                child = copy.copy(request)
+                child.request_id = child_id
+                child.sampling_params = child_params
+                self._send(child, prompt_text, parent_req, idx, span)
+        except BaseException:
+            # One child could not be sent: take back the ones that were.
+            self.abort_request([request.request_id], internal=True)
+            raise
+        return request.request_id
+
+    def _send(
+        self,
+        request: EngineCoreRequest,
+        prompt_text: str | None,
+        parent_req: ParentRequest | None,
+        index: int,
+        span: LLMRequestSpan | None,
+    ) -> None:
+        """Register the request, then send it; if sending fails, unregister it.
+
+        Registered first, as in vLLM, so that no output can arrive for a
+        request the output processor does not know; undone on failure, so a
+        request that never reached the core is never waited for.
+        """
+        self.output_processor.add_request(request, prompt_text, parent_req, index, span=span)
+        try:
+            self.engine_core.add_request(request)
+        except BaseException:
+            self.output_processor.abort_requests([request.request_id], internal=True)
+            raise
 
     # --8<-- [end:add_request]
 
@@ -165,29 +180,54 @@ class LLMEngine:
     @tracing.instrument("LLMEngine.step")
     def step(self) -> list[RequestOutput]:
         """One engine step: outputs of the requests that advanced."""
+        self._check_not_shut_down()
         # 1) Get EngineCoreOutputs (in-process: this runs the step itself).
-        outputs = self.engine_core.get_output()
+        try:
+            outputs = self.engine_core.get_output()
+        except BaseException:
+            if not self.multiprocess_mode:
+                # The in-process core aborted every request of the failed step
+                # (InprocClient.get_output): no output will come for them.
+                self.output_processor.abort_requests(
+                    list(self.output_processor.request_states), internal=True
+                )
+            raise
+        # 2) Detokenize, check stop strings, make RequestOutputs.
+        iteration_stats = IterationStats() if self.log_stats else None
+        processed = self.output_processor.process_outputs(
+            outputs.outputs, outputs.timestamp, iteration_stats
+        )
+        # 3) Abort requests that finished here (stop strings) in the core too.
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        # 4) Record stats.
         if outputs.scheduler_stats is not None:
             self.last_scheduler_stats = outputs.scheduler_stats
             self.num_preemptions += outputs.scheduler_stats.num_preempted_reqs
-        # 2) Detokenize, check stop strings, make RequestOutputs.
-        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp)
-        # 3) Abort requests that finished here (stop strings) in the core too.
-        self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 
     # --8<-- [end:engine_step]
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        """Abort requests (parent ids of n > 1 requests abort every child)."""
-        request_ids = self.output_processor.abort_requests(request_ids)
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        """Abort requests, by the user's ids (``internal=False``, each standing
+        for every request sent under it and every child of an n > 1 request)
+        or by the internal ids ``add_request`` returned."""
+        request_ids = self.output_processor.abort_requests(request_ids, internal)
         self.engine_core.abort_requests(request_ids)
 
     def reset_prefix_cache(self) -> bool:
+        self._check_not_shut_down()
         return self.engine_core.reset_prefix_cache()
+
+    def _check_not_shut_down(self) -> None:
+        if self.is_shut_down:
+            raise RuntimeError(
+                "This engine has been shut down (shutdown() was called, or its `with` "
+                "block ended); create a new LLM to generate again."
+            )
 
     def shutdown(self) -> None:
         """Stop the engine core, then flush this process's spans."""
+        self.is_shut_down = True
         engine_core = getattr(self, "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown()

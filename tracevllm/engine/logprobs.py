@@ -27,8 +27,9 @@ class LogprobsProcessor:
         for token_ids, logprobs, rank in zip(
             new_logprobs.logprob_token_ids, new_logprobs.logprobs, new_logprobs.sampled_token_ranks
         ):
-            # Entry 0 is the sampled token; then the top-k, ranks 1..k.
-            ranks = [rank, *range(1, self.num_logprobs + 1)]
+            # Entry 0 is the sampled token; then the top-k, ranks 1..k
+            # (logprobs=-1: k is the whole vocabulary).
+            ranks = [rank, *range(1, len(token_ids))]
             position: dict[int, Logprob] = {}
             for token_id, logprob, r in zip(token_ids, logprobs, ranks):
                 if token_id not in position:

@@ -2,34 +2,32 @@
 
 Mirrors vllm/v1/engine/output_processor.py (``RequestState``,
 ``OutputProcessor.process_outputs``, ``OutputProcessorOutput``). Per output:
-timestamps, incremental detokenization, stop strings (which finish the request
-here and ask the core to abort it), logprobs, and a ``RequestOutput`` when the
-output kind asks for one. Left out: the asyncio output queues, pooling,
-LoRA stats and the Prometheus iteration stats.
+stats, incremental detokenization, stop strings (which finish the request
+here and ask the core to abort it), logprobs, and a ``RequestOutput`` when
+the output kind asks for one. Requests are keyed by their internal id; the
+user's id (``external_req_id``) is what outputs carry and what
+``abort_requests`` may be given. Left out: pooling, LoRA stats, streaming
+input, ``stream_interval``. The ``llm_request`` span is started when the
+request arrives (tracing/request_span.py), not made here when it finishes.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry.trace import Span
-
 from tracevllm import tracing
-from tracevllm.engine import (
-    EngineCoreEventType,
-    EngineCoreOutput,
-    EngineCoreRequest,
-    FinishReason,
-)
+from tracevllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from tracevllm.engine.detokenizer import IncrementalDetokenizer
 from tracevllm.engine.logprobs import LogprobsProcessor
 from tracevllm.engine.parallel_sampling import ParentRequest
-from tracevllm.metrics.stats import RequestStateStats
+from tracevllm.metrics.stats import IterationStats, RequestStateStats
 from tracevllm.outputs import CompletionOutput, RequestOutput
 from tracevllm.sampling_params import RequestOutputKind
-from tracevllm.tracing.attributes import SpanAttributes
+from tracevllm.tracing import records
+from tracevllm.tracing.request_span import LLMRequestSpan
 
 
 class RequestState:
@@ -42,25 +40,28 @@ class RequestState:
         prompt: str | None,
         parent_req: ParentRequest | None,
         request_index: int,
-        span: Span | None = None,
+        queue: Any = None,
+        span: LLMRequestSpan | None = None,
     ) -> None:
+        assert request.external_req_id is not None
         self.request_id = request.request_id
+        self.external_req_id = request.external_req_id
         self.parent_req = parent_req
         self.request_index = request_index
         self.prompt = prompt
         self.prompt_token_ids = request.prompt_token_ids
+        self.sampling_params = request.sampling_params
         self.output_kind = request.sampling_params.output_kind
+        self.max_tokens_param = request.sampling_params.max_tokens
         self.detokenizer = IncrementalDetokenizer(tokenizer, request)
         self.logprobs_processor = LogprobsProcessor(tokenizer, request)
-        self.stats = RequestStateStats(arrival_time=request.arrival_time)
+        self.is_prefilling = True
         self.num_cached_tokens = 0
-        self.trace_headers = request.trace_headers
-        # Filled when the request finishes, for the llm_request span.
-        self.finish_reason: FinishReason | None = None
-        self.sampling_params = request.sampling_params
-        # The request's llm_request span (tracing on), and when tokens arrived.
+        self.stats = RequestStateStats(arrival_time=request.arrival_time)
+        # AsyncLLM: the per-request collector generate() reads from.
+        self.queue = queue
+        # The request's llm_request span, when tracing (shared by n children).
         self.span = span
-        self.token_times: list[float] = []
 
     def make_request_output(
         self,
@@ -77,7 +78,7 @@ class RequestState:
         if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         completion = self._new_completion_output(new_token_ids, finish_reason, stop_reason)
-        request_id = self.request_id
+        external_req_id = self.external_req_id
         outputs = [completion]
         if self.parent_req is not None:
             # A child's output goes out under the parent's id (FINAL_ONLY: all
@@ -85,9 +86,9 @@ class RequestState:
             outputs, finished = self.parent_req.get_outputs(self.request_id, completion)
             if not outputs:
                 return None
-            request_id = self.parent_req.request_id
+            external_req_id = self.parent_req.external_req_id
         return RequestOutput(
-            request_id=request_id,
+            request_id=external_req_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
@@ -98,21 +99,18 @@ class RequestState:
 
     def _new_completion_output(
         self,
-        new_token_ids: list[int],
+        token_ids: list[int],
         finish_reason: FinishReason | None,
         stop_reason: int | str | None,
     ) -> CompletionOutput:
         finished = finish_reason is not None
         delta = self.output_kind == RequestOutputKind.DELTA
         text = self.detokenizer.get_next_output_text(finished, delta)
-        token_ids = self.detokenizer.token_ids
+        if not delta:
+            token_ids = self.detokenizer.token_ids
         logprobs = self.logprobs_processor.logprobs
-        if delta:
-            # The detokenizer appended exactly these ids, so its tail is them.
-            num_new = len(new_token_ids)
-            token_ids = token_ids[-num_new:] if num_new else []
-            if logprobs is not None:
-                logprobs = logprobs[-num_new:] if num_new else []
+        if delta and logprobs:
+            logprobs = logprobs[-len(token_ids) :] if token_ids else []
         return CompletionOutput(
             index=self.request_index,
             text=text,
@@ -123,15 +121,15 @@ class RequestState:
             stop_reason=stop_reason if finished else None,
         )
 
-    def completion_summary(self) -> CompletionOutput:
-        """The whole completion so far, whatever the output kind: for the ``llm_request`` span."""
+    def whole_completion(self, finish_reason: FinishReason) -> CompletionOutput:
+        """The whole completion, whatever the output kind (for the request's span)."""
         return CompletionOutput(
             index=self.request_index,
             text=self.detokenizer.output_text,
             token_ids=list(self.detokenizer.token_ids),
             cumulative_logprob=self.logprobs_processor.cumulative_logprob,
             logprobs=None,
-            finish_reason=str(self.finish_reason) if self.finish_reason else None,
+            finish_reason=str(finish_reason),
         )
 
 
@@ -140,17 +138,19 @@ class OutputProcessorOutput:
     request_outputs: list[RequestOutput]
     # Requests the frontend finished (stop strings): the core must abort them.
     reqs_to_abort: list[str]
-    # Requests that finished this step, with their state (for llm_request spans).
-    finished_states: list[RequestState] = field(default_factory=list)
 
 
 class OutputProcessor:
     """Process EngineCoreOutputs into RequestOutputs."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, log_stats: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.log_stats = log_stats
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
+        # The user's id -> the internal ids of its requests (several for a
+        # reused id, or for the n children of a parent).
+        self.external_req_ids: defaultdict[str, list[str]] = defaultdict(list)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
@@ -158,184 +158,185 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return len(self.request_states) > 0
 
+    def propagate_error(self, e: Exception) -> None:
+        """Hand an engine error to every waiting generate() (AsyncLLM)."""
+        for state in self.request_states.values():
+            if state.queue is not None:
+                state.queue.put(e)
+
     def add_request(
         self,
         request: EngineCoreRequest,
         prompt: str | None,
         parent_req: ParentRequest | None = None,
         request_index: int = 0,
-        span: Span | None = None,
+        queue: Any = None,
+        span: LLMRequestSpan | None = None,
     ) -> None:
-        if request.request_id in self.request_states:
-            raise ValueError(f"Request id {request.request_id} already running.")
-        self.request_states[request.request_id] = RequestState(
-            self.tokenizer, request, prompt, parent_req, request_index, span
+        request_id = request.request_id
+        if request_id in self.request_states:
+            raise ValueError(f"Request id {request_id} already running.")
+        req_state = RequestState(
+            self.tokenizer, request, prompt, parent_req, request_index, queue, span
         )
+        self.request_states[request_id] = req_state
         if parent_req is not None:
             self.parent_requests[parent_req.request_id] = parent_req
+        self.external_req_ids[req_state.external_req_id].append(request_id)
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget these requests (parent ids expand to their children).
+    def abort_requests(self, request_ids: Iterable[str], internal: bool) -> list[str]:
+        """Forget these requests; return the internal ids the core must abort.
 
-        Returns the child ids the engine core must abort."""
-        to_abort: list[str] = []
+        ``internal=False``: the user's ids, each standing for every request
+        sent under it. Internal ids may name a parent, which stands for its
+        children. A request that is already gone is skipped.
+        """
+        internal_req_ids: list[str] = []
         for request_id in request_ids:
-            parent = self.parent_requests.pop(request_id, None)
-            children = list(parent.child_requests) if parent else [request_id]
-            for child_id in children:
-                state = self.request_states.pop(child_id, None)
-                if state is not None:
-                    to_abort.append(child_id)
-                    if state.span is not None and state.span.is_recording():
-                        state.finish_reason = FinishReason.ABORT
-                        self.do_tracing(state, [])
-        return to_abort
+            if internal:
+                internal_req_ids.append(request_id)
+            else:
+                internal_req_ids.extend(self.external_req_ids.pop(request_id, []))
+        request_ids_to_abort: list[str] = []
+        for request_id in internal_req_ids:
+            if (req_state := self.request_states.get(request_id)) is not None:
+                self._finish_request(req_state)
+                request_ids_to_abort.append(request_id)
+                if req_state.queue is not None:
+                    # AsyncLLM: a final output tells generate() it was aborted.
+                    output = req_state.make_request_output([], FinishReason.ABORT, None)
+                    if output is not None:
+                        req_state.queue.put(output)
+                self.do_tracing(req_state, FinishReason.ABORT)
+            elif parent := self.parent_requests.pop(request_id, None):
+                children = self.abort_requests(list(parent.child_requests), internal=True)
+                request_ids_to_abort.extend(children)
+        return request_ids_to_abort
 
     # --8<-- [start:process_outputs]
-    @tracing.instrument("OutputProcessor.process_outputs")
+    @tracing.instrument("OutputProcessor.process_outputs", record=records.process_outputs)
     def process_outputs(
-        self, engine_core_outputs: list[EngineCoreOutput], engine_core_timestamp: float = 0.0
+        self,
+        engine_core_outputs: list[EngineCoreOutput],
+        engine_core_timestamp: float | None = None,
+        iteration_stats: IterationStats | None = None,
     ) -> OutputProcessorOutput:
-        """One pass over the step's outputs: detokenize, stop, make outputs.
+        """One pass over the step's outputs: stats, detokenize, stop, make outputs.
 
-        Unlike vLLM, which loops once here for a whole batch of AsyncLLM
-        streams, the sync path returns outputs straight to LLMEngine.step.
+        The only loop over the batch's outputs (vLLM's rule): whatever must
+        touch every request is done inside it.
         """
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
-        finished_states: list[RequestState] = []
-        now = time.time()
-        for output in engine_core_outputs:
-            req_state = self.request_states.get(output.request_id)
+        for engine_core_output in engine_core_outputs:
+            req_id = engine_core_output.request_id
+            req_state = self.request_states.get(req_id)
             if req_state is None:
                 # Aborted in the frontend while the core was still running it.
                 continue
-            self._update_stats(req_state, output, now)
-            new_token_ids = output.new_token_ids
-            finish_reason = output.finish_reason
-            stop_reason = output.stop_reason
-            req_state.num_cached_tokens = output.num_cached_tokens
 
-            # Detokenize, then check stop strings.
+            # 1) Stats for this iteration.
+            self._update_stats_from_output(
+                req_state, engine_core_output, engine_core_timestamp, iteration_stats
+            )
+            new_token_ids = engine_core_output.new_token_ids
+            finish_reason = engine_core_output.finish_reason
+            stop_reason = engine_core_output.stop_reason
+            if req_state.is_prefilling:
+                if engine_core_output.prefill_stats is not None:
+                    req_state.num_cached_tokens = engine_core_output.prefill_stats.num_cached_tokens
+                req_state.is_prefilling = False
+
+            # 2) Detokenize, then check stop strings.
             stop_string = req_state.detokenizer.update(
                 new_token_ids, finish_reason == FinishReason.STOP
             )
-            if stop_string is not None:
+            if stop_string:
                 finish_reason = FinishReason.STOP
                 stop_reason = stop_string
-            req_state.logprobs_processor.update_from_output(output.new_logprobs)
 
-            request_output = req_state.make_request_output(
+            # 3) Logprobs of the new tokens.
+            req_state.logprobs_processor.update_from_output(engine_core_output.new_logprobs)
+
+            # 4) The RequestOutput: to AsyncLLM's collector, or returned.
+            if request_output := req_state.make_request_output(
                 new_token_ids, finish_reason, stop_reason
-            )
-            if request_output is not None:
-                request_outputs.append(request_output)
+            ):
+                if req_state.queue is not None:
+                    req_state.queue.put(request_output)
+                else:
+                    request_outputs.append(request_output)
+
+            # Free completed requests.
             if finish_reason is not None:
-                req_state.finish_reason = finish_reason
-                if req_state.span is not None:
-                    self._trace_finished(req_state)
-                self.request_states.pop(output.request_id)
-                if req_state.parent_req is not None and not req_state.parent_req.child_requests:
-                    self.parent_requests.pop(req_state.parent_req.request_id, None)
-                finished_states.append(req_state)
-                if not output.finished:
+                self._finish_request(req_state)
+                if not engine_core_output.finished:
                     # Finished here (a stop string): the core is still running it.
-                    reqs_to_abort.append(output.request_id)
-        span = tracing.current_span()
-        if span.is_recording():
-            span.set_attribute(
-                SpanAttributes.REQUEST_IDS, [o.request_id for o in engine_core_outputs]
-            )
-            span.set_attribute(
-                "tracevllm.new_token_ids", [len(o.new_token_ids) for o in engine_core_outputs]
-            )
-            span.set_attribute("tracevllm.finished", [s.request_id for s in finished_states])
-        return OutputProcessorOutput(request_outputs, reqs_to_abort, finished_states)
+                    reqs_to_abort.append(req_id)
+                self._update_stats_from_finished(req_state, finish_reason, iteration_stats)
+                self.do_tracing(req_state, finish_reason)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
     # --8<-- [end:process_outputs]
 
+    def _finish_request(self, req_state: RequestState) -> None:
+        req_id = req_state.request_id
+        self.request_states.pop(req_id)
+        internal_ids = self.external_req_ids.get(req_state.external_req_id, [])
+        if req_id in internal_ids:
+            internal_ids.remove(req_id)
+            if not internal_ids:
+                del self.external_req_ids[req_state.external_req_id]
+        parent_req = req_state.parent_req
+        if parent_req is not None:
+            parent_req.child_requests.discard(req_id)
+            if not parent_req.child_requests:
+                self.parent_requests.pop(parent_req.request_id, None)
+
     # --8<-- [start:do_tracing]
-    def _trace_finished(self, req_state: RequestState) -> None:
-        """End the request's span once it is done: for n > 1, once all n children are.
-
-        The children share the parent's span; the whole completions are
-        summed up, not the last (DELTA: partial) outputs.
-        """
-        summary = req_state.completion_summary()
-        parent = req_state.parent_req
-        if parent is None:
-            self.do_tracing(req_state, [summary])
+    def do_tracing(self, req_state: RequestState, finish_reason: FinishReason) -> None:
+        """End the request's ``llm_request`` span (for n > 1: after the last child)."""
+        if req_state.span is None:
             return
-        parent.finished_completions.append(summary)
-        if not parent.child_requests:
-            completions = sorted(parent.finished_completions, key=lambda c: c.index)
-            self.do_tracing(req_state, completions)
-
-    def do_tracing(self, req_state: RequestState, completions: list[CompletionOutput]) -> None:
-        """End the request's ``llm_request`` span with vLLM's GenAI attributes.
-
-        Core timestamps (queued, scheduled) are the core's monotonic clock;
-        only their differences are used. Frontend times are wall clock.
-        """
-        span = req_state.span
-        if span is None or not span.is_recording():
-            return
-        stats, params = req_state.stats, req_state.sampling_params
-        now = time.time()
-        output_tokens = sum(len(c.token_ids) for c in completions)
-        times = req_state.token_times
-        attrs: dict[str, Any] = {
-            SpanAttributes.GEN_AI_REQUEST_ID: req_state.parent_req.request_id
-            if req_state.parent_req
-            else req_state.request_id,
-            SpanAttributes.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens or 0,
-            SpanAttributes.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-            SpanAttributes.GEN_AI_REQUEST_TOP_P: params.top_p,
-            SpanAttributes.GEN_AI_REQUEST_TOP_K: params.top_k,
-            SpanAttributes.GEN_AI_REQUEST_N: req_state.parent_req.n if req_state.parent_req else 1,
-            SpanAttributes.GEN_AI_USAGE_PROMPT_TOKENS: len(req_state.prompt_token_ids),
-            SpanAttributes.GEN_AI_USAGE_INPUT_TOKENS: len(req_state.prompt_token_ids),
-            SpanAttributes.GEN_AI_USAGE_COMPLETION_TOKENS: output_tokens,
-            SpanAttributes.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens,
-            SpanAttributes.GEN_AI_RESPONSE_FINISH_REASONS: [
-                c.finish_reason or "abort" for c in completions
-            ]
-            or [str(req_state.finish_reason)],
-            SpanAttributes.GEN_AI_LATENCY_E2E: now - stats.arrival_time,
-            "tracevllm.num_cached_tokens": req_state.num_cached_tokens,
-            "tracevllm.completion.text": "\n---\n".join(c.text for c in completions),
-            "tracevllm.latency.inter_token_ms": [(b - a) * 1e3 for a, b in zip(times, times[1:])],
-        }
-        if params.seed is not None:
-            attrs[SpanAttributes.GEN_AI_REQUEST_SEED] = params.seed
-        if stats.scheduled_ts and stats.queued_ts:
-            attrs[SpanAttributes.GEN_AI_LATENCY_TIME_IN_QUEUE] = (
-                stats.scheduled_ts - stats.queued_ts
-            )
-        if stats.first_token_ts:
-            attrs[SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN] = stats.first_token_latency
-            attrs[SpanAttributes.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE] = (
-                stats.last_token_ts - stats.first_token_ts
-            )
-        span.set_attributes(attrs)
-        span.end()
+        req_state.span.finish_child(
+            req_state.whole_completion(finish_reason),
+            req_state.sampling_params,
+            req_state.stats,
+            len(req_state.prompt_token_ids),
+            req_state.num_cached_tokens,
+        )
 
     # --8<-- [end:do_tracing]
 
-    @staticmethod
-    def _update_stats(req_state: RequestState, output: EngineCoreOutput, now: float) -> None:
-        stats = req_state.stats
-        for event in output.events or []:
-            # Core events carry the core's monotonic clock: use their differences.
-            if event.type == EngineCoreEventType.QUEUED:
-                stats.queued_ts = event.timestamp
-            elif event.type == EngineCoreEventType.SCHEDULED and not stats.scheduled_ts:
-                stats.scheduled_ts = event.timestamp
-        if output.new_token_ids:
-            if req_state.span is not None:
-                req_state.token_times.append(now)
-            if not stats.first_token_ts:
-                stats.first_token_ts = now
-                stats.first_token_latency = now - stats.arrival_time
-            stats.last_token_ts = now
-            stats.num_generation_tokens += len(output.new_token_ids)
+    def _update_stats_from_output(
+        self,
+        req_state: RequestState,
+        engine_core_output: EngineCoreOutput,
+        engine_core_timestamp: float | None,
+        iteration_stats: IterationStats | None,
+    ) -> None:
+        if req_state.span is not None and engine_core_output.new_token_ids:
+            req_state.span.token_times.append(engine_core_timestamp or 0.0)
+        if iteration_stats is None:
+            return
+        assert engine_core_timestamp is not None
+        iteration_stats.update_from_output(
+            engine_core_output, engine_core_timestamp, req_state.is_prefilling, req_state.stats
+        )
+
+    def _update_stats_from_finished(
+        self,
+        req_state: RequestState,
+        finish_reason: FinishReason,
+        iteration_stats: IterationStats | None,
+    ) -> None:
+        if iteration_stats is None:
+            return
+        iteration_stats.update_from_finished_request(
+            finish_reason=finish_reason,
+            request_id=req_state.external_req_id,
+            num_prompt_tokens=len(req_state.prompt_token_ids),
+            max_tokens_param=req_state.max_tokens_param,
+            req_stats=req_state.stats,
+            num_cached_tokens=req_state.num_cached_tokens,
+        )

@@ -8,20 +8,20 @@ back into one ``RequestOutput``.
 
 from __future__ import annotations
 
+from tracevllm.engine import EngineCoreRequest
 from tracevllm.outputs import CompletionOutput
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class ParentRequest:
-    def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
-        self.request_id = request_id
-        self.sampling_params = sampling_params
-        self.n = sampling_params.n
+    def __init__(self, request: EngineCoreRequest) -> None:
+        assert request.external_req_id is not None
+        self.request_id = request.request_id
+        self.external_req_id = request.external_req_id
+        self.sampling_params = request.sampling_params
+        self.n = self.sampling_params.n
         self.child_requests: set[str] = set()
         self.output_aggregator: list[CompletionOutput | None] = [None] * self.n
-        # Each finished child's whole completion, for the llm_request span
-        # (tracevllm's: vLLM's span does not record completions).
-        self.finished_completions: list[CompletionOutput] = []
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         """The child's request id and its own params (n=1; seed+index if seeded,

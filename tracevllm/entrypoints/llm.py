@@ -11,7 +11,7 @@ encode/embed/score, LoRA, multimodal prompts.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,6 +20,7 @@ from tracevllm import tracing
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.engine.input_processor import PromptType
 from tracevllm.engine.llm_engine import LLMEngine
+from tracevllm.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
 from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -70,12 +71,16 @@ class LLM:
         )
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self.request_counter = itertools.count()
+        self.default_sampling_params: dict[str, Any] | None = None
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams()
+        """SamplingParams() with the model's generation-config defaults, as vLLM's."""
+        if self.default_sampling_params is None:
+            self.default_sampling_params = self.llm_engine.model_config.get_diff_sampling_param()
+        return SamplingParams(**self.default_sampling_params)
 
     # --8<-- [start:generate]
     @tracing.instrument("LLM.generate")
@@ -88,11 +93,19 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions for the prompts, in the order given.
 
-        A bad prompt raises ``ValueError`` (naming the field); the requests of
-        the batch already sent are aborted, so the engine is left clean.
+        A bad prompt raises ``ValueError`` or ``TypeError`` (naming the
+        field); the requests of the batch already sent are aborted, so the
+        engine is left clean. So are the unfinished ones when ``generate``
+        is interrupted (Ctrl-C), so the next call sees only its own.
         """
-        if isinstance(prompts, (str, dict)):
+        self.llm_engine._check_not_shut_down()
+        if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(
+                "prompts must be a str, a {'prompt': ...} / {'prompt_token_ids': ...} dict, "
+                f"or a list of them, got {type(prompts).__name__}."
+            )
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -105,8 +118,22 @@ class LLM:
                     f"sampling_params must be one SamplingParams or a list of the same "
                     f"length as prompts ({len(prompts)}), got {len(params_list)}."
                 )
-        self._validate_and_add_requests(prompts, params_list, priority)
-        return self._run_engine(use_tqdm=use_tqdm)
+        if priority is not None and (
+            not isinstance(priority, Sequence) or len(priority) != len(prompts)
+        ):
+            raise ValueError(
+                f"priority must be a list of one int per prompt ({len(prompts)}), got "
+                f"{len(priority) if isinstance(priority, Sequence) else type(priority).__name__}."
+            )
+        request_ids = self._validate_and_add_requests(prompts, params_list, priority)
+        try:
+            return self._run_engine(use_tqdm=use_tqdm)
+        except BaseException:
+            # Interrupted or failed: withdraw this call's unfinished requests.
+            # (vLLM 0.22's _run_engine leaves them to the next call.)
+            if not self.llm_engine.is_shut_down:
+                self.llm_engine.abort_request(request_ids, internal=True)
+            raise
 
     # --8<-- [end:generate]
 
@@ -121,23 +148,23 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the
         model's chat template."""
-        conversations: list[list[ChatMessage]]
-        if messages and isinstance(messages[0], dict):
-            conversations = [messages]  # type: ignore[list-item]
-        else:
-            conversations = messages  # type: ignore[assignment]
-        tokenizer = self.get_tokenizer()
+        self.llm_engine._check_not_shut_down()
+        # One conversation (a list of message dicts) or a list of them.
+        is_batch = (
+            isinstance(messages, Sequence)
+            and bool(messages)
+            and (not isinstance(messages[0], Mapping) and not isinstance(messages[0], str))
+        )
+        conversations = messages if is_batch else [messages]
         prompts: list[PromptType] = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message,
+            text, ids = apply_chat_template(
+                self.get_tokenizer(),
+                parse_chat_messages(conversation),
+                chat_template,
+                add_generation_prompt,
+                continue_final_message,
             )
-            # The template already holds any special tokens: do not add them twice.
-            ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -145,23 +172,31 @@ class LLM:
         self,
         prompts: list[PromptType],
         params_list: list[SamplingParams],
-        priority: list[int] | None,
-    ) -> None:
+        priority: Sequence[int] | None,
+    ) -> list[str]:
+        """Add every request; returns their internal ids."""
         added: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                if not isinstance(params, SamplingParams):
+                    raise TypeError(
+                        f"sampling_params[{i}] must be SamplingParams, got {type(params).__name__}."
+                    )
                 request_id = str(next(self.request_counter))
                 # LLM.generate returns finished requests only.
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
-                self.llm_engine.add_request(
-                    request_id, prompt, params, priority=priority[i] if priority else 0
+                added.append(
+                    self.llm_engine.add_request(
+                        request_id, prompt, params, priority=priority[i] if priority else 0
+                    )
                 )
-                added.append(request_id)
-        except Exception:
+        except BaseException:
             # One bad prompt: withdraw the ones already sent, then report.
-            self.llm_engine.abort_request(added)
+            if not self.llm_engine.is_shut_down:
+                self.llm_engine.abort_request(added, internal=True)
             raise
+        return added
 
     # --8<-- [start:run_engine]
     def _run_engine(self, use_tqdm: bool = True) -> list[RequestOutput]:

@@ -46,6 +46,10 @@ class Executor:
     def sample_tokens(self) -> ModelRunnerOutput:
         raise NotImplementedError
 
+    def drop_all_requests(self) -> None:
+        """Forget every request (after a failed in-process step)."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         pass
 
@@ -94,3 +98,6 @@ class UniProcExecutor(Executor):
 
     def sample_tokens(self) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens()
+
+    def drop_all_requests(self) -> None:
+        self.model_runner.drop_all_requests()

@@ -1,14 +1,22 @@
 """Scheduler and request statistics.
 
-Mirrors vllm/v1/metrics/stats.py (``PrefixCacheStats``, ``SchedulerStats``,
-``RequestStateStats``). Left out: LoRA, spec-decode, connector, cudagraph and
-perf stats, and the Prometheus loggers. They are plain dataclasses, which
-msgspec encodes as they are inside ``EngineCoreOutputs``.
+Mirrors vllm/v1/metrics/stats.py (``PrefixCacheStats``, ``PrefillStats``,
+``SchedulerStats``, ``RequestStateStats``, ``FinishedRequestStats``,
+``PromptTokenStats``, ``IterationStats``). Left out: LoRA, spec-decode,
+connector, cudagraph and perf stats, KV eviction events, corrupted-request
+counts. The ones that cross the process boundary inside ``EngineCoreOutputs``
+(``SchedulerStats``, ``PrefillStats``) are plain dataclasses, which msgspec
+encodes as they are.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tracevllm.engine import EngineCoreEvent, EngineCoreOutput, FinishReason
 
 
 @dataclass
@@ -37,6 +45,34 @@ class PrefixCacheStats:
 
 
 @dataclass
+class PrefillStats:
+    """How a request's first prefill was served: computed vs found in the cache.
+
+    tracevllm has no KV connector, so every cached token is a local prefix-cache hit.
+    """
+
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_local_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
+
+    def set(
+        self,
+        num_prompt_tokens: int,
+        num_local_cached_tokens: int,
+        num_external_cached_tokens: int = 0,
+    ) -> None:
+        num_cached_tokens = num_local_cached_tokens + num_external_cached_tokens
+        assert num_cached_tokens <= num_prompt_tokens
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = num_prompt_tokens - num_cached_tokens
+        self.num_cached_tokens = num_cached_tokens
+        self.num_local_cached_tokens = num_local_cached_tokens
+        self.num_external_cached_tokens = num_external_cached_tokens
+
+
+@dataclass
 class SchedulerStats:
     """What the scheduler looked like after one step."""
 
@@ -54,14 +90,149 @@ class SchedulerStats:
 
 @dataclass
 class RequestStateStats:
-    """Timestamps the frontend keeps per request (wall clock, seconds)."""
+    """What the frontend keeps per request across outputs.
+
+    ``arrival_time`` is the frontend's wall clock; the other timestamps are
+    the engine core's monotonic clock, so only their differences mean anything.
+    """
 
     num_generation_tokens: int = 0
     arrival_time: float = 0.0
-    # Engine-core event times, from EngineCoreOutput.events.
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
-    # Frontend times.
     first_token_ts: float = 0.0
     last_token_ts: float = 0.0
+    # Frontend: arrival to first token, wall clock.
     first_token_latency: float = 0.0
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished request's latencies (what the Prometheus histograms take)."""
+
+    finish_reason: FinishReason
+    request_id: str | None = None
+    e2e_latency: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    max_tokens_param: int | None = None
+    queued_time: float = 0.0
+    prefill_time: float = 0.0
+    inference_time: float = 0.0
+    decode_time: float = 0.0
+    mean_time_per_output_token: float = 0.0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class PromptTokenStats:
+    """Prompt tokens of one iteration, by where their KV came from."""
+
+    computed: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+    cached_tokens: int = 0
+    total: int = 0
+
+    def update_from_output(self, prefill_stats: PrefillStats) -> None:
+        self.computed += prefill_stats.num_computed_tokens
+        self.cached_tokens += prefill_stats.num_cached_tokens
+        self.total += prefill_stats.num_prompt_tokens
+        self.local_cache_hit += prefill_stats.num_local_cached_tokens
+        self.external_kv_transfer += prefill_stats.num_external_cached_tokens
+
+
+class IterationStats:
+    """What one batch of EngineCoreOutputs did, for the stat loggers.
+
+    Made by the frontend per batch of outputs; the output processor fills
+    it while it walks the batch (one loop, as vLLM insists).
+    """
+
+    def __init__(self) -> None:
+        self.iteration_timestamp = time.time()
+        self.num_generation_tokens = 0
+        self.prompt_token_stats = PromptTokenStats()
+        self.num_preempted_reqs = 0
+        self.finished_requests: list[FinishedRequestStats] = []
+        self.time_to_first_tokens_iter: list[float] = []
+        self.inter_token_latencies_iter: list[float] = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_token_stats.total
+
+    def _time_since(self, start: float) -> float:
+        return self.iteration_timestamp - start
+
+    def update_from_output(
+        self,
+        output: EngineCoreOutput,
+        engine_core_timestamp: float,
+        is_prefilling: bool,
+        req_stats: RequestStateStats,
+    ) -> None:
+        num_new_generation_tokens = len(output.new_token_ids)
+        self.num_generation_tokens += num_new_generation_tokens
+        if is_prefilling:
+            if output.prefill_stats is not None:
+                self.prompt_token_stats.update_from_output(output.prefill_stats)
+            first_token_latency = self._time_since(req_stats.arrival_time)
+            self.time_to_first_tokens_iter.append(first_token_latency)
+            req_stats.first_token_latency = first_token_latency
+        req_stats.num_generation_tokens += num_new_generation_tokens
+        if output.events is not None:
+            self.update_from_events(output.events, req_stats)
+        if is_prefilling:
+            req_stats.first_token_ts = engine_core_timestamp
+        else:
+            self.inter_token_latencies_iter.append(engine_core_timestamp - req_stats.last_token_ts)
+        req_stats.last_token_ts = engine_core_timestamp
+
+    def update_from_events(
+        self, events: list[EngineCoreEvent], req_stats: RequestStateStats
+    ) -> None:
+        from tracevllm.engine import EngineCoreEventType
+
+        for event in events:
+            if event.type == EngineCoreEventType.QUEUED:
+                req_stats.queued_ts = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED:
+                if req_stats.scheduled_ts == 0.0:  # not again after a preemption
+                    req_stats.scheduled_ts = event.timestamp
+            elif event.type == EngineCoreEventType.PREEMPTED:
+                self.num_preempted_reqs += 1
+
+    def update_from_finished_request(
+        self,
+        finish_reason: FinishReason,
+        request_id: str,
+        num_prompt_tokens: int,
+        max_tokens_param: int | None,
+        req_stats: RequestStateStats,
+        num_cached_tokens: int = 0,
+    ) -> None:
+        # Queued: first QUEUED to first SCHEDULED; prefill: SCHEDULED to the
+        # first token; decode: first to last token (preemptions included).
+        decode_time = req_stats.last_token_ts - req_stats.first_token_ts
+        self.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=finish_reason,
+                request_id=request_id,
+                e2e_latency=self._time_since(req_stats.arrival_time),
+                num_prompt_tokens=num_prompt_tokens,
+                num_generation_tokens=req_stats.num_generation_tokens,
+                max_tokens_param=max_tokens_param,
+                queued_time=req_stats.scheduled_ts - req_stats.queued_ts,
+                prefill_time=req_stats.first_token_ts - req_stats.scheduled_ts,
+                inference_time=req_stats.last_token_ts - req_stats.scheduled_ts,
+                decode_time=decode_time,
+                # The prefill's token is not a decode step.
+                mean_time_per_output_token=(
+                    decode_time / (req_stats.num_generation_tokens - 1)
+                    if req_stats.num_generation_tokens > 1
+                    else 0.0
+                ),
+                num_cached_tokens=num_cached_tokens,
+            )
+        )

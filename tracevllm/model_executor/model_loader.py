@@ -24,10 +24,11 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from tracevllm import envs
 
+# torch is imported where it is used, not here: the frontend resolves the model
+# before the engine process starts, and with torch loaded it would have to
+# start that process with spawn, which re-runs a script without a main guard.
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
     from tracevllm.model_executor.models.llama import LlamaForCausalLM
@@ -81,6 +82,23 @@ def resolve_model(model: str | None) -> str:
     return path
 
 
+# Any one of these makes a directory loadable by AutoTokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer_dir(path: str) -> str:
+    """The tokenizer directory, checked before any weights are loaded."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise ValueError(f"Tokenizer path {path!r} is not a directory.")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{path!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}). Save the "
+            "tokenizer beside the weights, or pass tokenizer=DIR (--tokenizer DIR)."
+        )
+    return path
+
+
 def _default_gguf_path() -> str:
     # find_spec locates the package without importing it: its __init__ imports
     # `llm`, which we do not install.
@@ -102,12 +120,14 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
     Written into a temporary sibling directory and renamed at the end, so an
     interrupted conversion never leaves a half-written model behind.
     """
+    import torch
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     parent = os.path.dirname(target)
+    made_parent = not os.path.isdir(parent)
     os.makedirs(parent, exist_ok=True)
     gguf_dir, gguf_file = os.path.split(gguf_path)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.tmp-", dir=parent)
@@ -147,6 +167,13 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
             # Another process finished the same conversion first: keep theirs.
             if not os.path.isdir(target):
                 raise
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made_parent and not os.listdir(parent):
+            os.rmdir(parent)  # a failed first conversion leaves no empty cache dir
+        if isinstance(e, Exception):
+            raise ValueError(f"Could not convert {gguf_path!r}: {type(e).__name__}: {e}") from e
+        raise
     finally:
         hf_logging.enable_progress_bar()
         if os.path.isdir(tmp):
@@ -156,6 +183,7 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
 
 def get_model(vllm_config: VllmConfig) -> LlamaForCausalLM:
     """Build the model and load its safetensors weights (vLLM's ``get_model``)."""
+    import torch
     from safetensors.torch import load_file
 
     from tracevllm.model_executor.models.llama import LlamaForCausalLM

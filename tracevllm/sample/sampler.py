@@ -6,7 +6,7 @@ distribution, before penalties, temperature and filtering. vLLM's two
 built-in logits processors that can change a greedy pick are plain steps
 here: min-tokens (``apply_min_tokens``) and min-p (in ``sample``). Left out:
 logit bias, allowed/bad words, custom logits processors, prompt logprobs,
-``logprobs=-1`` (full vocabulary), the rejection sampler.
+the rejection sampler.
 """
 
 from __future__ import annotations

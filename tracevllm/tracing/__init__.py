@@ -165,10 +165,20 @@ def _relative_path(path: str) -> str:
 
 
 # --8<-- [start:instrument]
-def instrument(span_name: str | None = None) -> Callable[[F], F]:
+def instrument(
+    span_name: str | None = None,
+    *,
+    parent: Callable[..., Context | None] | None = None,
+    record: Callable[..., None] | None = None,
+) -> Callable[[F], F]:
     """Wrap a method in a span named ``Class.method`` with its code location.
 
-    With tracing off, the wrapper costs one attribute check per call.
+    ``parent(*args)`` picks the span's parent context (default: the current
+    span); ``record(span, result, *args)`` puts what the method did on the
+    span once it returns, only when the span records. So the engine's
+    methods hold no tracing code: what a span shows is written in
+    tracing/records.py. With tracing off, the wrapper costs one attribute
+    check per call.
     """
 
     def decorator(func: F) -> F:
@@ -179,8 +189,14 @@ def instrument(span_name: str | None = None) -> Callable[[F], F]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _state.provider is None:
                 return func(*args, **kwargs)
-            with _state.tracer.start_as_current_span(name, attributes=attributes):
-                return func(*args, **kwargs)
+            context = parent(*args, **kwargs) if parent is not None else None
+            with _state.tracer.start_as_current_span(
+                name, context=context, attributes=attributes
+            ) as span:
+                result = func(*args, **kwargs)
+                if record is not None and span.is_recording():
+                    record(span, result, *args, **kwargs)
+                return result
 
         return wrapper  # type: ignore[return-value]
 

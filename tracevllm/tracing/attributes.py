@@ -1,28 +1,26 @@
 """Span attribute names, in one place.
 
-GenAI semantic conventions are still "development", so names are constants
-(vLLM does the same in vllm/tracing/utils.py). ``gen_ai.usage.prompt_tokens`` /
-``completion_tokens`` are vLLM's names; the current spec's
-``input_tokens`` / ``output_tokens`` are set too.
+Three groups, so that nobody mistakes one for another: vLLM's own names
+(vllm/tracing/utils.py ``SpanAttributes``, set as vLLM sets them on its
+``llm_request`` span); names from the OpenTelemetry GenAI semantic conventions
+that vLLM does not set (``gen_ai.usage.input_tokens``, ``gen_ai.request.top_k``
+...), which tracevllm adds; and tracevllm's own (``tracevllm.*``), for the
+views. The GenAI conventions are still "development", so names are constants.
 """
 
 from __future__ import annotations
 
 
 class SpanAttributes:
+    # --- vLLM's (vllm/tracing/utils.py) --------------------------------------
     GEN_AI_REQUEST_ID = "gen_ai.request.id"
     GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
     GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
     GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
-    GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
     GEN_AI_REQUEST_N = "gen_ai.request.n"
-    GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
     GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
-    GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
     GEN_AI_USAGE_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
     GEN_AI_USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
-    GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
-    GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
     GEN_AI_LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
     GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
     GEN_AI_LATENCY_E2E = "gen_ai.latency.e2e"
@@ -30,15 +28,26 @@ class SpanAttributes:
     GEN_AI_LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
     GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
 
-    # Where the span was emitted (OTel code semantic conventions).
+    # --- OTel GenAI semantic conventions that vLLM does not set ---------------
+    GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
+    GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+    GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+    GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+    GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+
+    # Where the span was emitted (OTel code semantic conventions; vLLM uses
+    # the older code.function / code.filepath / code.lineno).
     CODE_FUNCTION_NAME = "code.function.name"
     CODE_FILE_PATH = "code.file.path"
     CODE_LINE_NUMBER = "code.line.number"
 
-    # tracevllm's own.
+    # --- tracevllm's own --------------------------------------------------------
     PROCESS_KIND = "tracevllm.process_kind"
     STEP_ID = "tracevllm.step_id"
     REQUEST_IDS = "tracevllm.request_ids"
+    NUM_CACHED_TOKENS = "tracevllm.num_cached_tokens"
+    COMPLETION_TEXT = "tracevllm.completion.text"
+    INTER_TOKEN_MS = "tracevllm.latency.inter_token_ms"
     # JSON documents the views are drawn from (OTel attributes are flat).
     STEP_VIEW = "tracevllm.view.step"
     COMPLETION_VIEW = "tracevllm.view.completion"

@@ -2,25 +2,23 @@
 
 OTel attributes are flat (scalars and lists), so the structured step view is
 one JSON string (``tracevllm.view.step``); the figures a trace viewer filters
-on are plain attributes beside it. Called by the scheduler only when its span
-is recording: tracing off costs nothing here.
+on are plain attributes beside it. The ``record`` of ``Scheduler.schedule``'s
+span (tracing/records.py): it runs only when that span records, so tracing off
+costs nothing here. It reads the scheduler without importing it (tracing never
+imports the core).
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry.trace import Span
 
 from tracevllm.tracing.attributes import SpanAttributes
 
-if TYPE_CHECKING:
-    from tracevllm.core.sched.output import SchedulerOutput
-    from tracevllm.core.sched.scheduler import Scheduler
 
-
-def record_schedule(span: Span, scheduler: Scheduler, so: SchedulerOutput) -> None:
+def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
     """Attach the step's SchedulerOutput, block tables and KV pool to the span."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool

@@ -174,7 +174,10 @@ class InputBatch:
         if request.generator is not None:
             self.generators[req_index] = request.generator
         if params.logprobs is not None:
-            self.num_logprobs[req_id] = params.logprobs
+            # -1: every token of the vocabulary, as vLLM.
+            self.num_logprobs[req_id] = (
+                self.vocab_size if params.logprobs == -1 else params.logprobs
+            )
         return req_index
 
     def remove_request(self, req_id: str) -> int | None:

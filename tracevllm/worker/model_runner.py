@@ -27,6 +27,7 @@ from tracevllm.model_executor.model_loader import get_model
 from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tracevllm.sample.sampler import Sampler
 from tracevllm.sampling_params import SamplingType
+from tracevllm.tracing import records
 from tracevllm.worker.input_batch import CachedRequestState, InputBatch
 
 if TYPE_CHECKING:
@@ -63,14 +64,8 @@ class ModelRunner:
 
         # Every request the runner knows, scheduled this step or not.
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(
-            max_num_reqs=self.max_num_reqs,
-            max_model_len=self.max_model_len,
-            max_num_batched_tokens=self.max_num_tokens,
-            vocab_size=model_config.vocab_size,
-            block_size=self.block_size,
-            device=self.device,
-        )
+        self.vocab_size = model_config.vocab_size
+        self.input_batch = self._make_input_batch()
         self.sampler = Sampler()
         self.arange_np = np.arange(
             max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens)
@@ -91,6 +86,16 @@ class ModelRunner:
         self.slot_mapping = torch.zeros(0, dtype=torch.int64)
         self.logits_indices = torch.zeros(0, dtype=torch.int64)
         self.attn_metadata: AttentionMetadata | None = None
+
+    def _make_input_batch(self) -> InputBatch:
+        return InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            vocab_size=self.vocab_size,
+            block_size=self.block_size,
+            device=self.device,
+        )
 
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -118,9 +123,16 @@ class ModelRunner:
             layer.kv_cache = kv_cache
             self.kv_caches.append(kv_cache)
 
+    def drop_all_requests(self) -> None:
+        """Forget every request: a fresh persistent batch (tracevllm's own,
+        for EngineCore.abort_all_after_failed_step)."""
+        self.requests.clear()
+        self.input_batch = self._make_input_batch()
+        self.execute_model_state = None
+
     # ------------------------------------------------------------ the step
     # --8<-- [start:update_states]
-    @tracing.instrument("ModelRunner._update_states")
+    @tracing.instrument("ModelRunner._update_states", record=records.update_states)
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Bring the persistent batch in line with what the scheduler decided."""
         batch = self.input_batch
@@ -158,9 +170,10 @@ class ModelRunner:
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
-            if req_id in cached.all_token_ids:
-                # The scheduler sent the whole sequence: trust it over our copy.
-                state.output_token_ids[:] = cached.all_token_ids[req_id][state.num_prompt_tokens :]
+            # The runner appended every token it sampled (sample_tokens), so its
+            # copy is current; cached.all_token_ids is for KV connectors and
+            # async scheduling, which tracevllm leaves out. Only trim tokens the
+            # scheduler did not keep, as vLLM does.
             if cached.num_output_tokens and cached.num_output_tokens[i] < len(
                 state.output_token_ids
             ):
@@ -185,19 +198,11 @@ class ModelRunner:
         for state in reqs_to_add:
             batch.add_request(state)
         batch.condense()
-        span = tracing.current_span()
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    "tracevllm.added_req_ids": [s.req_id for s in reqs_to_add],
-                    "tracevllm.batch_req_ids": list(batch.req_ids),
-                }
-            )
 
     # --8<-- [end:update_states]
 
     # --8<-- [start:prepare_inputs]
-    @tracing.instrument("ModelRunner._prepare_inputs")
+    @tracing.instrument("ModelRunner._prepare_inputs", record=records.prepare_inputs)
     def _prepare_inputs(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[dict[str, AttentionMetadata], torch.Tensor, np.ndarray]:
@@ -261,34 +266,9 @@ class ModelRunner:
         self.attn_metadata = attn_metadata
         # One KV cache group: every layer shares the metadata.
         per_layer = dict.fromkeys(self.attn_layers, attn_metadata)
-        span = tracing.current_span()
-        if span.is_recording():
-            self._record_inputs(span, num_scheduled_tokens)
         return per_layer, self.logits_indices, discard
 
     # --8<-- [end:prepare_inputs]
-
-    def _record_inputs(self, span: Any, num_scheduled_tokens: np.ndarray) -> None:
-        """Put the flat batch on the span: the arrays the kernels will see."""
-        assert self.attn_metadata is not None
-        batch = self.input_batch
-        span.set_attributes(
-            {
-                "tracevllm.req_ids": list(batch.req_ids),
-                "tracevllm.num_scheduled_tokens": num_scheduled_tokens.tolist(),
-                "tracevllm.input_ids": self.input_ids.tolist(),
-                "tracevllm.positions": self.positions.tolist(),
-                "tracevllm.query_start_loc": self.query_start_loc.tolist(),
-                "tracevllm.seq_lens": self.seq_lens.tolist(),
-                "tracevllm.slot_mapping": self.slot_mapping.tolist(),
-                "tracevllm.logits_indices": self.logits_indices.tolist(),
-                # Each row as "req: block ids", since attributes are flat.
-                "tracevllm.block_table": [
-                    f"{req_id}: {row}"
-                    for req_id, row in zip(batch.req_ids, self.attn_metadata.block_table.tolist())
-                ],
-            }
-        )
 
     def _get_cumsum_and_arange(self, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[2, 5, 3] -> cumsum [2, 7, 10] and arange [0 1 0 1 2 3 4 0 1 2]."""
@@ -327,7 +307,7 @@ class ModelRunner:
     # --8<-- [end:execute_model]
 
     # --8<-- [start:sample_tokens]
-    @tracing.instrument("ModelRunner.sample_tokens")
+    @tracing.instrument("ModelRunner.sample_tokens", record=records.sample_tokens)
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
         """Sample one token per request and append it to the persistent batch."""
@@ -368,17 +348,6 @@ class ModelRunner:
             batch.num_tokens_no_spec[req_idx] = end
             self.requests[batch.req_ids[req_idx]].output_token_ids.extend(sampled_ids)
 
-        span = tracing.current_span()
-        if span.is_recording():
-            span.set_attributes(
-                {
-                    "tracevllm.req_ids": list(batch.req_ids),
-                    # -1: a partial prefill's sample, thrown away.
-                    "tracevllm.sampled_token_ids": [
-                        ids[0] if ids else -1 for ids in valid_sampled_token_ids
-                    ],
-                }
-            )
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),

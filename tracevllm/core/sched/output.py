@@ -26,10 +26,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
-    # Trace context of the request, so runner spans can link to it.
+    # tracevllm: trace context of the request, so runner spans can link to it.
     trace_headers: dict[str, str] | None = None
-    # For a request resumed after preemption, its tokens so far.
-    prefill_token_ids: list[int] | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
@@ -53,7 +51,8 @@ class CachedRequestData:
     resumed_req_ids: set[str] = field(default_factory=set)
     # Only used by pipeline parallelism in vLLM; kept for shape.
     new_token_ids: list[list[int]] = field(default_factory=list)
-    # All token ids of resumed requests (the runner dropped its copy).
+    # All token ids of requests not scheduled last step (vLLM: for KV
+    # connectors and async scheduling; the synchronous runner has its own copy).
     all_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Blocks appended this step (None: none).
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)

@@ -27,6 +27,7 @@ from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import SchedulerStats
 from tracevllm.outputs import ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
+from tracevllm.tracing import records
 
 
 # --8<-- [start:compute_num_new_tokens]
@@ -68,7 +69,9 @@ def compute_num_new_tokens(
 
 
 class Scheduler:
-    def __init__(self, vllm_config: VllmConfig, log_stats: bool = True) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, log_stats: bool = True, include_finished_set: bool = False
+    ) -> None:
         self.vllm_config = vllm_config
         self.scheduler_config = vllm_config.scheduler_config
         self.cache_config = vllm_config.cache_config
@@ -83,9 +86,12 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
-        # Finished since the last update_from_output(), per client (vLLM keeps
-        # this only for data parallelism; the frontend here uses it too).
-        self.finished_req_ids_dict: dict[int, set[str]] = defaultdict(set)
+        # Finished since the last update_from_output(), per client: sent back
+        # as EngineCoreOutputs.finished_requests when asked for (vLLM's
+        # data-parallel clients count in-flight requests with it).
+        self.finished_req_ids_dict: dict[int, set[str]] | None = (
+            defaultdict(set) if include_finished_set else None
+        )
         self.prev_step_scheduled_req_ids: set[str] = set()
         self.step_id = 0
         self.num_preempted_reqs = 0  # in the last step, for make_stats
@@ -101,7 +107,7 @@ class Scheduler:
             log_stats=log_stats,
         )
 
-    @tracing.instrument("Scheduler.schedule")
+    @tracing.instrument("Scheduler.schedule", record=records.record_schedule)
     def schedule(self) -> SchedulerOutput:
         scheduled_new_reqs: list[Request] = []
         scheduled_resumed_reqs: list[Request] = []
@@ -218,8 +224,9 @@ class Scheduler:
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed_tokens
+                # The first prefill only, not a recompute after preemption.
+                if request.prefill_stats is not None:
+                    request.prefill_stats.set(request.num_prompt_tokens, num_computed_tokens)
         # --8<-- [end:schedule_waiting]
 
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
@@ -252,11 +259,6 @@ class Scheduler:
             step_id=self.step_id,
         )
         self._update_after_schedule(scheduler_output)
-        span = tracing.current_span()
-        if span.is_recording():
-            from tracevllm.tracing.step_view import record_schedule
-
-            record_schedule(span, self, scheduler_output)
         return scheduler_output
 
     # --8<-- [start:preempt_request]
@@ -301,8 +303,10 @@ class Scheduler:
         for req in running_reqs + resumed_reqs:
             req_id = req.request_id
             data.req_ids.append(req_id)
-            # The runner's copy of a request's tokens is stale unless it ran
-            # last step (it appends its own samples only for scheduled rows).
+            # For a request not scheduled last step, the whole sequence goes
+            # along, as in vLLM: KV connectors read it, and async scheduling
+            # rebuilds a resumed request's outputs from it. The synchronous
+            # runner keeps its own copy of the tokens and does not need it.
             if req_id not in self.prev_step_scheduled_req_ids:
                 data.all_token_ids[req_id] = req.all_token_ids.copy()
             block_ids = req_to_new_blocks[req_id].get_block_ids()
@@ -312,7 +316,7 @@ class Scheduler:
         return data
 
     # --8<-- [start:update_from_output]
-    @tracing.instrument("Scheduler.update_from_output")
+    @tracing.instrument("Scheduler.update_from_output", record=records.update_from_output)
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
@@ -351,26 +355,22 @@ class Scheduler:
                         finish_reason=finish_reason,
                         stop_reason=request.stop_reason,
                         events=request.take_events(),
-                        # tracevllm: sent once, on the last output.
+                        # tracevllm: sent once, on the last output (vLLM: on each).
                         trace_headers=request.trace_headers if stopped else None,
-                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                        prefill_stats=request.take_prefill_stats(),
                     )
                 )
         if stopped_reqs:
             self.running = remove_all(self.running, stopped_reqs)
-        span = tracing.current_span()
-        if span.is_recording():
-            span.set_attribute(
-                "tracevllm.finished_req_ids", sorted(r.request_id for r in stopped_reqs)
-            )
 
         engine_core_outputs = {
             client_index: EngineCoreOutputs(outputs=outs) for client_index, outs in outputs.items()
         }
-        for client_index, finished in self.finished_req_ids_dict.items():
-            engine_core_outputs.setdefault(client_index, EngineCoreOutputs())
-            engine_core_outputs[client_index].finished_requests = finished
-        self.finished_req_ids_dict = defaultdict(set)
+        if finished_req_ids := self.finished_req_ids_dict:
+            for client_index, finished in finished_req_ids.items():
+                engine_core_outputs.setdefault(client_index, EngineCoreOutputs())
+                engine_core_outputs[client_index].finished_requests = finished
+            finished_req_ids.clear()
         if (stats := self.make_stats()) is not None:
             # Stats go to one client only, even in a step with no outputs.
             if not engine_core_outputs:
@@ -424,7 +424,8 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         assert request.is_finished()
         self.finished_req_ids.add(request.request_id)
-        self.finished_req_ids_dict[request.client_index].add(request.request_id)
+        if self.finished_req_ids_dict is not None:
+            self.finished_req_ids_dict[request.client_index].add(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
 

@@ -30,9 +30,8 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         return False
 
     last_token_id = request.output_token_ids[-1]
-    # vLLM leaves eos_token_id unset under ignore_eos; tracevllm always records
-    # it, so ignore_eos is checked here. EOS is not a "stop reason".
-    if last_token_id == params.eos_token_id and not params.ignore_eos:
+    # eos_token_id is None under ignore_eos. EOS is not a "stop reason".
+    if last_token_id == params.eos_token_id:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
     if last_token_id in (params.stop_token_ids or ()):

@@ -1,0 +1,189 @@
+"""What each engine span shows: the ``record`` and ``parent`` functions that
+``tracing.instrument`` calls around the engine's methods.
+
+tracevllm's own. Keeping them here keeps the engine's files reading like
+vLLM's: a method carries one decorator line, and this file says what its span
+records. A ``record(span, result, *args)`` function runs after the method
+returned, only when the span records, and is given the method's own
+arguments (``self`` first). These functions read the engine's objects but
+never import them: tracing never imports the core.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
+
+from tracevllm.tracing import extract_trace_context
+from tracevllm.tracing.attributes import SpanAttributes
+from tracevllm.tracing.step_view import record_schedule
+
+__all__ = [
+    "core_add_request",
+    "core_add_request_parent",
+    "prepare_inputs",
+    "process_inputs",
+    "process_outputs",
+    "record_schedule",
+    "sample_tokens",
+    "step",
+    "step_parent",
+    "update_from_output",
+    "update_states",
+]
+
+
+# --- frontend ---------------------------------------------------------------
+def process_inputs(span: Span, request: Any, processor: Any, *args: Any, **kw: Any) -> None:
+    span.set_attributes(
+        {
+            "tracevllm.prompt_token_ids": request.prompt_token_ids,
+            "tracevllm.max_tokens": request.sampling_params.max_tokens or 0,
+        }
+    )
+
+
+def process_outputs(
+    span: Span, result: Any, processor: Any, engine_core_outputs: list[Any], *a: Any, **kw: Any
+) -> None:
+    span.set_attributes(
+        {
+            SpanAttributes.REQUEST_IDS: [o.request_id for o in engine_core_outputs],
+            "tracevllm.new_token_ids": [len(o.new_token_ids) for o in engine_core_outputs],
+            "tracevllm.finished": [
+                o.request_id
+                for o in engine_core_outputs
+                if o.finish_reason is not None or o.request_id in result.reqs_to_abort
+            ],
+        }
+    )
+
+
+# --- engine core --------------------------------------------------------------
+def core_add_request_parent(engine_core: Any, request: Any) -> Context | None:
+    """EngineCore.add_request's parent: the frontend's llm_request span, whose
+    context came over the process boundary in ``trace_headers``."""
+    return extract_trace_context(request.trace_headers)
+
+
+def core_add_request(span: Span, result: Any, engine_core: Any, request: Any) -> None:
+    span.set_attributes(
+        {
+            SpanAttributes.GEN_AI_REQUEST_ID: request.request_id,
+            "tracevllm.num_prompt_tokens": request.num_prompt_tokens,
+            "tracevllm.num_block_hashes": len(request.block_hashes),
+        }
+    )
+
+
+# The trace each engine's last step joined (see step_parent).
+_last_step_headers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+# --8<-- [start:step_span]
+def step_parent(engine_core: Any) -> Context | None:
+    """The ``EngineCore.step`` span joins the trace of the oldest request.
+
+    A step serves many requests but a span has one parent: it joins the
+    oldest request's trace and links to every request it served (``step``
+    below). A step with no live request (it only tells the runner what
+    finished) stays in the trace of the request served last.
+    """
+    scheduler = engine_core.scheduler
+    oldest = next(iter(scheduler.running), None)
+    if oldest is None and scheduler.waiting:
+        oldest = scheduler.waiting.peek_request()
+    if oldest is not None and oldest.trace_headers:
+        _last_step_headers[engine_core] = oldest.trace_headers
+    return extract_trace_context(_last_step_headers.get(engine_core))
+
+
+def step(span: Span, result: Any, engine_core: Any) -> None:
+    """Link the step to every request it served (finished ones included)."""
+    engine_core_outputs, _ = result
+    headers = {
+        o.request_id: o.trace_headers
+        for outputs in engine_core_outputs.values()
+        for o in outputs.outputs
+        if o.trace_headers
+    }
+    scheduler = engine_core.scheduler
+    served = sorted(scheduler.prev_step_scheduled_req_ids)
+    for req_id in served:
+        request = scheduler.requests.get(req_id)
+        context = extract_trace_context(request.trace_headers if request else headers.get(req_id))
+        if context is not None:
+            req_span_context = trace.get_current_span(context).get_span_context()
+            span.add_link(req_span_context, {SpanAttributes.GEN_AI_REQUEST_ID: req_id})
+    span.set_attribute(SpanAttributes.REQUEST_IDS, served)
+
+
+# --8<-- [end:step_span]
+
+
+def update_from_output(
+    span: Span, engine_core_outputs: Any, scheduler: Any, *args: Any, **kw: Any
+) -> None:
+    finished = [
+        o.request_id
+        for outputs in engine_core_outputs.values()
+        for o in outputs.outputs
+        if o.finish_reason is not None
+    ]
+    span.set_attribute("tracevllm.finished_req_ids", sorted(finished))
+
+
+# --- model runner ---------------------------------------------------------------
+def update_states(span: Span, result: Any, runner: Any, scheduler_output: Any) -> None:
+    # Rows added this step: new requests, and those not scheduled last step
+    # (resumed, or skipped for lack of budget): exactly the ones the scheduler
+    # sent whole token lists for.
+    cached = scheduler_output.scheduled_cached_reqs
+    added = [r.req_id for r in scheduler_output.scheduled_new_reqs] + list(cached.all_token_ids)
+    span.set_attributes(
+        {
+            "tracevllm.added_req_ids": added,
+            "tracevllm.batch_req_ids": list(runner.input_batch.req_ids),
+        }
+    )
+
+
+def prepare_inputs(span: Span, result: Any, runner: Any, scheduler_output: Any) -> None:
+    """Put the flat batch on the span: the arrays the kernels will see."""
+    batch = runner.input_batch
+    metadata = runner.attn_metadata
+    span.set_attributes(
+        {
+            "tracevllm.req_ids": list(batch.req_ids),
+            "tracevllm.num_scheduled_tokens": [
+                scheduler_output.num_scheduled_tokens[r] for r in batch.req_ids
+            ],
+            "tracevllm.input_ids": runner.input_ids.tolist(),
+            "tracevllm.positions": runner.positions.tolist(),
+            "tracevllm.query_start_loc": runner.query_start_loc.tolist(),
+            "tracevllm.seq_lens": runner.seq_lens.tolist(),
+            "tracevllm.slot_mapping": runner.slot_mapping.tolist(),
+            "tracevllm.logits_indices": runner.logits_indices.tolist(),
+            # Each row as "req: block ids", since attributes are flat.
+            "tracevllm.block_table": [
+                f"{req_id}: {row}"
+                for req_id, row in zip(batch.req_ids, metadata.block_table.tolist())
+            ],
+        }
+    )
+
+
+def sample_tokens(span: Span, output: Any, runner: Any, *args: Any, **kw: Any) -> None:
+    span.set_attributes(
+        {
+            "tracevllm.req_ids": list(output.req_ids),
+            # -1: a partial prefill's sample, thrown away.
+            "tracevllm.sampled_token_ids": [
+                ids[0] if ids else -1 for ids in output.sampled_token_ids
+            ],
+        }
+    )
