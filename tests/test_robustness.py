@@ -470,6 +470,27 @@ def test_a_dying_frontend_leaves_no_process_or_socket(
     assert list(tmpdir.iterdir()) == [], "socket files left behind"
 
 
+def test_cli_shuts_down_cleanly_on_sigterm(tiny_model_dir: str, tmp_path: Path) -> None:
+    """`tracevllm generate` takes SIGTERM as vLLM's CLI does: an orderly exit."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    before = _children()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tracevllm.entrypoints.cli", "generate", "--prompt", "Hi",
+         "--model", tiny_model_dir, "--max-tokens", "400", "--raw"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not any(tmpdir.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the engine is up once its socket dir exists
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert list(tmpdir.iterdir()) == [] and _children() - before == set()
+
+
 def test_readme_example_runs_as_a_script_without_a_main_guard(
     tiny_model_dir: str, tmp_path: Path
 ) -> None:

@@ -176,10 +176,11 @@ class CacheConfig:
                 "num_gpu_blocks_override must be at least 2 (block 0 is the null "
                 f"block), got {self.num_gpu_blocks_override}."
             )
-        if self.prefix_caching_hash_algo not in ("sha256", "builtin"):
+        if self.prefix_caching_hash_algo != "sha256":
+            # vLLM also offers sha256_cbor, xxhash and xxhash_cbor.
             raise ValueError(
-                "prefix_caching_hash_algo must be 'sha256' or 'builtin', "
-                f"got {self.prefix_caching_hash_algo!r}."
+                "prefix_caching_hash_algo must be 'sha256' (vLLM's default; tracevllm "
+                f"has no other), got {self.prefix_caching_hash_algo!r}."
             )
 
 

@@ -102,7 +102,13 @@ def test_against_a_brute_force_count(chunked: bool) -> None:
                             ):
                                 expected += 1
                         got = n(num_tokens, computed, budget, threshold, max_model_len, chunked)
-                        assert got == expected, (num_tokens, computed, budget, threshold)
+                        assert got == expected, (
+                            f"compute_num_new_tokens(num_tokens={num_tokens}, "
+                            f"num_computed_tokens={computed}, token_budget={budget}, "
+                            f"long_prefill_token_threshold={threshold}, "
+                            f"max_model_len={max_model_len}, enable_chunked_prefill={chunked}) "
+                            f"returned {got}, expected {expected}"
+                        )
 
 
 # --- driving the real scheduler ----------------------------------------------------

@@ -31,19 +31,13 @@ def sha256(input: Any) -> bytes:
     return hashlib.sha256(pickle.dumps(input, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-def builtin_hash(input: Any) -> bytes:
-    """Python's ``hash`` as 8 bytes: fast, but only stable within one process
-    (bytes hashing is salted by PYTHONHASHSEED). Enough here: block hashes never
-    leave the engine-core process."""
-    return hash(input).to_bytes(8, "little", signed=True)
-
-
 def get_hash_fn_by_name(hash_fn_name: str) -> Callable[[Any], bytes]:
-    """``CacheConfig.prefix_caching_hash_algo`` -> hash function (vLLM: utils/hashing.py)."""
+    """``CacheConfig.prefix_caching_hash_algo`` -> hash function (vLLM: utils/hashing.py).
+
+    vLLM also offers sha256_cbor, xxhash and xxhash_cbor; tracevllm has vLLM's default only.
+    """
     if hash_fn_name == "sha256":
         return sha256
-    if hash_fn_name == "builtin":
-        return builtin_hash
     raise ValueError(f"Unsupported hash function: {hash_fn_name}")
 
 

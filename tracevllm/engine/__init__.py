@@ -86,11 +86,15 @@ class LogprobsLists(NamedTuple):
     # [num_reqs]: rank of the sampled token in the vocabulary (1 = most likely).
     sampled_token_ranks: list[int]
 
-    def slice(self, start: int, end: int) -> LogprobsLists:
+    def slice_request(self, req_idx: int, num_positions: int) -> LogprobsLists:
+        """The rows of one request: ``num_positions`` from ``req_idx`` (one per
+        sampled token; with speculative decoding vLLM offsets by
+        ``cu_num_generated_tokens``)."""
+        end_idx = req_idx + num_positions
         return LogprobsLists(
-            self.logprob_token_ids[start:end],
-            self.logprobs[start:end],
-            self.sampled_token_ranks[start:end],
+            self.logprob_token_ids[req_idx:end_idx],
+            self.logprobs[req_idx:end_idx],
+            self.sampled_token_ranks[req_idx:end_idx],
         )
 
 

@@ -8,7 +8,9 @@ vLLM's spelling (``--max-num-seqs``, ``--block-size`` ...).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from tracevllm.engine.arg_utils import EngineArgs
@@ -154,14 +156,26 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # As `vllm serve`: SIGTERM unwinds like Ctrl-C, so `with LLM(...)` shuts
+    # the engine down and removes its sockets.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    if in_main_thread:
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return int(args.func(args))
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ from opentelemetry.trace import Span
 
 from tracevllm.tracing.attributes import SpanAttributes
 
+# How many free blocks, from the head, a step view lists.
+FREE_QUEUE_HEAD = 16
+
 
 def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
     """Attach the step's SchedulerOutput, block tables and KV pool to the span."""
@@ -51,6 +54,13 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
                 "block_ids": kv.get_block_ids(req_id)[0],
             }
         )
+    # The head of the free queue (next to be handed out), with whether each
+    # block still holds a hash: the book draws it around a preemption.
+    head: list[list[Any]] = []
+    block = pool.free_block_queue.fake_free_list_head.next_free_block
+    while block is not None and block.block_id >= 0 and len(head) < FREE_QUEUE_HEAD:
+        head.append([block.block_id, block.block_hash is not None])
+        block = block.next_free_block
     prefix = kv.prefix_cache_stats
     view = {
         "step": so.step_id,
@@ -64,7 +74,13 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
         "finished": sorted(so.finished_req_ids),
         "running": len(scheduler.running),
         "waiting": len(scheduler.waiting),
-        "kv": {"total": total, "free": free, "used": total - free, "cached_free": cached_free},
+        "kv": {
+            "total": total,
+            "free": free,
+            "used": total - free,
+            "cached_free": cached_free,
+            "free_queue_head": head,
+        },
         "prefix_cache": {"queries": prefix.queries, "hits": prefix.hits} if prefix else {},
     }
     span.set_attributes(

@@ -345,7 +345,7 @@ class Scheduler:
                 stopped_reqs.add(request)
             new_logprobs = None
             if request.sampling_params.logprobs is not None and logprobs is not None:
-                new_logprobs = logprobs.slice(req_index, req_index + 1)
+                new_logprobs = logprobs.slice_request(req_index, len(new_token_ids))
             if new_token_ids or stopped:
                 outputs[request.client_index].append(
                     EngineCoreOutput(
