@@ -9,6 +9,7 @@ run.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from typing import Any
 
@@ -48,8 +49,30 @@ def steps_of(spans: list[SpanRecord]) -> Steps:
     return steps
 
 
+# The engine's request ids are the caller's plus a random suffix (vLLM's
+# internal ids, ``0-2044ac59``); the book names requests by the caller's.
+_SUFFIX = re.compile(r"(?<=\w)-[0-9a-f]{8}\b")
+
+
+def external(req_id: str) -> str:
+    """``0-2044ac59`` -> ``0``, also inside a string (``0-2044ac59: [1, 2]``)."""
+    return _SUFFIX.sub("", req_id)
+
+
+def _external_ids(key: str, value: Any) -> Any:
+    """A runner attribute with request ids in it, with the caller's ids."""
+    if key in ("tracevllm.req_ids", "tracevllm.block_table") and isinstance(value, list):
+        return [external(str(v)) for v in value]
+    return value
+
+
 def step_view(step: dict[str, SpanRecord]) -> dict[str, Any]:
+    """The step's view, with the caller's request ids (stable from run to run)."""
     view: dict[str, Any] = json.loads(step["Scheduler.schedule"].attributes["tracevllm.view.step"])
+    for r in view["requests"]:
+        r["req_id"] = external(r["req_id"])
+    for key in ("preempted", "finished"):
+        view[key] = [external(r) for r in view.get(key, [])]
     return view
 
 
@@ -89,7 +112,7 @@ def prepared_inputs_table(steps: Steps, ids: list[int]) -> str:
             attrs = steps[i]["ModelRunner._prepare_inputs"].attributes
             if key not in attrs:
                 raise SystemExit(f"ModelRunner._prepare_inputs has no {key} any more")
-            cells.append(compact(attrs[key]))
+            cells.append(compact(_external_ids(key, attrs[key])))
         lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -198,7 +221,8 @@ def step_facts(steps: Steps) -> dict[str, Any]:
         if prep is not None:
             for key, _ in PREPARED:
                 if key in prep.attributes:
-                    facts[key.removeprefix("tracevllm.")] = prep.attributes[key]
+                    value = _external_ids(key, prep.attributes[key])
+                    facts[key.removeprefix("tracevllm.")] = value
             facts["num_tokens"] = sum(prep.attributes.get("tracevllm.num_scheduled_tokens", []))
         out[str(i)] = facts
     return out
