@@ -341,34 +341,18 @@ def test_engine_flushes_spans_when_frontend_dies(tiny_model_dir: str, tmp_path: 
 
 def test_otlp_endpoint_receives_spans(tiny_model_dir: str) -> None:
     """--otlp-traces-endpoint: a real OTLP/HTTP (JSON) POST to a local collector."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from tests.utils import OTLPCollector
 
-    received: list[tuple[str, dict[str, Any]]] = []
-
-    class Collector(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            received.append((self.path, json.loads(body)))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.server_port}/v1/traces"
-        with LLM(
-            model=tiny_model_dir, enable_multiprocessing=True, otlp_traces_endpoint=endpoint
-        ) as llm:
-            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    finally:
-        server.shutdown()
+    with (
+        OTLPCollector() as collector,
+        LLM(
+            model=tiny_model_dir,
+            enable_multiprocessing=True,
+            otlp_traces_endpoint=collector.endpoint,
+        ) as llm,
+    ):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    received = collector.received
     assert received and all(path == "/v1/traces" for path, _ in received)
     names, kinds = set(), set()
     for _, body in received:

@@ -101,3 +101,50 @@ def make_tiny_llama(
     )
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+class OTLPCollector:
+    """A real OTLP/HTTP (JSON) collector on 127.0.0.1: ``with OTLPCollector() as c``,
+    point an exporter at ``c.endpoint``, read what arrived from ``c.received``."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[str, dict[str, Any]]] = []
+
+    def __enter__(self) -> OTLPCollector:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        received = self.received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                received.append((self.path, json.loads(body)))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_port}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+
+    def spans(self) -> list[dict[str, Any]]:
+        """Every span received, with its process's resource attributes under "resource"."""
+        out = []
+        for _, body in self.received:
+            for rs in body["resourceSpans"]:
+                resource = {
+                    a["key"]: next(iter(a["value"].values())) for a in rs["resource"]["attributes"]
+                }
+                for ss in rs["scopeSpans"]:
+                    out += [{**span, "resource": resource} for span in ss["spans"]]
+        return out

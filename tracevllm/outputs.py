@@ -59,6 +59,33 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestStateStats | None = None
 
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """Merge a later output of the same request into this one.
+
+        ``AsyncLLM``'s collector does this when the producer runs ahead of a
+        slow reader: DELTA outputs are concatenated (``aggregate``), the
+        other kinds replaced, completion by completion (by index, for n > 1).
+        """
+        self.finished |= next_output.finished
+        for next_completion in next_output.outputs:
+            for i, completion in enumerate(self.outputs):
+                if completion.index != next_completion.index:
+                    continue
+                if aggregate:
+                    completion.text += next_completion.text
+                    completion.token_ids.extend(next_completion.token_ids)
+                    if next_completion.logprobs:
+                        assert completion.logprobs is not None
+                        completion.logprobs.extend(next_completion.logprobs)
+                    completion.cumulative_logprob = next_completion.cumulative_logprob
+                    completion.finish_reason = next_completion.finish_reason
+                    completion.stop_reason = next_completion.stop_reason
+                else:
+                    self.outputs[i] = next_completion
+                break
+            else:
+                self.outputs.append(next_completion)
+
 
 @dataclass(slots=True)
 class ModelRunnerOutput:

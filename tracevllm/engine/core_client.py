@@ -3,8 +3,11 @@
 Mirrors vllm/v1/engine/core_client.py: ``EngineCoreClient.make_client`` picks
 ``SyncMPClient`` (EngineCore in a child process) or ``InprocClient``
 (``TRACEVLLM_ENABLE_MULTIPROCESSING=0``: the same EngineCore in the caller's
-process, for breakpoints). Left out: the asyncio client, data-parallel
-clients, elastic scaling.
+process, for breakpoints); ``make_async_mp_client`` gives ``AsyncMPClient``,
+the same process and wire driven from asyncio (what ``AsyncLLM`` and the
+OpenAI server use). ``MPClient`` holds what the two share: the sockets, the
+engine process, its start-up and its death watch. Left out: data-parallel
+clients, elastic scaling, zero-copy tensor frames.
 
 The wire, as vLLM's: the frontend binds a ROUTER (input) and a PULL (output)
 on ``ipc://`` paths in a private temp dir; the engine connects a DEALER and a
@@ -13,6 +16,7 @@ PUSH. Input frames are ``(identity, request_type_byte, msgpack(request))``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -31,6 +35,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 import zmq
+import zmq.asyncio
 
 from tracevllm import envs, tracing
 from tracevllm.config import VllmConfig
@@ -60,6 +65,10 @@ class EngineCoreClient:
         if multiprocess_mode:
             return SyncMPClient(vllm_config)
         return InprocClient(vllm_config)
+
+    @staticmethod
+    def make_async_mp_client(vllm_config: VllmConfig) -> AsyncMPClient:
+        return AsyncMPClient(vllm_config)
 
     def get_output(self) -> EngineCoreOutputs:
         raise NotImplementedError
@@ -125,9 +134,10 @@ class BackgroundResources:
         self.ctx = ctx
         self.proc: BaseProcess | None = None
         self.socket_dir: str | None = None
-        self.input_socket: zmq.Socket | None = None
+        self.sockets: list[zmq.Socket] = []
         self.shutdown_path: str | None = None
         self.output_thread: threading.Thread | None = None
+        self.output_queue_task: asyncio.Task[None] | None = None
         self.monitor_thread: threading.Thread | None = None
         self.engine_dead = False
         self.shutting_down = False
@@ -145,6 +155,10 @@ class BackgroundResources:
         self.shutting_down = True
         try:
             self.monitor_wake_w.send(None)
+            if (task := self.output_queue_task) is not None:
+                # Cancelled in its own loop (shutdown may run in another thread).
+                with contextlib.suppress(RuntimeError):
+                    task.get_loop().call_soon_threadsafe(task.cancel)
             self._stop_process()
             if self.shutdown_path is not None:
                 # Tell the output thread to stop polling and close its socket.
@@ -158,8 +172,8 @@ class BackgroundResources:
         finally:
             if self.socket_dir is not None:
                 shutil.rmtree(self.socket_dir, ignore_errors=True)
-            if self.input_socket is not None:
-                self.input_socket.close(linger=0)
+            for socket in self.sockets:
+                socket.close(linger=0)
             self.ctx.destroy(linger=0)
             self.monitor_wake_r.close()
             self.monitor_wake_w.close()
@@ -181,17 +195,54 @@ class BackgroundResources:
             proc.join(timeout=5)
 
 
-class SyncMPClient(EngineCoreClient):
-    """EngineCore in a child process, reached over ZeroMQ; blocking calls."""
+# Why the engine stopped, when it says so itself (ENGINE_CORE_DEAD).
+_FATAL_STEP_ERROR = (
+    "EngineCore hit a fatal error in a step and stopped; its traceback is in the "
+    "engine process's log above."
+)
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+
+def _process_output_frame(
+    frame: bytes,
+    deliver: Any,
+    resources: BackgroundResources,
+    decoder: MsgpackDecoder,
+    utility_results: dict[int, Future[Any]],
+) -> None:
+    """One frame from the PULL socket: outputs go to ``deliver``, a utility
+    result to its future, a death notice becomes EngineDeadError. (A function,
+    not a method: the reader thread or task must not keep the client alive.)"""
+    if frame == ENGINE_CORE_DEAD:
+        resources.engine_dead = True
+        deliver(EngineDeadError(_FATAL_STEP_ERROR))
+        return
+    outputs: EngineCoreOutputs = decoder.decode(frame)
+    if outputs.utility_output is None:
+        deliver(outputs)
+        return
+    uo = outputs.utility_output
+    future = utility_results.pop(uo.call_id)
+    if uo.failure_message is not None:
+        future.set_exception(Exception(uo.failure_message))
+    else:
+        future.set_result(uo.result)
+
+
+class MPClient(EngineCoreClient):
+    """EngineCore in a child process, reached over ZeroMQ.
+
+    Starts the process and waits for its READY; ``SyncMPClient`` and
+    ``AsyncMPClient`` add how outputs are read (a thread, or an asyncio task).
+    """
+
+    def __init__(self, asyncio_mode: bool, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.encoder = MsgpackEncoder()
         self.decoder = MsgpackDecoder(EngineCoreOutputs)
         self.ctx = zmq.Context(io_threads=1)
         self.resources = resources = BackgroundResources(self.ctx)
         self._finalizer = weakref.finalize(self, resources)
-        self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
+        # call_id -> the future of a utility call in flight.
         self.utility_results: dict[int, Future[Any]] = {}
 
         # --8<-- [start:mp_client_sockets]
@@ -199,12 +250,13 @@ class SyncMPClient(EngineCoreClient):
         resources.socket_dir = tempfile.mkdtemp(prefix="tracevllm-")
         input_address = f"ipc://{resources.socket_dir}/input-{uuid.uuid4().hex[:8]}"
         output_address = f"ipc://{resources.socket_dir}/output-{uuid.uuid4().hex[:8]}"
-        self.input_socket = resources.input_socket = self.ctx.socket(zmq.ROUTER)
-        self.input_socket.setsockopt(zmq.LINGER, 0)
-        self.input_socket.bind(input_address)
+        input_socket = self.ctx.socket(zmq.ROUTER)
+        input_socket.setsockopt(zmq.LINGER, 0)
+        input_socket.bind(input_address)
         output_socket = self.ctx.socket(zmq.PULL)
         output_socket.setsockopt(zmq.LINGER, 0)
         output_socket.bind(output_address)
+        resources.sockets += [input_socket, output_socket]
 
         self.mp_method = _get_mp_method()
         mp: Any = multiprocessing.get_context(self.mp_method)
@@ -226,7 +278,7 @@ class SyncMPClient(EngineCoreClient):
         resources.proc = proc
         startup_error_w.close()
         try:
-            ready = self._wait_for_engine_startup(proc, startup_error_r)
+            ready = self._wait_for_engine_startup(input_socket, proc, startup_error_r)
         except BaseException:
             resources()
             raise
@@ -236,22 +288,21 @@ class SyncMPClient(EngineCoreClient):
         self.num_gpu_blocks = ready[1].num_gpu_blocks
         self.max_model_len = ready[1].max_model_len
         self.engine_pid = ready[1].pid
-
-        self._start_output_thread(output_socket)
-        self._start_engine_core_monitor()
+        self.input_socket: Any = input_socket
+        self.output_socket: Any = output_socket
 
     def _wait_for_engine_startup(
-        self, proc: BaseProcess, startup_error: Connection
+        self, input_socket: zmq.Socket, proc: BaseProcess, startup_error: Connection
     ) -> tuple[bytes, EngineCoreReadyResponse]:
         """Wait for READY, but notice at once if the process fails instead."""
         timeout_s = envs.TRACEVLLM_ENGINE_READY_TIMEOUT_S
         poller = zmq.Poller()
-        poller.register(self.input_socket, zmq.POLLIN)
+        poller.register(input_socket, zmq.POLLIN)
         poller.register(proc.sentinel, zmq.POLLIN)
         poller.register(startup_error.fileno(), zmq.POLLIN)
         events = dict(poller.poll(timeout=int(timeout_s * 1000)))
-        if self.input_socket in events:
-            identity, status, payload = self.input_socket.recv_multipart()
+        if input_socket in events:
+            identity, status, payload = input_socket.recv_multipart()
             assert status == READY, f"expected READY from EngineCore, got {status!r}"
             return identity, MsgpackDecoder(EngineCoreReadyResponse).decode(payload)
         if not events:
@@ -278,64 +329,13 @@ class SyncMPClient(EngineCoreClient):
             + hint
         )
 
-    def _start_output_thread(self, out_socket: zmq.Socket) -> None:
-        """A thread polls PULL (and an inproc shutdown socket) into outputs_queue."""
-        ctx, decoder, resources = self.ctx, self.decoder, self.resources
-        outputs_queue, utility_results = self.outputs_queue, self.utility_results
-        shutdown_path = f"inproc://shutdown-{uuid.uuid4().hex}"
-        resources.shutdown_path = shutdown_path
-        bound = threading.Event()
-
-        def process_outputs_socket() -> None:
-            shutdown_socket = ctx.socket(zmq.PAIR)
-            try:
-                shutdown_socket.bind(shutdown_path)
-                bound.set()
-                poller = zmq.Poller()
-                poller.register(shutdown_socket, zmq.POLLIN)
-                poller.register(out_socket, zmq.POLLIN)
-                while True:
-                    socks = dict(poller.poll())
-                    if shutdown_socket in socks:
-                        break
-                    frame = out_socket.recv(copy=False)
-                    if frame.bytes == ENGINE_CORE_DEAD:
-                        resources.engine_dead = True
-                        outputs_queue.put_nowait(
-                            EngineDeadError(
-                                "EngineCore hit a fatal error in a step and stopped; its "
-                                "traceback is in the engine process's log above."
-                            )
-                        )
-                        continue
-                    outputs: EngineCoreOutputs = decoder.decode(frame)
-                    if outputs.utility_output is not None:
-                        uo = outputs.utility_output
-                        future = utility_results.pop(uo.call_id)
-                        if uo.failure_message is not None:
-                            future.set_exception(Exception(uo.failure_message))
-                        else:
-                            future.set_result(uo.result)
-                    else:
-                        outputs_queue.put_nowait(outputs)
-            except Exception as e:
-                outputs_queue.put_nowait(e)
-            finally:
-                bound.set()
-                shutdown_socket.close(linger=0)
-                out_socket.close(linger=0)
-
-        thread = threading.Thread(
-            target=process_outputs_socket, name="EngineCoreOutputQueueThread", daemon=True
-        )
-        thread.start()
-        bound.wait()
-        resources.output_thread = thread
-
     # --8<-- [start:engine_core_monitor]
-    def _start_engine_core_monitor(self) -> None:
-        """Watch the process sentinel: a dead engine becomes EngineDeadError, not a hang."""
-        resources, outputs_queue = self.resources, self.outputs_queue
+    def _start_engine_core_monitor(self, on_dead: Any) -> None:
+        """Watch the process sentinel: a dead engine becomes EngineDeadError, not a hang.
+
+        ``on_dead(error)`` hands the error to whoever waits for outputs.
+        """
+        resources = self.resources
         proc = resources.proc
         assert proc is not None
         utility_results = self.utility_results
@@ -348,7 +348,7 @@ class SyncMPClient(EngineCoreClient):
             proc.join(timeout=5)  # reap it, so the exit code is known
             reason = f"EngineCore process (pid {proc.pid}) {describe_exit(proc.exitcode)}."
             logger.error(reason)
-            outputs_queue.put_nowait(EngineDeadError(reason))
+            on_dead(EngineDeadError(reason))
             for future in list(utility_results.values()):
                 future.set_exception(EngineDeadError(reason))
 
@@ -365,6 +365,69 @@ class SyncMPClient(EngineCoreClient):
             raise RuntimeError("The engine has been shut down; create a new LLM.")
         if self.resources.engine_dead:
             raise EngineDeadError()
+
+    def _utility_future(self, method: str, args: tuple[Any, ...]) -> tuple[Any, Future[Any]]:
+        call_id = uuid.uuid1().int >> 64
+        future: Future[Any] = Future()
+        self.utility_results[call_id] = future
+        return (0, call_id, method, args), future
+
+    def _encode(self, request_type: EngineCoreRequestType, request: Any) -> tuple[Any, ...]:
+        self.ensure_alive()
+        return (self.core_engine, request_type.value, self.encoder.encode(request))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+class SyncMPClient(MPClient):
+    """EngineCore in a child process, reached over ZeroMQ; blocking calls."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(asyncio_mode=False, vllm_config=vllm_config)
+        self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
+        self._start_output_thread(self.output_socket)
+        self._start_engine_core_monitor(self.outputs_queue.put_nowait)
+
+    def _start_output_thread(self, out_socket: zmq.Socket) -> None:
+        """A thread polls PULL (and an inproc shutdown socket) into outputs_queue."""
+        ctx, resources, outputs_queue = self.ctx, self.resources, self.outputs_queue
+        decoder, utility_results = self.decoder, self.utility_results
+        shutdown_path = f"inproc://shutdown-{uuid.uuid4().hex}"
+        resources.shutdown_path = shutdown_path
+        bound = threading.Event()
+
+        def process_outputs_socket() -> None:
+            shutdown_socket = ctx.socket(zmq.PAIR)
+            try:
+                shutdown_socket.bind(shutdown_path)
+                bound.set()
+                poller = zmq.Poller()
+                poller.register(shutdown_socket, zmq.POLLIN)
+                poller.register(out_socket, zmq.POLLIN)
+                while True:
+                    socks = dict(poller.poll())
+                    if shutdown_socket in socks:
+                        break
+                    _process_output_frame(
+                        out_socket.recv(),
+                        outputs_queue.put_nowait,
+                        resources,
+                        decoder,
+                        utility_results,
+                    )
+            except Exception as e:
+                outputs_queue.put_nowait(e)
+            finally:
+                bound.set()
+                shutdown_socket.close(linger=0)
+
+        thread = threading.Thread(
+            target=process_outputs_socket, name="EngineCoreOutputQueueThread", daemon=True
+        )
+        thread.start()
+        bound.wait()
+        resources.output_thread = thread
 
     @tracing.instrument("SyncMPClient.get_output")
     def get_output(self) -> EngineCoreOutputs:
@@ -392,9 +455,7 @@ class SyncMPClient(EngineCoreClient):
         return outputs
 
     def _send_input(self, request_type: EngineCoreRequestType, request: Any) -> None:
-        self.ensure_alive()
-        msg = (self.core_engine, request_type.value, self.encoder.encode(request))
-        self.input_socket.send_multipart(msg, copy=False)
+        self.input_socket.send_multipart(self._encode(request_type, request), copy=False)
 
     @tracing.instrument("SyncMPClient.add_request")
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -406,14 +467,78 @@ class SyncMPClient(EngineCoreClient):
             self._send_input(EngineCoreRequestType.ABORT, request_ids)
 
     def call_utility(self, method: str, *args: Any) -> Any:
-        call_id = uuid.uuid1().int >> 64
-        future: Future[Any] = Future()
-        self.utility_results[call_id] = future
-        self._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        call, future = self._utility_future(method, args)
+        self._send_input(EngineCoreRequestType.UTILITY, call)
         return future.result()
 
-    def shutdown(self) -> None:
-        self._finalizer()
+
+class AsyncMPClient(MPClient):
+    """The same engine process and wire, driven from asyncio (``AsyncLLM``).
+
+    The sockets are asyncio ZeroMQ sockets; a task reads the PULL socket into
+    an ``asyncio.Queue``. Make it inside the event loop that will use it.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(asyncio_mode=True, vllm_config=vllm_config)
+        # The same sockets, now awaitable.
+        self.input_socket = zmq.asyncio.Socket.from_socket(self.input_socket)
+        self.output_socket = zmq.asyncio.Socket.from_socket(self.output_socket)
+        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        queue_ = self.outputs_queue
+        self._start_engine_core_monitor(
+            lambda error: loop.call_soon_threadsafe(queue_.put_nowait, error)
+        )
+        self._ensure_output_queue_task()
+
+    def _ensure_output_queue_task(self) -> None:
+        resources = self.resources
+        if resources.output_queue_task is not None:
+            return
+        # The task must not hold the client (weakref.finalize shuts it down).
+        output_socket, outputs_queue = self.output_socket, self.outputs_queue
+        decoder, utility_results = self.decoder, self.utility_results
+
+        async def process_outputs_socket() -> None:
+            try:
+                while True:
+                    frame = await output_socket.recv()
+                    _process_output_frame(
+                        frame, outputs_queue.put_nowait, resources, decoder, utility_results
+                    )
+            except asyncio.CancelledError:
+                outputs_queue.put_nowait(EngineDeadError("The engine client was shut down."))
+            except Exception as e:
+                outputs_queue.put_nowait(e)
+
+        resources.output_queue_task = asyncio.create_task(
+            process_outputs_socket(), name="EngineCoreOutputQueueTask"
+        )
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next batch of outputs (the output handler waits here, idle or
+        not); a dead engine raises EngineDeadError."""
+        outputs = await self.outputs_queue.get()
+        if isinstance(outputs, Exception):
+            raise outputs
+        return outputs
+
+    async def _send_input_async(self, request_type: EngineCoreRequestType, request: Any) -> None:
+        await self.input_socket.send_multipart(self._encode(request_type, request), copy=False)
+
+    @tracing.instrument("AsyncMPClient.add_request_async")
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._send_input_async(EngineCoreRequestType.ADD, request)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids and not self.resources.engine_dead:
+            await self._send_input_async(EngineCoreRequestType.ABORT, request_ids)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        call, future = self._utility_future(method, args)
+        await self._send_input_async(EngineCoreRequestType.UTILITY, call)
+        return await asyncio.wrap_future(future)
 
 
 def _get_mp_method() -> str:

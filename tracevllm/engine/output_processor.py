@@ -6,13 +6,15 @@ stats, incremental detokenization, stop strings (which finish the request
 here and ask the core to abort it), logprobs, and a ``RequestOutput`` when
 the output kind asks for one. Requests are keyed by their internal id; the
 user's id (``external_req_id``) is what outputs carry and what
-``abort_requests`` may be given. Left out: pooling, LoRA stats, streaming
-input, ``stream_interval``. The ``llm_request`` span is started when the
+``abort_requests`` may be given. For ``AsyncLLM``, each request's outputs go
+to its ``RequestOutputCollector`` instead of being returned. Left out: pooling,
+LoRA stats, streaming input, ``stream_interval``. The ``llm_request`` span is started when the
 request arrives (tracing/request_span.py), not made here when it finishes.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +32,49 @@ from tracevllm.tracing import records
 from tracevllm.tracing.request_span import LLMRequestSpan
 
 
+class RequestOutputCollector:
+    """One request's outputs, handed from the output handler to its generate().
+
+    AsyncLLM's output-handler task puts; the request's ``generate()`` gets.
+    There is one slot, not a queue: if the producer gets ahead, DELTA
+    outputs are merged and the other kinds replaced, so a slow reader
+    catches up in one read instead of falling ever further behind.
+    """
+
+    def __init__(self, output_kind: RequestOutputKind, request_id: str) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self.request_id = request_id
+        self.output: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | Exception) -> None:
+        """Non-blocking put (the output handler must never wait on a reader)."""
+        if self.output is None or isinstance(output, Exception):
+            self.output = output
+            self.ready.set()
+        elif isinstance(self.output, RequestOutput):
+            self.output.add(output, aggregate=self.aggregate)
+
+    async def get(self) -> RequestOutput:
+        """Wait for the next output (an exception put here is raised)."""
+        while (output := self.output) is None:
+            await self.ready.wait()
+        self.output = None
+        self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        return output
+
+    def get_nowait(self) -> RequestOutput | None:
+        output = self.output
+        if output is not None:
+            self.output = None
+            self.ready.clear()
+        if isinstance(output, Exception):
+            raise output
+        return output
+
+
 class RequestState:
     """Everything the frontend tracks about one (child) request."""
 
@@ -40,7 +85,7 @@ class RequestState:
         prompt: str | None,
         parent_req: ParentRequest | None,
         request_index: int,
-        queue: Any = None,
+        queue: RequestOutputCollector | None = None,
         span: LLMRequestSpan | None = None,
     ) -> None:
         assert request.external_req_id is not None
@@ -170,7 +215,7 @@ class OutputProcessor:
         prompt: str | None,
         parent_req: ParentRequest | None = None,
         request_index: int = 0,
-        queue: Any = None,
+        queue: RequestOutputCollector | None = None,
         span: LLMRequestSpan | None = None,
     ) -> None:
         request_id = request.request_id

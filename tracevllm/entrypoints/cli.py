@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 
 from tracevllm.engine.arg_utils import EngineArgs
+from tracevllm.entrypoints.openai.cli_args import make_arg_parser
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +132,25 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the OpenAI API until Ctrl-C or SIGTERM; exit 1 if the engine died."""
+    import asyncio
+
+    from tracevllm.entrypoints.openai.api_server import run_server
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+
+    def stop(signum: int, frame: object) -> None:
+        # uvicorn drains the connections on SIGTERM / Ctrl-C, then raises the
+        # signal again: that lands here, and the engine shuts down on the way out.
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    return asyncio.run(run_server(args))
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tracevllm", description="vLLM's V1 engine, small enough to read."
@@ -148,6 +168,10 @@ def make_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-mp", action="store_true", help="engine core in this process")
     EngineArgs.add_cli_args(tr)
     tr.set_defaults(func=cmd_trace)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible server (as vllm serve)")
+    make_arg_parser(serve)
+    serve.set_defaults(func=cmd_serve)
 
     view = sub.add_parser("view", help="re-draw a saved spans.jsonl")
     view.add_argument("spans", help="path to spans.jsonl")

@@ -14,6 +14,7 @@ out so that buffered spans reach the file.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import os
@@ -21,6 +22,7 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -185,22 +187,91 @@ def instrument(
         name = span_name or func.__qualname__
         attributes = code_attributes(func)
 
+        def start(*args: Any, **kwargs: Any) -> Any:
+            context = parent(*args, **kwargs) if parent is not None else None
+            return _state.tracer.start_as_current_span(name, context=context, attributes=attributes)
+
+        def finish(span: Span, result: Any, *args: Any, **kwargs: Any) -> None:
+            if record is not None and span.is_recording():
+                record(span, result, *args, **kwargs)
+
+        if inspect.isasyncgenfunction(func):
+            return _instrument_async_generator(func, name, attributes, parent)  # type: ignore[return-value]
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                if _state.provider is None:
+                    return await func(*args, **kwargs)
+                with start(*args, **kwargs) as span:
+                    result = await func(*args, **kwargs)
+                    finish(span, result, *args, **kwargs)
+                    return result
+
+            return async_wrapper  # type: ignore[return-value]
+
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if _state.provider is None:
                 return func(*args, **kwargs)
-            context = parent(*args, **kwargs) if parent is not None else None
-            with _state.tracer.start_as_current_span(
-                name, context=context, attributes=attributes
-            ) as span:
+            with start(*args, **kwargs) as span:
                 result = func(*args, **kwargs)
-                if record is not None and span.is_recording():
-                    record(span, result, *args, **kwargs)
+                finish(span, result, *args, **kwargs)
                 return result
 
         return wrapper  # type: ignore[return-value]
 
     return decorator
+
+
+def _instrument_async_generator(
+    func: Callable[..., Any],
+    name: str,
+    attributes: dict[str, Any],
+    parent: Callable[..., Context | None] | None,
+) -> Callable[..., Any]:
+    """An async generator's span lasts from its first step to its last.
+
+    Its context is current only while the generator's own code runs (between
+    two yields), never in the code that iterates it.
+    """
+
+    @functools.wraps(func)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _state.provider is None:
+            async for item in func(*args, **kwargs):
+                yield item
+            return
+        context = parent(*args, **kwargs) if parent is not None else None
+        span = _state.tracer.start_span(name, context=context, attributes=attributes)
+        span_context = trace.set_span_in_context(span, context)
+        agen = func(*args, **kwargs)
+        try:
+            while True:
+                token = otel_context.attach(span_context)
+                try:
+                    item = await agen.__anext__()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    otel_context.detach(token)
+                yield item
+        except BaseException as e:
+            # A reader that stops early (a client hung up) is no error.
+            if not isinstance(e, (GeneratorExit, asyncio.CancelledError)):
+                span.record_exception(e)
+                span.set_status(trace.StatusCode.ERROR, str(e))
+            raise
+        finally:
+            token = otel_context.attach(span_context)
+            try:
+                await agen.aclose()
+            finally:
+                otel_context.detach(token)
+                span.end()
+
+    return wrapper
 
 
 # --8<-- [end:instrument]
@@ -216,6 +287,15 @@ def inject_trace_context(context: Context | None = None) -> dict[str, str]:
     carrier: dict[str, str] = {}
     _propagator.inject(carrier, context=context)
     return carrier
+
+
+# The W3C headers that carry a trace across processes (vLLM's TRACE_HEADERS).
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def extract_trace_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The trace headers of an HTTP request (vllm/tracing/utils.py)."""
+    return {h: headers[h] for h in TRACE_HEADERS if h in headers}
 
 
 def extract_trace_context(headers: Mapping[str, str] | None) -> Context | None:

@@ -18,13 +18,15 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
-from tracevllm.tracing import extract_trace_context
+from tracevllm.tracing import extract_trace_context, extract_trace_headers
 from tracevllm.tracing.attributes import SpanAttributes
 from tracevllm.tracing.step_view import record_schedule
 
 __all__ = [
     "core_add_request",
     "core_add_request_parent",
+    "generate_parent",
+    "http_parent",
     "prepare_inputs",
     "process_inputs",
     "process_outputs",
@@ -61,6 +63,19 @@ def process_outputs(
             ],
         }
     )
+
+
+def generate_parent(*args: Any, trace_headers: Any = None, **kwargs: Any) -> Context | None:
+    """AsyncLLM.generate's parent: the context that came with the request
+    (the HTTP ``traceparent``, or the server span that carries it)."""
+    return extract_trace_context(trace_headers)
+
+
+def http_parent(handler: Any, request: Any, raw_request: Any) -> Context | None:
+    """An OpenAI handler's parent: the client's ``traceparent``, if it sent one."""
+    if raw_request is None:
+        return None
+    return extract_trace_context(extract_trace_headers(raw_request.headers))
 
 
 # --- engine core --------------------------------------------------------------

@@ -126,9 +126,14 @@ def llm_request_span(
     if not is_enabled():
         yield None, trace_headers
         return
+    # The parent: the span of the code adding the request (LLM.generate,
+    # AsyncLLM.generate), else the context the caller brought in
+    # trace_headers (an HTTP traceparent given straight to add_request).
+    current = trace.get_current_span()
+    context = None if current.is_recording() else extract_trace_context(trace_headers)
     span = get_tracer().start_span(
         "llm_request",
-        context=extract_trace_context(trace_headers),
+        context=context,
         kind=trace.SpanKind.SERVER,
         start_time=int(arrival_time * 1e9),
         attributes={SpanAttributes.GEN_AI_REQUEST_ID: request_id},

@@ -1,0 +1,152 @@
+"""What every OpenAI endpoint's handler shares: errors, the model check,
+request ids, trace headers, max_tokens.
+
+Mirrors vllm/entrypoints/openai/engine/serving.py (``OpenAIServing``:
+``create_error_response``, ``_check_model``, ``_base_request_id``,
+``_get_trace_headers``) and ``create_error_response`` / ``get_max_tokens``
+from vllm/entrypoints/utils.py. A ``ValueError`` or ``TypeError`` from the
+engine's own checks (SamplingParams, the input processor) becomes a 400 whose
+``param`` is the field the message names. Left out: LoRA adapters, beam
+search, request logging, data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from tracevllm import tracing
+from tracevllm.engine.exceptions import EngineDeadError
+from tracevllm.entrypoints.openai.engine.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    GenerationError,
+    OpenAIBaseModel,
+    random_uuid,
+)
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from tracevllm.engine.async_llm import AsyncLLM
+    from tracevllm.entrypoints.openai.models.serving import OpenAIServingModels
+
+logger = logging.getLogger(__name__)
+
+
+def create_error_response(
+    message: str | Exception,
+    err_type: str = "BadRequestError",
+    status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+    param: str | None = None,
+) -> ErrorResponse:
+    """OpenAI's error object for a message or an exception (its kind sets the status)."""
+    if isinstance(message, Exception):
+        exc = message
+        if isinstance(exc, EngineDeadError):
+            err_type, status_code = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR
+        elif isinstance(exc, GenerationError):
+            err_type, status_code = "InternalServerError", HTTPStatus(exc.status_code)
+        elif isinstance(exc, (ValueError, TypeError, OverflowError)):
+            err_type, status_code = "BadRequestError", HTTPStatus.BAD_REQUEST
+        else:
+            err_type, status_code = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR
+        message = str(exc)
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=err_type, param=param, code=status_code.value)
+    )
+
+
+def get_max_tokens(
+    max_model_len: int, max_tokens: int | None, input_length: int, default: dict[str, Any]
+) -> int:
+    """What a request may generate: its max_tokens (or the model's default),
+    never past the end of the context."""
+    if input_length > max_model_len:
+        raise ValueError(
+            f"Input length ({input_length}) exceeds model's maximum context length "
+            f"({max_model_len})."
+        )
+    fallback = max_tokens if max_tokens is not None else default.get("max_tokens")
+    return min(v for v in (max_model_len - input_length, fallback) if v is not None)
+
+
+class OpenAIServing:
+    """The base of each endpoint's handler (completions, chat)."""
+
+    # What the response ids start with ("cmpl", "chatcmpl").
+    request_id_prefix = ""
+
+    def __init__(self, engine_client: AsyncLLM, models: OpenAIServingModels) -> None:
+        self.engine_client = engine_client
+        self.models = models
+        self.model_config = engine_client.model_config
+        self.max_model_len = self.model_config.get_max_model_len()
+        # The model's generation-config defaults (temperature, top_p, ...).
+        self.default_sampling_params = self.model_config.get_diff_sampling_param()
+
+    @staticmethod
+    def create_error_response(
+        message: str | Exception,
+        err_type: str = "BadRequestError",
+        status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        param: str | None = None,
+    ) -> ErrorResponse:
+        return create_error_response(message, err_type, status_code, param)
+
+    def create_bad_request_response(
+        self, exc: Exception, request: OpenAIBaseModel
+    ) -> ErrorResponse:
+        """A 400 for the engine's own validation error, naming the parameter:
+        the first request field its message names (``temperature must be
+        ...``); one about the prompt's length or tokens names the prompt.
+        (vLLM raises a ``VLLMValidationError`` that carries the parameter.)"""
+        message = str(exc)
+        fields = type(request).model_fields
+        words = re.findall(r"[A-Za-z_]+", message)
+        param = next((word for word in words if word in fields and word != "model"), None)
+        if param is None and ("prompt" in message.lower() or message.startswith("Input length")):
+            param = "messages" if "messages" in fields else "prompt"
+        return create_error_response(exc, param=param)
+
+    def create_streaming_error_response(self, exc: Exception) -> str:
+        return json.dumps(create_error_response(exc).model_dump())
+
+    def validate_inputs(self, prompt: Any, params: Any) -> None:
+        """Run the engine's entry checks (InputProcessor.process_inputs) on a
+        request before its response starts, so that a bad one is a 400."""
+        self.engine_client.input_processor.process_inputs("validate", prompt, params)
+
+    def _check_model(self, request: OpenAIBaseModel) -> ErrorResponse | None:
+        model = getattr(request, "model", None)
+        if model is None or self.models.is_base_model(model):
+            return None
+        return create_error_response(
+            f"The model `{model}` does not exist.",
+            err_type="NotFoundError",
+            status_code=HTTPStatus.NOT_FOUND,
+            param="model",
+        )
+
+    @staticmethod
+    def _base_request_id(raw_request: Request | None, default: str | None = None) -> str:
+        """The request id: the client's X-Request-Id header, if it sent one."""
+        if raw_request is not None and (req_id := raw_request.headers.get("X-Request-Id")):
+            return str(req_id)
+        return random_uuid() if default is None else default
+
+    @staticmethod
+    def _get_trace_headers() -> Mapping[str, str] | None:
+        """The context the engine's spans of this request join: the handler's
+        own span (whose parent is the client's ``traceparent``); None with
+        tracing off."""
+        return tracing.inject_trace_context() or None
+
+    def _raise_if_error(self, finish_reason: str | None, request_id: str) -> None:
+        if finish_reason == "error":
+            logger.error("Request %s failed with an internal error during generation", request_id)
+            raise GenerationError()

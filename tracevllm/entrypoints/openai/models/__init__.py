@@ -1,0 +1,1 @@
+"""GET /v1/models (vllm/entrypoints/openai/models/)."""

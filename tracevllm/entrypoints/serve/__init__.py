@@ -1,0 +1,1 @@
+"""vLLM's own endpoints beside the OpenAI ones (vllm/entrypoints/serve/)."""
