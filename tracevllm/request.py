@@ -1,7 +1,7 @@
 """The engine core's view of one request.
 
 Mirrors vllm/v1/request.py (``Request``, ``RequestStatus``). Left out:
-multimodal, pooling, LoRA, structured output, streaming input, spec tokens.
+multimodal, pooling, LoRA, streaming input, spec tokens.
 Block hashes for prefix caching are computed here, as in vLLM: the hasher is
 called whenever tokens are appended, and hashes every newly full block.
 """
@@ -21,6 +21,7 @@ from tracevllm.engine import (
 )
 from tracevllm.metrics.stats import PrefillStats
 from tracevllm.sampling_params import SamplingParams
+from tracevllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
     from tracevllm.core.kv_cache_utils import BlockHash
@@ -46,6 +47,13 @@ class Request:
         self.trace_headers = trace_headers
 
         self.status = RequestStatus.WAITING
+        # Its grammar compiles first (StructuredOutputManager.grammar_init);
+        # until then the scheduler passes it over.
+        self.structured_output_request = StructuredOutputRequest.from_sampling_params(
+            sampling_params
+        )
+        if self.structured_output_request is not None:
+            self.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         self.events: list[EngineCoreEvent] = []
         self.stop_reason: int | str | None = None
 
@@ -55,6 +63,9 @@ class Request:
         self._all_token_ids: list[int] = list(prompt_token_ids)
         # Tokens whose KV is in the cache (or scheduled to be this step).
         self.num_computed_tokens = 0
+        # This step's chunk stops short of its known tokens: its sample is
+        # thrown away, so it gets no grammar bitmask row.
+        self.is_prefill_chunk = False
         # Filled when first scheduled (prefix-cache hits), sent with the first output.
         self.prefill_stats: PrefillStats | None = PrefillStats()
         self.num_preemptions = 0
@@ -116,6 +127,10 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self._output_token_ids)
 
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output_request is not None
+
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
@@ -156,6 +171,7 @@ class RequestStatus(enum.IntEnum):
     """Status of a request. Everything after PREEMPTED is finished."""
 
     WAITING = enum.auto()
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

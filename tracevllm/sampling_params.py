@@ -1,13 +1,15 @@
 """Sampling parameters for one request.
 
 Mirrors vllm/sampling_params.py (``SamplingParams``, ``SamplingType``,
-``RequestOutputKind``). Kept: n, presence/frequency/repetition penalties,
-temperature, top_p, top_k, min_p, seed, stop/stop_token_ids, ignore_eos,
-max_tokens/min_tokens, logprobs, skip_special_tokens,
-include_stop_str_in_output, output_kind. Left out: logit bias, allowed/bad
-words, structured outputs, prompt logprobs, beam search. Like vLLM's, it is a
-msgspec Struct, so it crosses the process boundary inside
-``EngineCoreRequest`` as msgpack without pickling.
+``RequestOutputKind``, ``StructuredOutputsParams``). Kept: n,
+presence/frequency/repetition penalties, temperature, top_p, top_k, min_p,
+seed, stop/stop_token_ids, ignore_eos, max_tokens/min_tokens, logprobs,
+skip_special_tokens, include_stop_str_in_output, output_kind,
+structured_outputs. Left out: logit bias, allowed/bad words, prompt logprobs,
+beam search; of structured outputs, structural tags, Lark grammars and the
+guidance/outlines backends. Like vLLM's, it is a msgspec Struct, so it
+crosses the process boundary inside ``EngineCoreRequest`` as msgpack without
+pickling.
 """
 
 from __future__ import annotations
@@ -48,7 +50,112 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = 2
 
 
-class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ignore[call-arg]
+class _TypeChecked:
+    """What both structs share: every field checked against its annotation."""
+
+    __slots__ = ()
+
+    # --8<-- [start:verify_types]
+    def _verify_types(self, prefix: str = "") -> None:
+        """Check every field against its annotation, as the wire decoder will.
+
+        The engine process decodes the request with msgspec against these same
+        annotations; a value that passed here but failed there would be lost on
+        the engine's input thread. So each field is converted here with
+        ``msgspec.convert(strict=True)``: a bool is not an int, a float is not
+        an int, a str is not a float. Beyond types: no NaN in any float, and
+        every int within the signed 64-bit range that msgpack carries.
+        (vLLM gets the type check from pydantic in its OpenAI layer and from
+        ``_verify_args`` for a few fields; tracevllm checks all, in one place.)
+        """
+        assert isinstance(self, msgspec.Struct)
+        for field in msgspec.structs.fields(self):
+            if field.name.startswith("_"):
+                continue  # set by the engine, not by the user
+            name, value = prefix + field.name, getattr(self, field.name)
+            try:
+                if isinstance(field.type, type) and issubclass(field.type, Enum):
+                    # convert() takes an enum's wire value, not a member.
+                    if not isinstance(value, field.type):
+                        raise msgspec.ValidationError(f"Expected `{field.type.__name__}`")
+                else:
+                    msgspec.convert(value, field.type, strict=True)
+            except msgspec.ValidationError as e:
+                raise TypeError(
+                    f"{name} must be {_type_name(field.type)}, got "
+                    f"{type(value).__name__} {value!r} ({e})."
+                ) from None
+            for item in value if isinstance(value, list) else (value,):
+                if isinstance(item, float) and math.isnan(item):
+                    raise ValueError(f"{name} must be a number, got NaN.")
+                if isinstance(item, int) and not _INT64_MIN <= item <= _INT64_MAX:
+                    raise ValueError(
+                        f"{name} must be within the signed 64-bit range "
+                        f"[{_INT64_MIN}, {_INT64_MAX}], got {item}."
+                    )
+
+    # --8<-- [end:verify_types]
+
+
+# --8<-- [start:structured_outputs_params]
+class StructuredOutputsParams(_TypeChecked, msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
+    """One constraint on the output, enforced token by token (vLLM's).
+
+    Exactly one of ``json`` (a JSON schema, as a dict or a string),
+    ``regex``, ``choice``, ``grammar`` (EBNF/GBNF, as xgrammar reads it) and
+    ``json_object`` (any JSON object). The engine compiles it with xgrammar
+    against the tokenizer's vocabulary and masks every token that would
+    break it. ``disable_any_whitespace`` keeps JSON compact (vLLM reads it
+    from the engine's ``StructuredOutputsConfig`` only; tracevllm honours the
+    request's). ``disable_additional_properties`` and ``whitespace_pattern``
+    are the guidance/outlines backends' options: kept so a request written
+    for vLLM decodes, refused with xgrammar (which has no such option).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        self._verify_types("structured_outputs.")
+        kinds = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(kinds) > 1:
+            raise ValueError(
+                f"structured_outputs: only one kind of constraint may be set, got "
+                f"{' and '.join(kinds)}."
+            )
+        if not kinds:
+            raise ValueError(
+                "structured_outputs: one kind of constraint must be set: "
+                f"{', '.join(_CONSTRAINTS)}."
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice cannot be an empty list.")
+        if self.grammar is not None and not self.grammar.strip():
+            raise ValueError("structured_outputs.grammar cannot be an empty string.")
+        if self.json_object is False:
+            raise ValueError("structured_outputs.json_object must be True or unset, got False.")
+        for name in ("disable_additional_properties", "whitespace_pattern"):
+            if getattr(self, name) not in (False, None):
+                raise ValueError(
+                    f"structured_outputs.{name} is an option of vLLM's guidance and outlines "
+                    "backends; tracevllm's xgrammar backend has no such option."
+                )
+
+    def all_constraints_none(self) -> bool:
+        return all(getattr(self, name) is None for name in _CONSTRAINTS)
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+# --8<-- [end:structured_outputs_params]
+
+
+class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True):  # type: ignore[call-arg]
     """Sampling parameters for text generation (OpenAI completions semantics).
 
     Validation happens here, at the entry point: a bad value raises
@@ -81,6 +188,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a JSON schema, regex, choice or grammar.
+    structured_outputs: StructuredOutputsParams | None = None
     # Characters held back from streamed text so a stop string is never shown
     # half-way (set from ``stop``).
     output_text_buffer_length: int = 0
@@ -97,6 +206,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             self.stop_token_ids = list(self.stop_token_ids)
         if self.logprobs is True:
             self.logprobs = 1
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            # msgspec.convert would take a dict for the struct and leave it a dict.
+            raise TypeError(
+                f"structured_outputs must be StructuredOutputsParams or None, got "
+                f"{type(so).__name__}."
+            )
         self._verify_types()
         if self.seed == -1:
             self.seed = None
@@ -117,46 +233,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
             self.top_k = 0
             self.min_p = 0.0
         self._all_stop_token_ids.update(self.stop_token_ids)
-
-    # --8<-- [start:verify_types]
-    def _verify_types(self) -> None:
-        """Check every field against its annotation, as the wire decoder will.
-
-        The engine process decodes the request with msgspec against these same
-        annotations; a value that passed here but failed there would be lost on
-        the engine's input thread. So each field is converted here with
-        ``msgspec.convert(strict=True)``: a bool is not an int, a float is not
-        an int, a str is not a float. Beyond types: no NaN in any float, and
-        every int within the signed 64-bit range that msgpack carries.
-        (vLLM gets the type check from pydantic in its OpenAI layer and from
-        ``_verify_args`` for a few fields; tracevllm checks all, in one place.)
-        """
-        for field in msgspec.structs.fields(self):
-            if field.name.startswith("_"):
-                continue  # set by the engine, not by the user
-            value = getattr(self, field.name)
-            try:
-                if isinstance(field.type, type) and issubclass(field.type, Enum):
-                    # convert() takes an enum's wire value, not a member.
-                    if not isinstance(value, field.type):
-                        raise msgspec.ValidationError(f"Expected `{field.type.__name__}`")
-                else:
-                    msgspec.convert(value, field.type, strict=True)
-            except msgspec.ValidationError as e:
-                raise TypeError(
-                    f"{field.name} must be {_type_name(field.type)}, got "
-                    f"{type(value).__name__} {value!r} ({e})."
-                ) from None
-            for item in value if isinstance(value, list) else (value,):
-                if isinstance(item, float) and math.isnan(item):
-                    raise ValueError(f"{field.name} must be a number, got NaN.")
-                if isinstance(item, int) and not _INT64_MIN <= item <= _INT64_MAX:
-                    raise ValueError(
-                        f"{field.name} must be within the signed 64-bit range "
-                        f"[{_INT64_MIN}, {_INT64_MAX}], got {item}."
-                    )
-
-    # --8<-- [end:verify_types]
 
     def _verify_args(self) -> None:
         if self.n < 1:
@@ -234,6 +310,14 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True):  # type: ig
                 f"stop_token_ids {bad} are out of the vocabulary: token ids must be in "
                 f"[0, {vocab_size - 1}]."
             )
+        if self.structured_outputs is not None:
+            self.structured_outputs.__post_init__()  # set after construction?
+            # Compiled once here, without the tokenizer, so that a schema
+            # xgrammar cannot take fails at the entry (vLLM's
+            # _validate_structured_outputs).
+            from tracevllm.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+            validate_xgrammar_grammar(self)
 
     @property
     def sampling_type(self) -> SamplingType:

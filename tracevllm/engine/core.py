@@ -4,10 +4,10 @@ Mirrors vllm/v1/engine/core.py. ``EngineCore`` is the engine itself (used
 in-process by ``InprocClient``); ``EngineCoreProc`` wraps it in its own process
 behind ZeroMQ, with an input thread and an output thread around
 ``run_busy_loop``. Left out: the async-scheduling batch queue
-(``step_with_batch_queue``), data parallelism, structured output, KV
-connectors, sleep/wake and elastic scaling. The start-up handshake is folded
-into one READY message on the input socket (vLLM uses a separate handshake
-socket with HELLO → addresses → READY).
+(``step_with_batch_queue``), data parallelism, KV connectors, sleep/wake and
+elastic scaling. The start-up handshake is folded into one READY message on
+the input socket (vLLM uses a separate handshake socket with HELLO →
+addresses → READY).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from tracevllm.engine import (
 from tracevllm.executor.abstract import Executor, UniProcExecutor
 from tracevllm.request import Request, RequestStatus
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
+from tracevllm.structured_output import StructuredOutputManager
 from tracevllm.tracing import records
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,12 @@ class EngineCore:
         self.model_executor = executor_class(vllm_config)
         num_gpu_blocks = self._initialize_kv_caches(vllm_config)
         vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
-        self.scheduler = Scheduler(vllm_config, log_stats=log_stats)
+        self.structured_output_manager = StructuredOutputManager(vllm_config)
+        self.scheduler = Scheduler(
+            vllm_config,
+            log_stats=log_stats,
+            structured_output_manager=self.structured_output_manager,
+        )
 
         # Block hashes are computed as requests arrive (and as tokens are
         # appended), so the scheduler only compares them.
@@ -125,9 +131,13 @@ class EngineCore:
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
         """Turn the wire request into the core's ``Request`` (hashes computed here).
 
-        In EngineCoreProc this runs on the input thread, off the busy loop.
+        In EngineCoreProc this runs on the input thread, off the busy loop; so
+        does the start of a structured request's grammar compilation.
         """
-        return Request.from_engine_core_request(request, self.request_block_hasher)
+        req = Request.from_engine_core_request(request, self.request_block_hasher)
+        if req.use_structured_output:
+            self.structured_output_manager.grammar_init(req)
+        return req
 
     @tracing.instrument(
         "EngineCore.add_request",
@@ -170,14 +180,23 @@ class EngineCore:
             return {}, False
         scheduler_output = self.scheduler.schedule()
         model_output = self.model_executor.execute_model(scheduler_output)
+        # vLLM fills the bitmask while the forward runs; here, after it.
+        grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
         if model_output is None:
-            model_output = self.model_executor.sample_tokens()
+            model_output = self.model_executor.sample_tokens(grammar_output)
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     # --8<-- [end:step]
 
     def step_fn(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        if self.scheduler.only_waiting_for_grammars():
+            # tracevllm: nothing can run before a grammar compiles, so wait
+            # for one (50 ms at most: new requests are read between waits)
+            # instead of spinning through empty steps, as vLLM does.
+            self.structured_output_manager.wait_for_grammars(
+                self.scheduler.skipped_waiting, timeout=0.05
+            )
         return self.step()
 
     def post_step(self, model_executed: bool) -> None:
@@ -196,6 +215,7 @@ class EngineCore:
         return {"total": total, "free": free, "used": total - free}
 
     def shutdown(self) -> None:
+        self.structured_output_manager.clear_backend()
         self.model_executor.shutdown()
         self.scheduler.shutdown()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tracevllm.config import VllmConfig
-from tracevllm.core.sched.output import SchedulerOutput
+from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
 from tracevllm.outputs import ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Executor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         raise NotImplementedError
 
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         raise NotImplementedError
 
     def drop_all_requests(self) -> None:
@@ -92,12 +92,12 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         # None: the forward ran and sample_tokens() will finish the step (vLLM
-        # splits the two so structured output can build its bitmask in between).
+        # splits the two so the scheduler can build the grammar bitmask in between).
         # An output here: nothing was scheduled, there is nothing to sample.
         return self.model_runner.execute_model(scheduler_output)
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        return self.model_runner.sample_tokens()
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_output)
 
     def drop_all_requests(self) -> None:
         self.model_runner.drop_all_requests()

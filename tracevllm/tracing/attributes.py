@@ -50,4 +50,6 @@ class SpanAttributes:
     INTER_TOKEN_MS = "tracevllm.latency.inter_token_ms"
     # JSON documents the views are drawn from (OTel attributes are flat).
     STEP_VIEW = "tracevllm.view.step"
+    # req_id -> tokens its grammar's mask allowed, this step.
+    GRAMMAR_VIEW = "tracevllm.view.grammar"
     COMPLETION_VIEW = "tracevllm.view.completion"

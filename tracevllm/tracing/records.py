@@ -20,16 +20,20 @@ from opentelemetry.trace import Span
 
 from tracevllm.tracing import extract_trace_context, extract_trace_headers
 from tracevllm.tracing.attributes import SpanAttributes
-from tracevllm.tracing.step_view import record_schedule
+from tracevllm.tracing.step_view import record_grammar_bitmask, record_schedule
 
 __all__ = [
     "core_add_request",
     "core_add_request_parent",
+    "create_grammar",
+    "create_grammar_parent",
+    "get_grammar_bitmask",
     "generate_parent",
     "http_parent",
     "prepare_inputs",
     "process_inputs",
     "process_outputs",
+    "process_outputs_parent",
     "record_schedule",
     "sample_tokens",
     "step",
@@ -47,6 +51,21 @@ def process_inputs(span: Span, request: Any, processor: Any, *args: Any, **kw: A
             "tracevllm.max_tokens": request.sampling_params.max_tokens or 0,
         }
     )
+
+
+def process_outputs_parent(
+    processor: Any, engine_core_outputs: list[Any], *a: Any, **kw: Any
+) -> Context | None:
+    """Under LLMEngine.step, its parent is that step's span. AsyncLLM's output
+    handler runs outside any request: there the batch joins the trace of its
+    first traced request (the others are linked, as EngineCore.step does)."""
+    if trace.get_current_span().is_recording():
+        return None
+    for output in engine_core_outputs:
+        state = processor.request_states.get(output.request_id)
+        if state is not None and state.span is not None:
+            return trace.set_span_in_context(state.span.span)
+    return None
 
 
 def process_outputs(
@@ -150,6 +169,28 @@ def update_from_output(
         if o.finish_reason is not None
     ]
     span.set_attribute("tracevllm.finished_req_ids", sorted(finished))
+
+
+# --- structured outputs -----------------------------------------------------------
+def create_grammar_parent(manager: Any, request: Any) -> Context | None:
+    """A compilation runs on a pool thread, where no span is open: it joins
+    the trace of the request it compiles for."""
+    return extract_trace_context(request.trace_headers)
+
+
+def create_grammar(span: Span, grammar: Any, manager: Any, request: Any) -> None:
+    kind, spec = request.structured_output_request.structured_output_key
+    span.set_attributes(
+        {
+            SpanAttributes.GEN_AI_REQUEST_ID: request.request_id,
+            "tracevllm.structured_output.kind": kind.name.lower(),
+            "tracevllm.structured_output.spec_chars": len(spec),
+            "tracevllm.structured_output.cache_hit": grammar.cache_hit,
+        }
+    )
+
+
+get_grammar_bitmask = record_grammar_bitmask
 
 
 # --- model runner ---------------------------------------------------------------

@@ -5,7 +5,9 @@ one JSON string (``tracevllm.view.step``); the figures a trace viewer filters
 on are plain attributes beside it. The ``record`` of ``Scheduler.schedule``'s
 span (tracing/records.py): it runs only when that span records, so tracing off
 costs nothing here. It reads the scheduler without importing it (tracing never
-imports the core).
+imports the core). ``Scheduler.get_grammar_bitmask``'s span adds, for each
+structured request, how many tokens its mask allowed
+(``tracevllm.view.grammar``); the view draws both together.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 from opentelemetry.trace import Span
 
 from tracevllm.tracing.attributes import SpanAttributes
@@ -52,6 +55,8 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
                 # A new or resumed request starts from its prefix-cache hit.
                 "num_cached_tokens": req.num_computed_tokens - n if kind != "cached" else 0,
                 "block_ids": kv.get_block_ids(req_id)[0],
+                # The kind of its constraint (json, regex, ...), or None.
+                "structured": _structured_kind(req),
             }
         )
     # The head of the free queue (next to be handed out), with whether each
@@ -101,3 +106,33 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
             SpanAttributes.STEP_VIEW: json.dumps(view),
         }
     )
+
+
+def _structured_kind(request: Any) -> str | None:
+    so_request = request.structured_output_request
+    return None if so_request is None else so_request.structured_output_key[0].name.lower()
+
+
+# --8<-- [start:record_grammar_bitmask]
+def record_grammar_bitmask(span: Span, grammar_output: Any, scheduler: Any, so: Any) -> None:
+    """How many tokens each structured request's mask allowed this step."""
+    allowed: dict[str, int] = {}
+    if grammar_output is not None:
+        vocab_size = scheduler.vllm_config.model_config.vocab_size
+        # int32 words, least significant bit first: token t is bit t of the row.
+        bits = np.unpackbits(
+            grammar_output.grammar_bitmask.view(np.uint8), axis=1, bitorder="little"
+        )
+        counts = bits[:, :vocab_size].sum(axis=1).tolist()
+        allowed = dict(zip(grammar_output.structured_output_request_ids, counts))
+    span.set_attributes(
+        {
+            SpanAttributes.STEP_ID: so.step_id,
+            "tracevllm.structured_output.req_ids": list(allowed),
+            "tracevllm.structured_output.num_allowed_tokens": list(allowed.values()),
+            SpanAttributes.GRAMMAR_VIEW: json.dumps(allowed),
+        }
+    )
+
+
+# --8<-- [end:record_grammar_bitmask]

@@ -18,10 +18,11 @@ from tracevllm.labs import LABS_ATTRIBUTE
 from tracevllm.tracing.attributes import SpanAttributes
 from tracevllm.tracing.exporters import SpanRecord
 from tracevllm.views.completion import render_completion
-from tracevllm.views.step import render_step
+from tracevllm.views.step import render_step, with_grammar
 from tracevllm.views.waterfall import render_waterfall
 
 STEP_SPAN = "Scheduler.schedule"
+GRAMMAR_SPAN = "Scheduler.get_grammar_bitmask"
 REQUEST_SPAN = "llm_request"
 # What a plugged lab computes that the step view does not show already:
 # span -> (its attribute, a label). The others show in the step view (01, 02,
@@ -31,9 +32,20 @@ LAB_VALUES = {"ModelRunner._prepare_inputs": ("tracevllm.slot_mapping", "slot_ma
 
 def render_report(spans: list[SpanRecord], console: Console, steps: bool = True) -> None:
     if steps:
+        # Each step's grammar masks, by step id (a span of their own, after the schedule).
+        masks = {
+            (s.pid, s.attributes.get(SpanAttributes.STEP_ID)): s.attributes[
+                SpanAttributes.GRAMMAR_VIEW
+            ]
+            for s in spans
+            if s.name == GRAMMAR_SPAN and SpanAttributes.GRAMMAR_VIEW in s.attributes
+        }
         for span in spans:
             if span.name == STEP_SPAN and SpanAttributes.STEP_VIEW in span.attributes:
                 view = json.loads(span.attributes[SpanAttributes.STEP_VIEW])
+                mask = masks.get((span.pid, view["step"]))
+                if mask is not None:
+                    view = with_grammar(view, json.loads(mask))
                 console.print(render_step(view, span.pid))
     for span in spans:
         if span.name == REQUEST_SPAN:
@@ -54,6 +66,14 @@ class RichViewProcessor(SpanProcessor):
 
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console()
+        # A step with structured requests waits for its masks (the next span).
+        self._pending: tuple[dict[str, Any], int | None] | None = None
+
+    def _flush(self, allowed: dict[str, int] | None = None) -> None:
+        if self._pending is not None:
+            view, pid = self._pending
+            self._pending = None
+            self.console.print(render_step(with_grammar(view, allowed or {}), pid))
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         pass
@@ -61,9 +81,14 @@ class RichViewProcessor(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         attrs: dict[str, Any] = dict(span.attributes or {})
         if span.name == STEP_SPAN and SpanAttributes.STEP_VIEW in attrs:
+            self._flush()
             pid = span.resource.attributes.get("process.pid")
             view = json.loads(str(attrs[SpanAttributes.STEP_VIEW]))
-            self.console.print(render_step(view, int(pid) if isinstance(pid, int) else None))
+            self._pending = (view, int(pid) if isinstance(pid, int) else None)
+            if not any(req.get("structured") for req in view["requests"]):
+                self._flush()
+        elif span.name == GRAMMAR_SPAN and SpanAttributes.GRAMMAR_VIEW in attrs:
+            self._flush(json.loads(str(attrs[SpanAttributes.GRAMMAR_VIEW])))
         elif span.name == REQUEST_SPAN:
             self.console.print(render_completion(attrs))
         elif span.name in LAB_VALUES and attrs.get(LABS_ATTRIBUTE):
@@ -71,7 +96,7 @@ class RichViewProcessor(SpanProcessor):
             self.console.print(render_lab_value(attrs[LABS_ATTRIBUTE], label, attrs.get(key)))
 
     def shutdown(self) -> None:
-        pass
+        self._flush()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True

@@ -21,6 +21,24 @@ def _phase(req: dict[str, Any]) -> str:
     return "prefill"
 
 
+def with_grammar(view: dict[str, Any], allowed: dict[str, int]) -> dict[str, Any]:
+    """The step view with each structured row's count of allowed tokens (from
+    the ``Scheduler.get_grammar_bitmask`` span of the same step)."""
+    for req in view["requests"]:
+        if req["req_id"] in allowed:
+            req["allowed_tokens"] = allowed[req["req_id"]]
+    return view
+
+
+def _grammar_cell(req: dict[str, Any]) -> Text:
+    """``json · 12 allowed``; a row mid-prefill gets no mask this step."""
+    if not req.get("structured"):
+        return Text("")
+    if "allowed_tokens" not in req:
+        return Text(f"{req['structured']} · no mask", style="dim magenta")
+    return Text(f"{req['structured']} · {req['allowed_tokens']} allowed", style="magenta")
+
+
 def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
     budget = view["token_budget"]
     table = Table(
@@ -28,8 +46,13 @@ def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
         title_justify="left",
         expand=False,
     )
-    for col in ("request", "new/cached", "phase", "computed", "+scheduled", "tokens", "hit"):
-        table.add_column(col, justify="right" if col not in ("request", "phase") else "left")
+    columns = ["request", "new/cached", "phase", "computed", "+scheduled", "tokens", "hit"]
+    structured = any(req.get("structured") for req in view["requests"])
+    if structured:
+        columns.append("grammar mask")
+    for col in columns:
+        left = col in ("request", "phase", "grammar mask")
+        table.add_column(col, justify="left" if left else "right")
     for req in view["requests"]:
         kind = req["kind"]
         style = {"new": "green", "resumed": "yellow", "cached": "cyan"}.get(kind, "")
@@ -41,6 +64,7 @@ def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
             str(req["num_scheduled_tokens"]),
             str(req["num_tokens"]),
             str(req.get("num_cached_tokens") or ""),
+            *([_grammar_cell(req)] if structured else []),
         )
     used, total = budget["used"], budget["total"]
     bar = Table.grid(padding=(0, 1))

@@ -4,16 +4,18 @@ Mirrors vllm/v1/worker/gpu_model_runner.py (``GPUModelRunner``) on the
 synchronous path: ``execute_model`` updates the persistent batch
 (``_update_states``), flattens it into one token stream (``_prepare_inputs``)
 and runs the forward pass; ``sample_tokens`` samples and does the
-bookkeeping (``_bookkeeping_sync``). Left out: CUDA graphs, torch.compile,
-async scheduling, speculative decoding, pipeline/tensor/data parallelism,
-LoRA, multimodal, pooling, prompt logprobs, KV connectors, cascade attention,
-profiling runs (the KV cache size comes from a configured budget).
+bookkeeping (``_bookkeeping_sync``), after masking the structured requests'
+rows with the scheduler's grammar bitmask. Left out: CUDA graphs,
+torch.compile, async scheduling, speculative decoding, pipeline/tensor/data
+parallelism, LoRA, multimodal, pooling, prompt logprobs, KV connectors,
+cascade attention, profiling runs (the KV cache size comes from a configured
+budget).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,12 +29,13 @@ from tracevllm.model_executor.model_loader import get_model
 from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from tracevllm.sample.sampler import Sampler
 from tracevllm.sampling_params import SamplingType
+from tracevllm.structured_output.utils import apply_grammar_bitmask
 from tracevllm.tracing import records
 from tracevllm.worker.input_batch import CachedRequestState, InputBatch
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
-    from tracevllm.core.sched.output import SchedulerOutput
+    from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
     from tracevllm.model_executor.models.llama import LlamaForCausalLM
 
 
@@ -309,13 +312,19 @@ class ModelRunner:
     # --8<-- [start:sample_tokens]
     @tracing.instrument("ModelRunner.sample_tokens", record=records.sample_tokens)
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
-        """Sample one token per request and append it to the persistent batch."""
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        """Sample one token per request and append it to the persistent batch.
+
+        Structured requests' rows are masked first: a token the grammar
+        forbids gets -inf, before penalties, temperature and top-k/top-p.
+        """
         state = self.execute_model_state
         if state is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
         self.execute_model_state = None
         batch = self.input_batch
+        if grammar_output is not None:
+            apply_grammar_bitmask(state.scheduler_output, grammar_output, batch, state.logits)
         sampling_metadata = batch.make_sampling_metadata()
 
         # vLLM rewinds a discarded row's generator (CUDA Philox offset - 4) so

@@ -4,8 +4,10 @@ Mirrors vllm/v1/core/sched/output.py (``NewRequestData``,
 ``CachedRequestData``, ``SchedulerOutput``). The first time a request is
 scheduled the runner gets everything about it (``NewRequestData``); after
 that only what changed (``CachedRequestData``), because the runner keeps its
-own persistent copy of each request (``InputBatch``). Left out: multimodal,
-LoRA, pooling, spec-decode, structured output and KV-connector fields.
+own persistent copy of each request (``InputBatch``). ``GrammarOutput`` is
+the structured requests' token bitmask, made after the schedule
+(``Scheduler.get_grammar_bitmask``). Left out: multimodal, LoRA, pooling,
+spec-decode and KV-connector fields.
 Block ids are a tuple with one list per KV cache group; tracevllm has one group.
 """
 
@@ -15,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
     from tracevllm.request import Request
     from tracevllm.sampling_params import SamplingParams
 
@@ -85,6 +90,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Requests preempted this step.
     preempted_req_ids: set[str] | None = None
+    # Some scheduled request samples under a grammar this step (a prefill
+    # chunk that stops short does not): get_grammar_bitmask has work to do.
+    has_structured_output_requests: bool = False
     # tracevllm: the step number, for spans and views.
     step_id: int = 0
 
@@ -99,3 +107,13 @@ class SchedulerOutput:
             num_common_prefix_blocks=[],
             finished_req_ids=set(),
         )
+
+
+@dataclass(slots=True)
+class GrammarOutput:
+    # The structured requests scheduled this step (not mid-prefill), in the
+    # bitmask's row order.
+    structured_output_request_ids: list[str]
+    # [len(structured_output_request_ids), ceil(vocab_size / 32)], int32:
+    # bit t of a row set iff token t is allowed next.
+    grammar_bitmask: npt.NDArray[np.int32]

@@ -4,14 +4,18 @@ Mirrors vllm/v1/core/sched/scheduler.py (``Scheduler``), synchronous path.
 There are no prefill and decode phases: every request has
 ``num_computed_tokens`` and ``num_tokens``, and each step hands out a token
 budget so the first catches up with the second. That one rule covers chunked
-prefill, prefix caching and preemption. Left out: KV connectors, encoder
-inputs, LoRA, structured output, speculative decoding, async scheduling
-(output placeholders), streaming input, pause states, pipeline parallelism
-and the ``skipped_waiting`` queue that only those features fill.
+prefill, prefix caching and preemption. A structured-output request waits
+in ``skipped_waiting`` until its grammar is compiled; each step
+``get_grammar_bitmask`` asks the ``StructuredOutputManager`` for the mask of
+the structured requests it scheduled, and ``update_from_output`` advances
+their matchers. Left out: KV connectors, encoder inputs, LoRA, speculative
+decoding, async scheduling (output placeholders), streaming input, pause
+states, pipeline parallelism.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -19,15 +23,23 @@ from collections.abc import Iterable
 from tracevllm import tracing
 from tracevllm.config import VllmConfig
 from tracevllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from tracevllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from tracevllm.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from tracevllm.core.sched.output import (
+    CachedRequestData,
+    GrammarOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from tracevllm.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from tracevllm.core.sched.utils import check_stop, remove_all
 from tracevllm.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import SchedulerStats
 from tracevllm.outputs import ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
+from tracevllm.structured_output import StructuredOutputManager
 from tracevllm.tracing import records
+
+logger = logging.getLogger(__name__)
 
 
 # --8<-- [start:compute_num_new_tokens]
@@ -70,9 +82,16 @@ def compute_num_new_tokens(
 
 class Scheduler:
     def __init__(
-        self, vllm_config: VllmConfig, log_stats: bool = True, include_finished_set: bool = False
+        self,
+        vllm_config: VllmConfig,
+        log_stats: bool = True,
+        include_finished_set: bool = False,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         self.vllm_config = vllm_config
+        self.structured_output_manager = structured_output_manager or StructuredOutputManager(
+            vllm_config
+        )
         self.scheduler_config = vllm_config.scheduler_config
         self.cache_config = vllm_config.cache_config
         self.log_stats = log_stats
@@ -83,7 +102,12 @@ class Scheduler:
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
+        # Waiting requests that cannot run yet: their grammar is compiling.
+        self.skipped_waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
+        # Finished in schedule() (their grammar failed to compile): reported
+        # by the next update_from_output.
+        self.finished_in_schedule: list[Request] = []
         # Finished since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         # Finished since the last update_from_output(), per client: sent back
@@ -176,10 +200,20 @@ class Scheduler:
         # preempted this step: admitting work while evicting it would thrash.
         # No preemption here; the first request that does not fit ends the pass.
         if not preempted_reqs:
-            while self.waiting and token_budget > 0:
+            step_skipped_waiting = create_request_queue(self.policy)
+            while (self.waiting or self.skipped_waiting) and token_budget > 0:
                 if len(self.running) == self.max_num_running_reqs:
                     break
-                request = self.waiting.peek_request()
+                request_queue = self._select_waiting_queue_for_scheduling()
+                request = request_queue.peek_request()
+                # A request whose grammar is still compiling is passed over.
+                if self._is_blocked_waiting_status(
+                    request.status
+                ) and not self._try_promote_blocked_waiting_request(request):
+                    request_queue.pop_request()
+                    if not request.is_finished():
+                        step_skipped_waiting.prepend_request(request)
+                    continue
                 # A waiting request always has num_computed_tokens == 0 here
                 # (vLLM's other branch is for KV connectors): look up its prefix.
                 new_computed_blocks, num_computed_tokens = (
@@ -207,7 +241,7 @@ class Scheduler:
                 if new_blocks is None:
                     break
 
-                request = self.waiting.pop_request()
+                request = request_queue.pop_request()
                 self.running.append(request)
                 if self.log_stats:
                     request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
@@ -227,6 +261,9 @@ class Scheduler:
                 # The first prefill only, not a recompute after preemption.
                 if request.prefill_stats is not None:
                     request.prefill_stats.set(request.num_prompt_tokens, num_computed_tokens)
+            # Back ahead of older skipped ones, in their order.
+            if step_skipped_waiting:
+                self.skipped_waiting.prepend_requests(step_skipped_waiting)
         # --8<-- [end:schedule_waiting]
 
         total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
@@ -286,7 +323,12 @@ class Scheduler:
         """Advance num_computed_tokens now, before the forward pass runs, so the
         next schedule() does not hand out the same tokens again."""
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+            scheduler_output.has_structured_output_requests |= (
+                request.use_structured_output and not request.is_prefill_chunk
+            )
         # A new set: the output just built keeps the old one.
         self.finished_req_ids = set()
 
@@ -315,6 +357,75 @@ class Scheduler:
             data.num_output_tokens.append(req.num_output_tokens)
         return data
 
+    # --8<-- [start:waiting_for_grammar]
+    @staticmethod
+    def _is_blocked_waiting_status(status: RequestStatus) -> bool:
+        return status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+    def _enqueue_waiting_request(self, request: Request) -> None:
+        if self._is_blocked_waiting_status(request.status):
+            self.skipped_waiting.add_request(request)
+        else:
+            self.waiting.add_request(request)
+
+    def _select_waiting_queue_for_scheduling(self) -> RequestQueue:
+        """FCFS: the skipped ones first (they came earlier); priority: the
+        better of the two heads."""
+        if self.policy == SchedulingPolicy.PRIORITY and self.waiting and self.skipped_waiting:
+            waiting_req = self.waiting.peek_request()
+            skipped_req = self.skipped_waiting.peek_request()
+            return self.waiting if waiting_req < skipped_req else self.skipped_waiting
+        return self.skipped_waiting or self.waiting
+
+    def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
+        """WAITING once its grammar is compiled. A grammar that failed to
+        compile finishes the request with an error (vLLM leaves it a TODO):
+        the engine goes on serving the others."""
+        so_request = request.structured_output_request
+        assert so_request is not None
+        try:
+            if so_request.grammar is None:
+                return False
+        except Exception as e:
+            logger.error("Grammar for request %s failed to compile: %s", request.request_id, e)
+            request.status = RequestStatus.FINISHED_ERROR
+            self._free_request(request)
+            self.finished_in_schedule.append(request)
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    # --8<-- [end:waiting_for_grammar]
+
+    # --8<-- [start:get_grammar_bitmask]
+    @tracing.instrument("Scheduler.get_grammar_bitmask", record=records.get_grammar_bitmask)
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The token bitmask of the structured requests scheduled this step.
+
+        A request mid-prefill samples nothing worth keeping: no row for it.
+        The rows are in scheduling order; the runner puts them in batch order.
+        """
+        if not scheduler_output.has_structured_output_requests:
+            return None
+        structured_output_request_ids = [
+            req_id
+            for req_id in scheduler_output.num_scheduled_tokens
+            if (req := self.requests.get(req_id))
+            and req.use_structured_output
+            and not req.is_prefill_chunk
+        ]
+        if not structured_output_request_ids:
+            return None
+        bitmask = self.structured_output_manager.grammar_bitmask(
+            self.requests,
+            structured_output_request_ids,
+            scheduler_output.scheduled_spec_decode_tokens,
+        )
+        assert bitmask is not None
+        return GrammarOutput(structured_output_request_ids, bitmask)
+
+    # --8<-- [end:get_grammar_bitmask]
+
     # --8<-- [start:update_from_output]
     @tracing.instrument("Scheduler.update_from_output", record=records.update_from_output)
     def update_from_output(
@@ -338,6 +449,8 @@ class Scheduler:
             stopped = False
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
+            if new_token_ids and self.structured_output_manager.should_advance(request):
+                stopped = self._advance_grammar(request, new_token_ids) or stopped
             finish_reason = None
             if stopped:
                 finish_reason = request.get_finished_reason()
@@ -362,6 +475,18 @@ class Scheduler:
                 )
         if stopped_reqs:
             self.running = remove_all(self.running, stopped_reqs)
+        # Requests whose grammar failed to compile, finished in schedule().
+        for request in self.finished_in_schedule:
+            outputs[request.client_index].append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                )
+            )
+        self.finished_in_schedule.clear()
 
         engine_core_outputs = {
             client_index: EngineCoreOutputs(outputs=outs) for client_index, outs in outputs.items()
@@ -380,6 +505,30 @@ class Scheduler:
 
     # --8<-- [end:update_from_output]
 
+    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
+        """Move the request's matcher past its new tokens; True if that ends it.
+
+        The mask allowed only tokens the grammar accepts, so a refusal is a
+        bug: the request finishes with an error, as in vLLM. tracevllm also
+        stops a request whose grammar has terminated but which did not stop
+        on its own (the stop token under ``ignore_eos``; vLLM would refuse
+        the next token instead).
+        """
+        so_request = request.structured_output_request
+        assert so_request is not None and so_request.grammar is not None
+        if not so_request.grammar.accept_tokens(request.request_id, new_token_ids):
+            logger.error(
+                "Unexpected: grammar rejected tokens %s for request %s. Terminating request.",
+                new_token_ids,
+                request.request_id,
+            )
+            request.status = RequestStatus.FINISHED_ERROR
+            return True
+        if so_request.grammar.is_terminated() and not request.is_finished():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False
+
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
@@ -392,7 +541,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
-        self.waiting.add_request(request)
+        self._enqueue_waiting_request(request)
         self.requests[request.request_id] = request
         if self.log_stats:
             request.record_event(EngineCoreEventType.QUEUED)
@@ -415,7 +564,11 @@ class Scheduler:
         ]
         running = {r for r in valid if r.status == RequestStatus.RUNNING}
         self.running = remove_all(self.running, running)
-        self.waiting.remove_requests(r for r in valid if r not in running)
+        # A waiting request is in one of the two queues; removing a request a
+        # queue does not hold is a no-op.
+        waiting = [r for r in valid if r not in running]
+        self.waiting.remove_requests(waiting)
+        self.skipped_waiting.remove_requests(waiting)
         for request in valid:
             request.status = finished_status
             self._free_request(request)
@@ -431,13 +584,23 @@ class Scheduler:
 
     def get_request_counts(self) -> tuple[int, int]:
         """(num_running_reqs, num_waiting_reqs)"""
-        return len(self.running), len(self.waiting)
+        return len(self.running), len(self.waiting) + len(self.skipped_waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.skipped_waiting) + len(self.running)
 
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
+
+    def only_waiting_for_grammars(self) -> bool:
+        """Nothing to do until a grammar compiles (tracevllm's, for EngineCore.step_fn)."""
+        return (
+            not self.running
+            and not self.waiting
+            and not self.finished_req_ids
+            and not self.finished_in_schedule
+            and all(self._is_blocked_waiting_status(r.status) for r in self.skipped_waiting)
+        )
 
     def has_finished_requests(self) -> bool:
         return len(self.finished_req_ids) > 0
@@ -465,7 +628,9 @@ class Scheduler:
         block_pool = self.kv_cache_manager.block_pool
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            # vLLM reports the skipped ones apart (num_skipped_waiting_reqs)
+            # and adds them up for its waiting gauge.
+            num_waiting_reqs=len(self.waiting) + len(self.skipped_waiting),
             step_counter=self.step_id,
             kv_cache_usage=self.kv_cache_manager.usage,
             prefix_cache_stats=prefix_cache_stats,

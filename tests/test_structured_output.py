@@ -1,0 +1,470 @@
+"""Structured outputs through xgrammar's token bitmask.
+
+On the real default model (one batch, two processes, so the constraints cross
+the ZeroMQ boundary): JSON schemas of growing difficulty validated with
+``jsonschema``, a regex, a choice list and an EBNF grammar, each with ten
+prompts, greedy and sampled; plain requests in the same batch untouched.
+On the real model in one process with a small KV cache and a 32-token
+budget: preemption, chunked prefill and prefix hits in the middle of
+structured requests. Then what the engine does around them (n > 1 compiles
+once, a failed compilation, the grammar ending the request), bad input at
+the entry, the bitmask operation against xgrammar's, spans and views, CLI.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from rich.console import Console
+
+from tests import structured_cases as cases
+from tracevllm import LLM, SamplingParams
+from tracevllm.sampling_params import StructuredOutputsParams
+from tracevllm.structured_output.utils import apply_grammar_bitmask, apply_token_bitmask_inplace
+
+PLAIN_PROMPTS = ["What is the capital of France?", "Name three primary colors."]
+
+
+def _params(so: StructuredOutputsParams | None, i: int, sampled: bool, **kw: Any) -> SamplingParams:
+    if sampled:
+        return SamplingParams(temperature=1.0, seed=i, structured_outputs=so, **kw)
+    return SamplingParams(temperature=0.0, structured_outputs=so, **kw)
+
+
+def _workload() -> dict[str, tuple[list[Any], list[SamplingParams]]]:
+    """Case name -> (20 chat prompts, their params): ten greedy, ten sampled."""
+    cases_so: dict[str, tuple[str, StructuredOutputsParams, int]] = {
+        name: (
+            template,
+            StructuredOutputsParams(json=schema, disable_any_whitespace=compact),
+            200,
+        )
+        for name, (schema, template, compact) in cases.SCHEMAS.items()
+    }
+    cases_so["regex"] = (cases.DATE_PROMPT, StructuredOutputsParams(regex=cases.DATE_REGEX), 32)
+    cases_so["choice"] = (
+        cases.SENTIMENT_PROMPT,
+        StructuredOutputsParams(choice=cases.SENTIMENTS),
+        16,
+    )
+    cases_so["grammar"] = (
+        cases.ARITHMETIC_PROMPT,
+        StructuredOutputsParams(grammar=cases.ARITHMETIC),
+        48,
+    )
+    work = {}
+    for name, (template, so, max_tokens) in cases_so.items():
+        prompts = cases.chat(template) * 2
+        params = [_params(so, i, i >= 10, max_tokens=max_tokens) for i in range(20)]
+        work[name] = (prompts, params)
+    return work
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir: str) -> Any:
+    """The real model, engine core in its own process (the default)."""
+    with LLM(model=default_model_dir) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def runs(llm: LLM) -> dict[str, list[Any]]:
+    """Every case in one batch, with two plain greedy requests among them."""
+    work = _workload()
+    prompts = [p for ps, _ in work.values() for p in ps]
+    params = [p for _, ps in work.values() for p in ps]
+    plain = [[{"role": "user", "content": p}] for p in PLAIN_PROMPTS]
+    plain_params = SamplingParams(temperature=0.0, max_tokens=24)
+    outputs = llm.chat(prompts + plain, params + [plain_params] * len(plain), use_tqdm=False)
+    result, i = {}, 0
+    for name, (ps, _) in work.items():
+        result[name] = [o.outputs[0] for o in outputs[i : i + len(ps)]]
+        i += len(ps)
+    result["plain"] = [o.outputs[0] for o in outputs[i:]]
+    return result
+
+
+def _report(bad: list[str]) -> str:
+    return f"{len(bad)} invalid:\n" + "\n".join(bad)
+
+
+# --- the real model: every output obeys its constraint ---------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(cases.SCHEMAS))
+def test_json_outputs_parse_and_validate(runs: dict[str, list[Any]], name: str) -> None:
+    schema = cases.SCHEMAS[name][0]
+    bad = []
+    for i, completion in enumerate(runs[name]):
+        try:
+            jsonschema.validate(json.loads(completion.text), schema)
+        except (json.JSONDecodeError, jsonschema.ValidationError) as e:
+            kind = "sampled" if i >= 10 else "greedy"
+            bad.append(f"{kind} #{i % 10} ({completion.finish_reason}): {completion.text!r}: {e}")
+    assert not bad, _report(bad)
+    assert all(c.finish_reason == "stop" for c in runs[name])
+
+
+@pytest.mark.slow
+def test_regex_outputs_fully_match(runs: dict[str, list[Any]]) -> None:
+    bad = [c.text for c in runs["regex"] if not re.fullmatch(cases.DATE_REGEX, c.text)]
+    assert not bad, _report(bad)
+
+
+@pytest.mark.slow
+def test_choice_outputs_are_one_of_the_choices(runs: dict[str, list[Any]]) -> None:
+    texts = [c.text for c in runs["choice"]]
+    assert all(t in cases.SENTIMENTS for t in texts), texts
+    assert len(set(texts)) > 1  # the model did choose
+
+
+def _is_arithmetic(text: str) -> bool:
+    """Parses as numbers joined by + - * / (and parentheses), nothing else."""
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return False
+    allowed = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div)
+    return all(isinstance(node, allowed) for node in ast.walk(tree))
+
+
+@pytest.mark.slow
+def test_grammar_outputs_parse(runs: dict[str, list[Any]]) -> None:
+    bad = [c.text for c in runs["grammar"] if not _is_arithmetic(c.text)]
+    assert not bad, _report(bad)
+
+
+@pytest.mark.slow
+def test_plain_requests_beside_structured_ones_are_untouched(
+    llm: LLM, runs: dict[str, list[Any]]
+) -> None:
+    """The bitmask touches only the structured rows: two plain greedy
+    requests batched with 140 structured ones give the tokens they give alone."""
+    alone = llm.chat(
+        [[{"role": "user", "content": p}] for p in PLAIN_PROMPTS],
+        SamplingParams(temperature=0.0, max_tokens=24),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in alone] == [c.token_ids for c in runs["plain"]]
+
+
+@pytest.mark.slow
+def test_preemption_chunked_prefill_and_prefix_hits(
+    default_model_dir: str, runs: dict[str, list[Any]]
+) -> None:
+    """Three nested-schema requests in a KV cache too small for all three, a
+    32-token budget (chunked prefill) and prefix caching: preempted and
+    resumed, their outputs still validate, and equal the same greedy
+    requests run in the big batch without preemption."""
+    schema, template, compact = cases.SCHEMAS["nested"]
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
+    with LLM(
+        model=default_model_dir,
+        enable_multiprocessing=False,
+        num_gpu_blocks_override=24,
+        max_num_batched_tokens=32,
+    ) as small:
+        outputs = small.chat(
+            cases.chat(template)[:3],
+            SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=so),
+            use_tqdm=False,
+        )
+        num_preemptions = small.llm_engine.num_preemptions
+    assert num_preemptions > 0
+    # The chat template's system prompt, a full block, is shared.
+    assert [o.num_cached_tokens > 0 for o in outputs] == [False, True, True]
+    for got, want in zip(outputs, runs["nested"][:3]):
+        jsonschema.validate(json.loads(got.outputs[0].text), schema)
+        assert got.outputs[0].token_ids == want.token_ids
+
+
+# --- the engine around a grammar: one process ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inproc(default_model_dir: str) -> Any:
+    with LLM(model=default_model_dir, enable_multiprocessing=False) as llm:
+        yield llm
+
+
+def _backend(llm: LLM) -> Any:
+    return llm.llm_engine.engine_core.engine_core.structured_output_manager.backend
+
+
+@pytest.mark.slow
+def test_n_children_share_one_compilation(inproc: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """n = 4: four outputs, each valid, from one compilation (the cache)."""
+    backend = _backend(inproc) or _first_backend(inproc)
+    compiled: list[str] = []
+    compile_fn = backend._compile
+
+    def counting_compile(kind: Any, spec: str, any_whitespace: bool) -> Any:
+        compiled.append(spec)
+        return compile_fn(kind, spec, any_whitespace)
+
+    monkeypatch.setattr(backend, "_compile", counting_compile)
+    schema = dict(cases.FLAT, title="n children")  # a key no other test compiled
+    params = SamplingParams(
+        n=4,
+        temperature=1.0,
+        seed=3,
+        max_tokens=200,
+        structured_outputs=StructuredOutputsParams(json=schema),
+    )
+    [output] = inproc.chat(cases.chat(cases.SCHEMAS["flat"][1])[:1], params, use_tqdm=False)
+    assert len(output.outputs) == 4
+    for completion in output.outputs:
+        jsonschema.validate(json.loads(completion.text), schema)
+    assert len(compiled) == 1
+
+
+def _first_backend(llm: LLM) -> Any:
+    """Make the backend (it comes with the first structured request)."""
+    so = StructuredOutputsParams(choice=["a"])
+    llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=so), use_tqdm=False)
+    return _backend(llm)
+
+
+@pytest.mark.slow
+def test_a_grammar_that_fails_to_compile_fails_its_request_only(
+    inproc: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the entry's check, a compilation that raises on the engine's
+    thread pool finishes its request with an error; the engine serves on."""
+    backend = _backend(inproc) or _first_backend(inproc)
+    compile_fn = backend._compile
+
+    def compile_or_fail(kind: Any, spec: str, ws: bool) -> Any:
+        if spec == "fail[0-9]":
+            raise RuntimeError("the compiler broke")
+        return compile_fn(kind, spec, ws)
+
+    monkeypatch.setattr(backend, "_compile", compile_or_fail)
+    bad = SamplingParams(
+        max_tokens=8, structured_outputs=StructuredOutputsParams(regex="fail[0-9]")
+    )
+    good = SamplingParams(temperature=0.0, max_tokens=8)
+    outputs = inproc.generate(["Hello", "Hello"], [bad, good], use_tqdm=False)
+    assert outputs[0].outputs[0].finish_reason == "error"
+    assert outputs[0].outputs[0].token_ids == []
+    assert outputs[1].outputs[0].finish_reason in ("stop", "length")
+    assert len(outputs[1].outputs[0].token_ids) > 0
+
+
+@pytest.mark.slow
+def test_the_request_ends_when_its_grammar_ends(inproc: LLM) -> None:
+    """Under ignore_eos the stop token does not stop a request; its grammar
+    has ended, though, and so does the request (no token after it)."""
+    so = StructuredOutputsParams(choice=cases.SENTIMENTS)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, structured_outputs=so)
+    [output] = inproc.chat(cases.chat(cases.SENTIMENT_PROMPT)[:1], params, use_tqdm=False)
+    completion = output.outputs[0]
+    assert completion.text in cases.SENTIMENTS
+    assert completion.finish_reason == "stop"
+    eos = inproc.get_tokenizer().eos_token_id
+    assert completion.token_ids[-1] == eos and eos not in completion.token_ids[:-1]
+
+
+# --- bad input at the entry --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"json": {"type": "object"}, "regex": "a+"}, ValueError, "only one kind.*json and regex"),
+        ({}, ValueError, "one kind of constraint must be set"),
+        ({"choice": []}, ValueError, r"structured_outputs\.choice cannot be an empty list"),
+        ({"choice": ["a", 1]}, TypeError, r"structured_outputs\.choice must be"),
+        ({"grammar": "  "}, ValueError, r"structured_outputs\.grammar cannot be an empty string"),
+        ({"json_object": True, "whitespace_pattern": " "}, ValueError, "whitespace_pattern"),
+    ],
+)
+def test_bad_constraints_are_refused_when_made(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        StructuredOutputsParams(**kwargs)
+    with pytest.raises(TypeError, match="structured_outputs must be StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"json": {"type": "nosuch"}},
+            r"structured_outputs\.json: xgrammar cannot compile this JSON schema: "
+            r'Unsupported type "nosuch"',
+        ),
+        ({"json": "{not json"}, r"structured_outputs\.json is not valid JSON"),
+        ({"json": {"type": "integer", "multipleOf": 3}}, "features xgrammar does not support"),
+        (
+            {"regex": "[a-"},
+            r"structured_outputs\.regex: xgrammar cannot compile this regex: "
+            r"Regex parsing error at position 4: Unclosed '\['",
+        ),
+        (
+            {"grammar": "root ::= expr"},
+            r"structured_outputs\.grammar: xgrammar cannot compile this EBNF grammar: .*expr",
+        ),
+    ],
+)
+def test_what_xgrammar_cannot_compile_is_refused_and_the_engine_serves_on(
+    llm: LLM, kwargs: dict[str, Any], message: str
+) -> None:
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**kwargs))
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["Hello"], params, use_tqdm=False)
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    [ok] = llm.generate(["Yes or no?"], SamplingParams(max_tokens=4, structured_outputs=so))
+    assert ok.outputs[0].text in ("yes", "no")
+
+
+# --- the bitmask ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab_size", [64, 100])
+def test_apply_token_bitmask_matches_xgrammar(vocab_size: int) -> None:
+    """tracevllm's PyTorch version of the masking gives xgrammar's result,
+    with a vocabulary that is not a multiple of 32 and a subset of rows."""
+    import xgrammar as xgr
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, vocab_size, generator=gen)
+    words = (vocab_size + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=gen, dtype=torch.int32)
+    bitmask[2] = -1  # every token allowed
+    for indices in (None, [0, 3, 4]):
+        want, got = logits.clone(), logits.clone()
+        xgr.apply_token_bitmask_inplace(want, bitmask, indices=indices)
+        apply_token_bitmask_inplace(got, bitmask, indices=indices)
+        assert torch.equal(got, want), indices
+
+
+class _Batch:
+    def __init__(self, req_ids: list[str]) -> None:
+        self.req_ids = req_ids
+        self.req_id_to_index = {r: i for i, r in enumerate(req_ids)}
+
+
+def test_bitmask_rows_go_to_their_requests_rows() -> None:
+    """The scheduler's rows (scheduling order) land on the runner's rows
+    (batch order); the rows of other requests are not touched."""
+    from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
+
+    logits = torch.zeros(4, 64)
+    bitmask = torch.zeros(2, 2, dtype=torch.int32).numpy()
+    bitmask[0, 0] = 0b1  # request "d": token 0 only
+    bitmask[1, 1] = 0b10  # request "b": token 33 only
+    grammar_output = GrammarOutput(["d", "b"], bitmask)
+    apply_grammar_bitmask(
+        SchedulerOutput.make_empty(), grammar_output, _Batch(list("abcd")), logits
+    )
+    allowed = [torch.nonzero(row > float("-inf")).flatten().tolist() for row in logits]
+    assert allowed == [list(range(64)), [33], list(range(64)), [0]]
+
+
+# --- spans, views, command line (the tiny model) -----------------------------------
+
+
+def test_spans_and_the_step_view(tiny_model_dir: str, tmp_path: Path) -> None:
+    """A compilation span in the request's trace (a miss, then a hit), a
+    bitmask span per step with how many tokens the mask allowed (the ten
+    digits, then the stop token alone), and the step view showing it."""
+    from tracevllm.tracing.exporters import read_spans_jsonl
+    from tracevllm.views.report import render_report
+
+    so = StructuredOutputsParams(regex="[0-9]")
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so)
+    with LLM(
+        model=tiny_model_dir,
+        enable_multiprocessing=False,
+        trace_detail="request",
+        trace_dir=str(tmp_path),
+    ) as tiny:
+        first = tiny.generate(["Pick a digit:"], params, use_tqdm=False)[0].outputs[0]
+        tiny.generate(["Pick a digit:"], params, use_tqdm=False)
+    assert re.fullmatch("[0-9]", first.text)
+    spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
+    compiles = [s for s in spans if s.name == "StructuredOutputManager._create_grammar"]
+    assert [s.attributes["tracevllm.structured_output.cache_hit"] for s in compiles] == [
+        False,
+        True,
+    ]
+    requests = [s for s in spans if s.name == "llm_request"]
+    assert [s.trace_id for s in compiles] == [s.trace_id for s in requests]
+    # (A step with no structured request to mask, e.g. while the grammar
+    # compiles, records an empty list.)
+    masks = [
+        allowed
+        for s in spans
+        if s.name == "Scheduler.get_grammar_bitmask"
+        and (allowed := s.attributes["tracevllm.structured_output.num_allowed_tokens"])
+    ]
+    assert masks == [[10], [1], [10], [1]]
+    console = Console(record=True, width=160, file=io.StringIO())
+    render_report(spans, console)
+    text = console.export_text()
+    assert "regex · 10 allowed" in text and "regex · 1 allowed" in text
+
+
+def test_the_step_view_marks_structured_rows() -> None:
+    from tracevllm.views.step import render_step, with_grammar
+
+    row = {"kind": "cached", "num_computed_tokens": 9, "num_scheduled_tokens": 1}
+    row |= {"num_tokens": 10, "num_prompt_tokens": 8, "block_ids": [1]}
+    view = {
+        "step": 3,
+        "token_budget": {"used": 3, "total": 32},
+        "block_size": 16,
+        "requests": [
+            dict(row, req_id="a", structured="json"),
+            dict(row, req_id="b", structured=None),
+            dict(row, req_id="c", structured="choice"),
+        ],
+        "kv": {"total": 10, "free": 7, "used": 3, "cached_free": 0},
+    }
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(render_step(with_grammar(view, {"a": 12})))
+    text = console.export_text()
+    assert "grammar mask" in text and "json · 12 allowed" in text
+    assert "choice · no mask" in text  # no row this step (mid-prefill)
+
+
+def test_cli_constraints(
+    tiny_model_dir: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tracevllm generate --choice / --regex / --json-schema`` (a random
+    model, so only the constraint can make these outputs)."""
+    from tracevllm.entrypoints.cli import main
+
+    monkeypatch.setenv("TRACEVLLM_ENABLE_MULTIPROCESSING", "0")  # faster: one process
+
+    schema = tmp_path / "schema.json"
+    # No object: a random model would fill the whitespace JSON allows between
+    # its members until max_tokens.
+    schema.write_text(json.dumps({"type": "string", "enum": ["red", "green"]}))
+    base = ["generate", "--model", tiny_model_dir, "--prompt", "Hi", "--max-tokens", "24"]
+    for flags, check in (
+        (["--choice", "yes,no,maybe"], lambda t: t in ("yes", "no", "maybe")),
+        (["--regex", "[a-c]{3}"], lambda t: re.fullmatch("[a-c]{3}", t)),
+        (["--json-schema", str(schema)], lambda t: json.loads(t) in ("red", "green")),
+    ):
+        assert main([*base, *flags]) == 0
+        # The completion, then a line "(N tokens, finish_reason=...)".
+        text = capsys.readouterr().out.rsplit("\n(", 1)[0]
+        assert check(text), (flags, text)
+    assert main([*base, "--json-schema", str(tmp_path / "missing.json")]) == 2
+    assert "--json-schema: cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--choice", "a,b", "--regex", "a"])  # one constraint at a time

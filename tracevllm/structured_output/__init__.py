@@ -1,0 +1,137 @@
+"""Structured outputs: the engine-side manager of grammars and bitmasks.
+
+Mirrors vllm/v1/structured_output/__init__.py (``StructuredOutputManager``):
+``grammar_init`` compiles a request's constraint on a thread pool (the
+request waits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` meanwhile),
+``grammar_bitmask`` fills one row of the token bitmask per structured request
+the scheduler scheduled, ``should_advance`` says whether a sampled token moves
+the request's matcher. Lives in the engine-core process, beside the scheduler.
+Left out: reasoning parsers (constraints that start after the model's
+reasoning), the parallel bitmask fill for batches over 128 structured
+requests, speculative positions, backends other than xgrammar. The backend is
+made (and the tokenizer loaded) with the first structured request, as vLLM's.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+from tracevllm import tracing
+from tracevllm.tracing import records
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    import torch
+
+    from tracevllm.config import VllmConfig
+    from tracevllm.request import Request
+    from tracevllm.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
+
+
+class StructuredOutputManager:
+    """Engine-level manager for structured output requests."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        self.backend: XgrammarBackend | None = None
+        self._grammar_bitmask: torch.Tensor | None = None
+        self._tokenizer: Any = None
+        # Compilation is CPU-bound: half the cores (vLLM's choice).
+        max_workers = max(1, (multiprocessing.cpu_count() + 1) // 2)
+        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+
+    # --8<-- [start:grammar_init]
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling the request's grammar; it waits until the result is in.
+
+        Runs where the request is prepared (vLLM: ``preprocess_add_request``,
+        on EngineCoreProc's input thread): the busy loop never waits for a
+        compilation. The first structured request also makes the backend,
+        which reads the whole vocabulary once.
+        """
+        if request.structured_output_request is None:
+            return
+        if self.backend is None:
+            from transformers import AutoTokenizer
+
+            from tracevllm.structured_output.backend_xgrammar import XgrammarBackend
+
+            model_config = self.vllm_config.model_config
+            self._tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+            self.backend = XgrammarBackend(self._tokenizer, model_config.vocab_size)
+        grammar = self.executor.submit(self._create_grammar, request)
+        request.structured_output_request.grammar = grammar
+
+    @tracing.instrument(
+        "StructuredOutputManager._create_grammar",
+        parent=records.create_grammar_parent,
+        record=records.create_grammar,
+    )
+    def _create_grammar(self, request: Request) -> XgrammarGrammar:
+        """On a pool thread: the request's own matcher on its compiled grammar."""
+        so_request = request.structured_output_request
+        assert so_request is not None and self.backend is not None
+        request_type, grammar_spec = so_request.structured_output_key
+        any_whitespace = not so_request.params.disable_any_whitespace
+        return self.backend.compile_grammar(request_type, grammar_spec, any_whitespace)
+
+    # --8<-- [end:grammar_init]
+
+    # --8<-- [start:grammar_bitmask]
+    def grammar_bitmask(
+        self,
+        requests: dict[str, Request],
+        structured_output_request_ids: list[str],
+        scheduled_spec_decode_tokens: dict[str, list[int]],
+    ) -> npt.NDArray[np.int32] | None:
+        """One bitmask row per structured request, in the order given.
+
+        Bit ``t`` of a row is set iff token ``t`` may come next. A request
+        whose grammar has terminated gets a full row (-1): nothing to forbid.
+        """
+        if not structured_output_request_ids:
+            return None
+        if self._grammar_bitmask is None:
+            assert self.backend is not None
+            max_batch_size = self.vllm_config.scheduler_config.max_num_seqs
+            self._grammar_bitmask = self.backend.allocate_token_bitmask(max_batch_size)
+        bitmask = self._grammar_bitmask
+        for index, req_id in enumerate(structured_output_request_ids):
+            so_request = requests[req_id].structured_output_request
+            assert so_request is not None
+            grammar = so_request.grammar
+            assert grammar is not None, "scheduled before its grammar was ready"
+            if grammar.is_terminated():
+                bitmask[index].fill_(-1)
+            else:
+                grammar.fill_bitmask(bitmask, index)
+        # numpy: what vLLM sends to its workers (cheaper to serialize than a tensor).
+        return bitmask[: len(structured_output_request_ids)].numpy()
+
+    # --8<-- [end:grammar_bitmask]
+
+    def wait_for_grammars(self, requests: Iterable[Request], timeout: float) -> None:
+        """Block until one of these requests' grammars is compiled, or ``timeout``
+        seconds pass (tracevllm's: vLLM's busy loop spins meanwhile)."""
+        pending = [
+            grammar
+            for r in requests
+            if r.structured_output_request is not None
+            and isinstance(grammar := r.structured_output_request._grammar, Future)
+        ]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def should_advance(self, request: Request) -> bool:
+        """Does a token sampled for this request move its matcher? (Always,
+        without reasoning parsers: vLLM skips the reasoning part.)"""
+        return request.use_structured_output
+
+    def clear_backend(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.backend is not None:
+            self.backend.destroy()

@@ -1,0 +1,84 @@
+"""Applying the grammar bitmask to the logits, and choice lists as grammars.
+
+Mirrors vllm/v1/structured_output/utils.py (``apply_grammar_bitmask``,
+``choice_as_grammar``). vLLM applies the mask with xgrammar's kernel
+(``xgr.apply_token_bitmask_inplace``); tracevllm with
+``apply_token_bitmask_inplace`` below, the same operation in plain PyTorch,
+checked against xgrammar's in the tests and rewritten by lab 11. Left out:
+the speculative positions (one mask row per draft token), Lark-to-EBNF
+conversion.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tracevllm.labs import lab_hook
+
+if TYPE_CHECKING:
+    from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
+    from tracevllm.worker.input_batch import InputBatch
+
+
+# --8<-- [start:apply_token_bitmask_inplace]
+@lab_hook("apply_token_bitmask_inplace")  # lab 11: chapters/11-token-bitmask
+def apply_token_bitmask_inplace(
+    logits: torch.Tensor,  # [num_rows, vocab_size], float32
+    bitmask: torch.Tensor,  # [num_rows, ceil(vocab_size / 32)], int32
+    indices: list[int] | None = None,  # the rows to mask; None: all
+) -> None:
+    """Set to -inf every logit whose bit is 0 (xgrammar's operation).
+
+    Token ``t`` is bit ``t % 32`` (least significant first) of word
+    ``t // 32``: -1 (all 32 bits set) allows a whole word of tokens.
+    """
+    rows = torch.arange(logits.shape[0]) if indices is None else torch.tensor(indices)
+    vocab_size = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32)  # [32]
+    # [rows, words, 32] -> [rows, words * 32]: one 0/1 per token.
+    bits = (bitmask[rows].unsqueeze(-1) >> shifts) & 1
+    allowed = bits.flatten(1)[:, :vocab_size].bool()  # [rows, vocab_size]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+# --8<-- [end:apply_token_bitmask_inplace]
+
+
+# --8<-- [start:apply_grammar_bitmask]
+def apply_grammar_bitmask(
+    scheduler_output: SchedulerOutput,
+    grammar_output: GrammarOutput,
+    input_batch: InputBatch,
+    logits: torch.Tensor,  # [num_reqs, vocab_size]
+) -> None:
+    """Mask the structured requests' rows of ``logits``, in place.
+
+    The scheduler's bitmask has one row per structured request, in its own
+    order; the runner's logits have one row per request in the batch. So
+    the rows are put in batch order first (-1, all allowed, for the
+    others), and only the structured rows are touched.
+    """
+    grammar_bitmask = grammar_output.grammar_bitmask  # [num_structured, words], int32
+    batch_index = input_batch.req_id_to_index
+    sorted_bitmask = np.full((logits.shape[0], grammar_bitmask.shape[1]), -1, dtype=np.int32)
+    out_indices = []
+    for row, req_id in enumerate(grammar_output.structured_output_request_ids):
+        if (logit_index := batch_index.get(req_id)) is not None:
+            sorted_bitmask[logit_index] = grammar_bitmask[row]
+            out_indices.append(logit_index)
+    if not out_indices:
+        return
+    apply_token_bitmask_inplace(logits, torch.from_numpy(sorted_bitmask), indices=out_indices)
+
+
+# --8<-- [end:apply_grammar_bitmask]
+
+
+def choice_as_grammar(choice: list[str]) -> str:
+    """``["yes", "no"]`` -> ``root ::= "yes" | "no"`` (quotes and backslashes escaped)."""
+    escaped = (re.sub(r'(["\\])', r"\\\1", c) for c in choice)
+    return "root ::= " + " | ".join(f'"{c}"' for c in escaped)
