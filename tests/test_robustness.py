@@ -482,10 +482,13 @@ def test_cli_shuts_down_cleanly_on_sigterm(tiny_model_dir: str, tmp_path: Path) 
         stderr=subprocess.DEVNULL,
         env={**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.getcwd()},
     )  # fmt: skip
+    # Mid-generate: the engine process exists and has worked a while (its CPU time).
     deadline = time.monotonic() + 60
-    while not any(tmpdir.iterdir()) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the engine is up once its socket dir exists
-    time.sleep(1.0)
+    while time.monotonic() < deadline:
+        engines = psutil.Process(proc.pid).children()
+        if engines and sum(engines[0].cpu_times()[:2]) > 3.0:
+            break
+        time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     assert list(tmpdir.iterdir()) == [] and _children() - before == set()

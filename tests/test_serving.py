@@ -9,9 +9,9 @@ from under its clients (its engine process gets SIGKILL).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from tracevllm import LLM, SamplingParams
+from tracevllm.entrypoints.openai.server_process import ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,35 +33,20 @@ MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """``tracevllm serve`` in a subprocess, up once /health answers."""
+class Server(ServerProcess):
+    """``tracevllm serve`` on the tiny model, up once /health answers."""
 
     def __init__(self, model_dir: str, *extra: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
+        port = free_port()
+        super().__init__(
             [sys.executable, "-m", "tracevllm.entrypoints.cli", "serve", model_dir,
-             "--port", str(self.port), "--served-model-name", MODEL, "--api-key", API_KEY,
+             "--port", str(port), "--served-model-name", MODEL, "--api-key", API_KEY,
              "--num-gpu-blocks-override", "256", "--max-request-body-size", "100000",
              "--uvicorn-log-level", "warning", *extra],
+            port,
             env={**os.environ, "PYTHONPATH": os.getcwd()},
+            timeout=120,
         )  # fmt: skip
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "the server exited during start-up"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError("the server did not come up")
 
     def client(self, **kw: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0, **kw)
@@ -88,15 +74,10 @@ class Server:
         ]
         return int(child.pid)
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
-
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: str) -> Iterator[Server]:
-    s = Server(tiny_model_dir)
+    s = Server(tiny_model_dir, "--trust-request-chat-template")
     children = {p.pid for p in psutil.Process(s.proc.pid).children(recursive=True)}
     yield s
     assert s.stop() == 0
@@ -316,6 +297,102 @@ def test_metrics_names(server: Server, client: openai.OpenAI) -> None:
     )
 
 
+def test_bench_serve_measures_what_it_says(server: Server, tmp_path: Any) -> None:
+    """`tracevllm bench serve` (not a timed test: its figures are only checked
+    for consistency with what was asked and with the server's own counters)."""
+    from tracevllm.entrypoints.cli import main
+
+    before = server.metrics()
+    rc = main(["bench", "serve", "--base-url", server.url, "--model", MODEL, "--api-key",
+               API_KEY, "--num-prompts", "6", "--max-concurrency", "3", "--output-len", "5",
+               "--save-result", "--result-dir", str(tmp_path), "--label", "t"])  # fmt: skip
+    assert rc == 0
+    result = json.loads((tmp_path / "bench-serve-t.json").read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert result["total_output_tokens"] == 30
+    after = server.metrics()
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 30
+    assert (
+        after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
+        == (result["total_input_tokens"])
+    )
+    assert 0 < result["p50_ttft_ms"] <= result["p99_ttft_ms"] <= result["p99_e2el_ms"]
+    assert result["output_throughput"] == pytest.approx(30 / result["duration"])
+
+
+def test_streamed_completion_logprobs(client: openai.OpenAI) -> None:
+    whole = client.completions.create(prompt="Once", max_tokens=6, logprobs=2, **greedy(
+        extra_body={"ignore_eos": True}))  # fmt: skip
+    stream = client.completions.create(prompt="Once", max_tokens=6, logprobs=2, stream=True,
+                                       **greedy(extra_body={"ignore_eos": True}))  # fmt: skip
+    tokens, logprobs, offsets = [], [], []
+    for chunk in stream:
+        assert chunk.object == "text_completion" and chunk.created > 0
+        lp = chunk.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            logprobs += lp.token_logprobs
+            offsets += lp.text_offset
+    expected = whole.choices[0].logprobs
+    assert tokens == expected.tokens and len(tokens) == 6
+    assert logprobs == pytest.approx(expected.token_logprobs)
+    assert offsets == expected.text_offset
+
+
+def test_structured_outputs_over_http(client: openai.OpenAI) -> None:
+    import jsonschema
+
+    # Enums and booleans: a tiny random model could write a string forever.
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    out = client.chat.completions.create(
+        messages=[{"role": "user", "content": "A color, as JSON."}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        # vLLM's extra body, merged with response_format: no free whitespace either.
+        **greedy(extra_body={"structured_outputs": {"disable_any_whitespace": True}}),
+    )  # fmt: skip
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    choice = client.completions.create(prompt="Pick:", max_tokens=10, **greedy(
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}}))  # fmt: skip
+    assert choice.choices[0].text in {"red", "green", "blue"}
+    with pytest.raises(openai.BadRequestError, match="structured_outputs"):
+        client.completions.create(prompt="x", **greedy(
+            extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}))  # fmt: skip
+
+
+def test_completion_details_as_vllm(server: Server, client: openai.OpenAI) -> None:
+    # logprobs=0: the sampled token's logprob alone, in a one-entry dict.
+    zero = client.completions.create(prompt="Hi", max_tokens=2, logprobs=0, **greedy())
+    assert [len(top) for top in zero.choices[0].logprobs.top_logprobs] == [1, 1]
+    # echo with a prompt of token ids: the prompt's text comes back too.
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "Echo this"}).json()["tokens"]
+    echo = client.completions.create(prompt=ids, max_tokens=2, echo=True, **greedy())
+    assert echo.choices[0].text.startswith("Echo this")
+
+
+def test_non_streamed_disconnect_aborts(server: Server, client: openai.OpenAI) -> None:
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}/v1/completions",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            json=dict(model=MODEL, prompt="Long", max_tokens=480, ignore_eos=True),
+            timeout=0.3,  # hang up while it runs
+        )
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+    assert m["vllm:request_success_total:length"] == before["vllm:request_success_total:length"]
+
+
 # --- errors -----------------------------------------------------------------------
 ERRORS = [
     # (json body, status, param, words in the message)
@@ -327,6 +404,13 @@ ERRORS = [
     (dict(model=MODEL, prompt="x", logprobs=50), 400, "logprobs", "max allowed"),
     (dict(model=MODEL, prompt="x", stop_token_ids=[10**9]), 400, "stop_token_ids", "vocabulary"),
     (dict(model=MODEL, prompt="word " * 600), 400, "prompt", "maximum context length"),
+    (dict(model=MODEL, prompt=[5] * 512), 400, "prompt", "leaves no room"),
+    (
+        dict(model=MODEL, prompt="x", stream_options={"include_usage": True}),
+        400,
+        None,
+        "stream_options",
+    ),
     (dict(model=MODEL, prompt=[]), 400, "prompt", "empty"),
     (dict(model="no-such-model", prompt="x"), 404, "model", "does not exist"),
     (dict(prompt="x", stream="yes"), 400, "stream", "boolean"),
@@ -356,6 +440,14 @@ def test_errors_through_the_official_client(client: openai.OpenAI) -> None:
         client.chat.completions.create(messages=MESSAGES, model="nope")
     with pytest.raises(openai.BadRequestError, match="min_p"):
         client.chat.completions.create(messages=MESSAGES, **greedy(extra_body={"min_p": 2.0}))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=MESSAGES, top_logprobs=2, **greedy())
+    assert e.value.body["param"] == "top_logprobs"
+    for template in ("{{ raise_exception('boom') }}", "{% if %}", "{{ undefined_x.y }}"):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                messages=MESSAGES, **greedy(extra_body={"chat_template": template})
+            )
 
 
 def test_http_level_errors(server: Server, client: openai.OpenAI) -> None:
@@ -369,11 +461,38 @@ def test_http_level_errors(server: Server, client: openai.OpenAI) -> None:
     assert wrong_key.status_code == 401
     big = httpx.post(url, json=dict(model=MODEL, prompt="x" * 200_000), headers=auth)
     assert big.status_code == 413 and big.json()["error"]["code"] == 413
+    body = json.dumps(dict(model=MODEL, prompt="x" * 200_000)).encode()
+    chunked = httpx.post(  # no Content-Length: the limit must still hold
+        url, content=iter([body[i : i + 4096] for i in range(0, len(body), 4096)]),
+        headers={**auth, "Content-Type": "application/json"},
+    )  # fmt: skip
+    assert chunked.status_code == 413, chunked.text
     not_json = httpx.post(url, content=b"prompt=x", headers=auth)
     assert not_json.status_code == 415
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert client.completions.create(prompt="after all that", max_tokens=2, **greedy()).choices
+
+
+def test_trace_serve_writes_one_trace_over_three_processes(
+    tiny_model_dir: str, tmp_path: Any
+) -> None:
+    """`tracevllm trace --serve` (make trace-serve): the four files, one trace, three pids."""
+    from tracevllm.tracing.exporters import read_spans_jsonl
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tracevllm.entrypoints.cli", "trace", "--serve", "--prompt", "Hi",
+         "--model", tiny_model_dir, "--max-tokens", "4", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=170, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("spans.jsonl", "trace.perfetto.json", "views.svg", "views.html"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
+    assert len({s.trace_id for s in spans}) == 1
+    assert {s.process_kind for s in spans} == {"client", "frontend", "engine_core"}
+    assert len({s.pid for s in spans}) == 3
+    assert "CL HTTP client" in result.stdout and "⇄" in result.stdout
 
 
 # --- tracing across three processes, then the engine's death ----------------------
@@ -441,6 +560,19 @@ def test_one_trace_from_the_client_to_the_engine_core(traced_server: tuple[Serve
     )
 
 
+def test_request_chat_templates_need_trust(traced_server: tuple[Server, Any]) -> None:
+    """A template sent with a request runs on the server: refused unless the
+    server was started with --trust-request-chat-template (vLLM's rule)."""
+    server, _ = traced_server
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(
+            messages=MESSAGES, **greedy(extra_body={"chat_template": "{{ 'x' }}"})
+        )
+    assert e.value.body["param"] == "chat_template"
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, "chat_template": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+
+
 def test_engine_death_while_streaming(traced_server: tuple[Server, Any]) -> None:
     """SIGKILL of the engine core under an open stream: the client gets an
     error within seconds, /health says 503, and the server exits non-zero."""
@@ -452,12 +584,14 @@ def test_engine_death_while_streaming(traced_server: tuple[Server, Any]) -> None
     next(iter(stream))
     os.kill(server.engine_pid(), signal.SIGKILL)
     t0 = time.monotonic()
+    # /health turns 503 at once (the watchdog stops the server seconds later).
+    while httpx.get(f"{server.url}/health").status_code != 503:
+        assert time.monotonic() - t0 < 5, "/health still says 200"
+        time.sleep(0.05)
     texts = []
     with pytest.raises((openai.APIError, httpx.HTTPError)):  # noqa: PT012
         for chunk in stream:
             texts.append(chunk.choices[0].text if chunk.choices else "")
         raise AssertionError("the stream ended as if nothing happened")
     assert time.monotonic() - t0 < 10
-    health = [httpx.get(f"{server.url}/health").status_code for _ in range(1)]
-    assert health == [503]
     assert server.proc.wait(timeout=20) == 1

@@ -164,6 +164,7 @@ class EngineCoreRequestType(enum.Enum):
     START_DP_WAVE = b"\x02"
     UTILITY = b"\x03"
     # Sentinel used within the engine core process. vLLM puts it on the input
-    # queue when the executor fails; tracevllm's input thread also puts it there
-    # when the frontend process dies (see EngineCoreProc.process_input_sockets).
+    # queue when the executor fails; tracevllm puts it there when the frontend
+    # process dies (payload None: stop quietly) or an I/O thread fails (payload:
+    # its exception, which the busy loop raises). See EngineCoreProc.
     EXECUTOR_FAILED = b"\x04"

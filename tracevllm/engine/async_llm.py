@@ -19,13 +19,12 @@ that loop.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any
 
-from tracevllm import tracing
+from tracevllm import envs, tracing
 from tracevllm.config import ModelConfig, VllmConfig
 from tracevllm.engine import EngineCoreRequest
 from tracevllm.engine.arg_utils import EngineArgs
@@ -43,6 +42,32 @@ from tracevllm.tracing import records
 from tracevllm.tracing.request_span import LLMRequestSpan, llm_request_span
 
 logger = logging.getLogger(__name__)
+
+# Outputs processed between two yields to the event loop (vLLM's
+# VLLM_V1_OUTPUT_PROC_CHUNK_SIZE default).
+OUTPUT_PROC_CHUNK_SIZE = 128
+
+
+async def _get_output_or_warn(engine_core: AsyncMPClient, output_processor: Any) -> Any:
+    """The next outputs; while requests wait on a silent engine (stopped,
+    stuck), say so every TRACEVLLM_ENGINE_ITERATION_TIMEOUT_S, as LLMEngine does."""
+    waited = 0.0
+    while True:
+        timeout = envs.TRACEVLLM_ENGINE_ITERATION_TIMEOUT_S
+        try:
+            return await asyncio.wait_for(engine_core.get_output_async(), timeout)
+        except TimeoutError:
+            if not output_processor.has_unfinished_requests():
+                waited = 0.0  # idle, not hung
+                continue
+            waited += timeout
+            logger.warning(
+                "No output from EngineCore (pid %s) for %.0f s while %d requests are in "
+                "flight: it may be stopped (SIGSTOP), swapping or stuck.",
+                engine_core.engine_pid,
+                waited,
+                output_processor.get_num_unfinished_requests(),
+            )
 
 
 class AsyncLLM:
@@ -135,11 +160,10 @@ class AsyncLLM:
         parent_request = ParentRequest(request)
         try:
             for idx in range(params.n):
-                child_id, child_params = parent_request.get_child_info(idx)
-                child = copy.copy(request)
-                child.request_id = child_id
-                child.sampling_params = child_params
+                child = parent_request.child_request(request, idx)
                 await self._send(child, prompt_text, parent_request, idx, queue, span)
+                if idx % 64 == 63:
+                    await asyncio.sleep(0)  # a huge n must not hold the event loop
         except BaseException:
             await self.abort(request.request_id, internal=True)
             raise
@@ -227,16 +251,22 @@ class AsyncLLM:
             try:
                 while True:
                     # 1) Pull EngineCoreOutputs from the EngineCore.
-                    outputs = await engine_core.get_output_async()
-                    iteration_stats = IterationStats() if log_stats and outputs.outputs else None
-                    # 2) Process them: each RequestOutput goes to its collector.
-                    processed = output_processor.process_outputs(
-                        outputs.outputs, outputs.timestamp, iteration_stats
-                    )
-                    assert not processed.request_outputs
-                    # 3) Abort requests that finished on a stop string.
-                    if processed.reqs_to_abort:
-                        await engine_core.abort_requests_async(processed.reqs_to_abort)
+                    outputs = await _get_output_or_warn(engine_core, output_processor)
+                    num_outputs = len(outputs.outputs)
+                    iteration_stats = IterationStats() if log_stats and num_outputs else None
+                    # 2) Process them, in chunks so that a huge batch does not
+                    # hold the event loop: each RequestOutput goes to its collector.
+                    for start in range(0, num_outputs, OUTPUT_PROC_CHUNK_SIZE):
+                        end = start + OUTPUT_PROC_CHUNK_SIZE
+                        processed = output_processor.process_outputs(
+                            outputs.outputs[start:end], outputs.timestamp, iteration_stats
+                        )
+                        assert not processed.request_outputs
+                        if end < num_outputs:
+                            await asyncio.sleep(0)
+                        # 3) Abort requests that finished on a stop string.
+                        if processed.reqs_to_abort:
+                            await engine_core.abort_requests_async(processed.reqs_to_abort)
                     # 4) Stats for /metrics.
                     for stat_logger in stat_loggers:
                         stat_logger.record(outputs.scheduler_stats, iteration_stats)

@@ -350,7 +350,8 @@ class MPClient(EngineCoreClient):
             logger.error(reason)
             on_dead(EngineDeadError(reason))
             for future in list(utility_results.values()):
-                future.set_exception(EngineDeadError(reason))
+                if not future.done():  # the reader may have just resolved it
+                    future.set_exception(EngineDeadError(reason))
 
         thread = threading.Thread(
             target=monitor_engine_cores, name="EngineCoreMonitor", daemon=True
@@ -492,6 +493,7 @@ class AsyncMPClient(MPClient):
         )
         self._ensure_output_queue_task()
 
+    # --8<-- [start:async_output_queue_task]
     def _ensure_output_queue_task(self) -> None:
         resources = self.resources
         if resources.output_queue_task is not None:
@@ -515,6 +517,8 @@ class AsyncMPClient(MPClient):
         resources.output_queue_task = asyncio.create_task(
             process_outputs_socket(), name="EngineCoreOutputQueueTask"
         )
+
+    # --8<-- [end:async_output_queue_task]
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """The next batch of outputs (the output handler waits here, idle or

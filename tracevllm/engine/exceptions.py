@@ -23,7 +23,7 @@ def describe_exit(exitcode: int | None) -> str:
     import signal
 
     if exitcode is None:
-        return "is still running"
+        return "has exited"  # reaped elsewhere: the code is not known here
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name

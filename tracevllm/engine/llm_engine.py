@@ -9,7 +9,6 @@ strings). Left out: pooling, LoRA, data parallelism, the stat loggers.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections.abc import Mapping
@@ -142,11 +141,9 @@ class LLMEngine:
         parent_req = ParentRequest(request)
         try:
             for idx in range(params.n):
-                child_id, child_params = parent_req.get_child_info(idx)
-                child = copy.copy(request)
-                child.request_id = child_id
-                child.sampling_params = child_params
-                self._send(child, prompt_text, parent_req, idx, span)
+                self._send(
+                    parent_req.child_request(request, idx), prompt_text, parent_req, idx, span
+                )
         except BaseException:
             # One child could not be sent: take back the ones that were.
             self.abort_request([request.request_id], internal=True)

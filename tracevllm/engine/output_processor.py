@@ -32,6 +32,7 @@ from tracevllm.tracing import records
 from tracevllm.tracing.request_span import LLMRequestSpan
 
 
+# --8<-- [start:request_output_collector]
 class RequestOutputCollector:
     """One request's outputs, handed from the output handler to its generate().
 
@@ -73,6 +74,9 @@ class RequestOutputCollector:
         if isinstance(output, Exception):
             raise output
         return output
+
+
+# --8<-- [end:request_output_collector]
 
 
 class RequestState:
@@ -259,7 +263,11 @@ class OutputProcessor:
         return request_ids_to_abort
 
     # --8<-- [start:process_outputs]
-    @tracing.instrument("OutputProcessor.process_outputs", record=records.process_outputs)
+    @tracing.instrument(
+        "OutputProcessor.process_outputs",
+        parent=records.process_outputs_parent,
+        record=records.process_outputs,
+    )
     def process_outputs(
         self,
         engine_core_outputs: list[EngineCoreOutput],

@@ -8,6 +8,8 @@ back into one ``RequestOutput``.
 
 from __future__ import annotations
 
+import copy
+
 from tracevllm.engine import EngineCoreRequest
 from tracevllm.outputs import CompletionOutput
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
@@ -33,6 +35,15 @@ class ParentRequest:
         if params.seed is not None:
             params.seed += index
         return child_id, params
+
+    def child_request(self, request: EngineCoreRequest, index: int) -> EngineCoreRequest:
+        """The ``index``-th child: a copy of the parent's request under its own
+        id and params (vLLM writes this loop out in both engines)."""
+        child_id, child_params = self.get_child_info(index)
+        child = copy.copy(request)
+        child.request_id = child_id
+        child.sampling_params = child_params
+        return child
 
     def get_outputs(
         self, child_request_id: str, completion: CompletionOutput

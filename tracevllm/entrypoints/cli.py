@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from tracevllm.benchmarks.serve import add_cli_args as add_bench_serve_args
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.entrypoints.openai.cli_args import make_arg_parser
 
@@ -28,12 +29,34 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
     parser.add_argument("--raw", action="store_true", help="no chat template")
+    so = parser.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="FILE", help="output valid JSON for this schema")
+    so.add_argument("--regex", metavar="R", help="output a full match of this regex")
+    so.add_argument("--choice", metavar="A,B,C", help="output exactly one of these")
+
+
+def _structured_outputs(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """``--json-schema FILE | --regex R | --choice A,B,C`` -> StructuredOutputsParams."""
+    from tracevllm.sampling_params import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema) as f:
+                return StructuredOutputsParams(json=f.read())
+        except OSError as e:
+            raise ValueError(f"--json-schema: cannot read {args.json_schema}: {e.strerror}") from e
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.choice is not None:
+        return StructuredOutputsParams(choice=args.choice.split(","))
+    return None
 
 
 def _sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from tracevllm.sampling_params import SamplingParams
 
     return SamplingParams(
+        structured_outputs=_structured_outputs(args),
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
@@ -92,14 +115,23 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.no_mp:
         engine_args.enable_multiprocessing = False
     mode = "one process (--no-mp)" if args.no_mp else "two processes over ZeroMQ"
+    if args.serve:
+        mode = "three processes: HTTP client, API server, engine core"
     console.rule(f"tracevllm trace · {mode} · detail={args.detail}")
-    with LLM(**vars(engine_args)) as llm:
-        params = _sampling_params(args)
-        if args.raw:
-            outputs = llm.generate([args.prompt], params, use_tqdm=False)
-        else:
-            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
-    # Both processes have flushed their spans by now (shutdown above).
+    if args.serve:
+        from tracevllm.entrypoints.trace_serve import trace_serve
+
+        answer = trace_serve(args, engine_args, _sampling_params(args), out, console)
+    else:
+        with LLM(**vars(engine_args)) as llm:
+            params = _sampling_params(args)
+            if args.raw:
+                outputs = llm.generate([args.prompt], params, use_tqdm=False)
+            else:
+                messages = [{"role": "user", "content": args.prompt}]
+                outputs = llm.chat(messages, params, use_tqdm=False)
+        answer = outputs[0].outputs[0].text
+    # Every process has flushed its spans by now (shut down above).
     spans = read_spans_jsonl(os.path.join(out, SPANS_FILE))
     write_perfetto(spans, os.path.join(out, "trace.perfetto.json"))
     from tracevllm.views.waterfall import render_waterfall
@@ -114,7 +146,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         f"[bold]{len(spans)} spans[/] from {len(pids)} process(es) {pids}, "
         f"trace id(s): {', '.join(sorted({s.trace_id for s in spans}))}"
     )
-    console.print(f"Answer: [bold green]{outputs[0].outputs[0].text}[/]", highlight=False)
+    console.print(f"Answer: [bold green]{answer}[/]", highlight=False)
     for name in (SPANS_FILE, "trace.perfetto.json", "views.svg", "views.html"):
         console.print(f"  wrote {os.path.join(out, name)}")
     console.print("  open the Perfetto view with: make trace-view")
@@ -151,6 +183,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(run_server(args))
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tracevllm.benchmarks.serve import main as bench_serve
+
+    return bench_serve(args)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tracevllm", description="vLLM's V1 engine, small enough to read."
@@ -166,12 +204,21 @@ def make_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", default="traces/latest", help="directory for the files")
     tr.add_argument("--detail", choices=("request", "full"), default="request")
     tr.add_argument("--no-mp", action="store_true", help="engine core in this process")
+    tr.add_argument(
+        "--serve", action="store_true", help="through tracevllm serve and the openai client"
+    )
     EngineArgs.add_cli_args(tr)
     tr.set_defaults(func=cmd_trace)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server (as vllm serve)")
     make_arg_parser(serve)
     serve.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks, with vLLM's names (vllm bench)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="load a running OpenAI-compatible server")
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(func=cmd_bench_serve)
 
     view = sub.add_parser("view", help="re-draw a saved spans.jsonl")
     view.add_argument("spans", help="path to spans.jsonl")

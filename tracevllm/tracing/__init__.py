@@ -15,6 +15,7 @@ out so that buffered spans reach the file.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import os
@@ -240,8 +241,11 @@ def _instrument_async_generator(
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _state.provider is None:
-            async for item in func(*args, **kwargs):
-                yield item
+            # Closed on the way out, so the generator's own cleanup (an abort)
+            # runs now, as with tracing on, not whenever it is collected.
+            async with contextlib.aclosing(func(*args, **kwargs)) as agen:
+                async for item in agen:
+                    yield item
             return
         context = parent(*args, **kwargs) if parent is not None else None
         span = _state.tracer.start_span(name, context=context, attributes=attributes)

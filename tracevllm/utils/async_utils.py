@@ -22,8 +22,11 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncGenerator[
     iterator still running is closed too, so each aborts its request.
     """
     if len(iterators) == 1:
-        async for item in iterators[0]:
-            yield 0, item
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await iterators[0].aclose()  # type: ignore[attr-defined]
         return
     loop = asyncio.get_running_loop()
     awaits: dict[asyncio.Task[T], tuple[int, AsyncIterator[T]]] = {

@@ -23,8 +23,13 @@ from rich.text import Text
 
 from tracevllm.tracing.exporters import SpanRecord
 
-PROCESS_STYLE = {"frontend": "cyan", "engine_core": "magenta", "inprocess": "cyan"}
-PROCESS_SHORT = {"frontend": "FE", "engine_core": "EC", "inprocess": "1P"}
+PROCESS_STYLE = {
+    "client": "green",
+    "frontend": "cyan",
+    "engine_core": "magenta",
+    "inprocess": "cyan",
+}
+PROCESS_SHORT = {"client": "CL", "frontend": "FE", "engine_core": "EC", "inprocess": "1P"}
 # Siblings with the same name beyond this many are folded into one line.
 MAX_SAME_NAME = 3
 # The timeline never gets narrower than this while another column can give way,
@@ -173,7 +178,10 @@ class Waterfall:
         if not layout.pid:  # the pids leave their column for the legend
             by_kind = {PROCESS_SHORT.get(s.process_kind, "?"): s.pid for s in self.spans}
             pids = " (" + ", ".join(f"{k} pid {p}" for k, p in sorted(by_kind.items())) + ")"
+        kinds = {s.process_kind for s in self.spans}
         legend = "FE frontend · EC engine core · 1P one process" + pids
+        if "client" in kinds:
+            legend = "CL HTTP client · FE API server · " + legend.split(" · ", 1)[1]
         legend += " · ⇄ parent in the other process"
         yield Group(Text("Span waterfall", style="bold"), Text(legend, style="dim"), table)
 

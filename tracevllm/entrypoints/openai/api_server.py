@@ -181,8 +181,13 @@ async def validation_exception_handler(req: Request, exc: Exception) -> JSONResp
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first = errors[0] if errors else {}
-    # loc is ("body", field, ...); a JSON syntax error has no field.
-    loc = [str(part) for part in first.get("loc", ())[1:] if not isinstance(part, int)]
+    # loc is ("body", field, ...), with the model's name in it for a union of
+    # request kinds (/tokenize); a JSON syntax error has no field.
+    loc = [
+        str(part)
+        for part in first.get("loc", ())[1:]
+        if isinstance(part, str) and not part[:1].isupper()
+    ]
     param = loc[0] if loc else None
     if first.get("type") == "json_invalid":
         message = f"The request body is not valid JSON: {first.get('msg')}"
@@ -200,10 +205,15 @@ async def http_exception_handler(req: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     err = ErrorResponse(
         error=ErrorInfo(
-            message=str(exc.detail), type=HTTPStatus(exc.status_code).phrase, code=exc.status_code
+            message=str(exc.detail), type=error_type(exc.status_code), code=exc.status_code
         )
     )
     return JSONResponse(err.model_dump(), status_code=exc.status_code)
+
+
+def error_type(status_code: int) -> str:
+    """OpenAI's naming: 404 -> NotFoundError, 413 -> RequestEntityTooLargeError."""
+    return HTTPStatus(status_code).phrase.replace(" ", "") + "Error"
 
 
 async def exception_handler(req: Request, exc: Exception) -> JSONResponse:
@@ -261,29 +271,29 @@ class RequestSizeLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise _BodyTooLarge()
+                    # Raised inside FastAPI's body read: it passes an
+                    # HTTPException through, to http_exception_handler.
+                    raise StarletteHTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self.detail)
             return message
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await self._too_large(scope, receive, send)
+        await self.app(scope, limited_receive, send)
+
+    @property
+    def detail(self) -> str:
+        return f"The request body is larger than {self.max_bytes} bytes (--max-request-body-size)."
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = ErrorResponse(
-            error=ErrorInfo(
-                message=f"The request body is larger than {self.max_bytes} bytes "
-                "(--max-request-body-size).",
-                type="RequestEntityTooLarge",
-                code=HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            )
-        )
-        response = JSONResponse(err.model_dump(), status_code=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        await response(scope, receive, send)
+        code = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+        err = ErrorResponse(error=ErrorInfo(message=self.detail, type=error_type(code), code=code))
+        await JSONResponse(err.model_dump(), status_code=code)(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+def served_names(args: Namespace) -> list[str]:
+    """The names clients use: --served-model-name, else --model as given
+    (vLLM's rule), else the default model's name."""
+    from tracevllm.model_executor.model_loader import DEFAULT_MODEL_NAME
+
+    return list(args.served_model_name or [args.model or DEFAULT_MODEL_NAME])
 
 
 # --8<-- [start:build_app]
@@ -303,16 +313,17 @@ def build_app(args: Namespace) -> FastAPI:
 def init_app_state(engine_client: AsyncLLM, state: State, args: Namespace) -> None:
     """The handlers, made once, shared by every request (``app.state``)."""
     model_path = engine_client.model_config.model
-    served_model_names = args.served_model_name or [args.model or model_path]
+    served_model_names = served_names(args)
     models = OpenAIServingModels(
         [BaseModelPath(name=name, model_path=model_path) for name in served_model_names],
         engine_client.model_config.get_max_model_len(),
     )
     state.engine_client = engine_client
     state.openai_serving_models = models
+    trusted = args.trust_request_chat_template
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models)
-    state.openai_serving_chat = OpenAIServingChat(engine_client, models)
-    state.openai_serving_tokenization = OpenAIServingTokenization(engine_client, models)
+    state.openai_serving_chat = OpenAIServingChat(engine_client, models, trusted)
+    state.openai_serving_tokenization = OpenAIServingTokenization(engine_client, models, trusted)
 
 
 # --8<-- [end:build_app]
@@ -329,8 +340,7 @@ async def run_server(args: Namespace, **uvicorn_kwargs: Any) -> int:
     import uvicorn
 
     engine_args = EngineArgs.from_cli_args(args)
-    served_name = (args.served_model_name or [args.model or "default"])[0]
-    stat_logger = PrometheusStatLogger(model_name=served_name)
+    stat_logger = PrometheusStatLogger(model_name=served_names(args)[0])
     engine_client = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
     try:
         app = build_app(args)

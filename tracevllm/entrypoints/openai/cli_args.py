@@ -34,6 +34,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="larger request bodies get a 413 (bytes)",
     )
     parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run a chat_template sent with a request (off: such a request is a 400)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=("critical", "error", "warning", "info", "debug", "trace"),

@@ -5,8 +5,9 @@ Mirrors vllm/entrypoints/openai/chat_completion/protocol.py
 ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``) and
 ``DeltaMessage`` from vllm/entrypoints/openai/engine/protocol.py. Messages
 are checked by entrypoints/chat_utils.py (text only). Left out: tools and
-tool calls, reasoning, ``logit_bias``, beam search, structured outputs (for
-now), documents, KV-transfer parameters.
+tool calls, reasoning, ``logit_bias``, beam search, documents, KV-transfer
+parameters. A ``chat_template`` sent with a request is refused unless the
+server trusts it (``--trust-request-chat-template``, vLLM's rule).
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ greedy reply equals ``LLM.chat``'s. Left out: tools, reasoning parsers,
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from tracevllm import tracing
-from tracevllm.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
 from tracevllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -28,8 +28,14 @@ from tracevllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
     DeltaMessage,
 )
-from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse, UsageInfo
-from tracevllm.entrypoints.openai.engine.serving import OpenAIServing, get_max_tokens
+from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse
+from tracevllm.entrypoints.openai.engine.serving import (
+    OpenAIServing,
+    create_error_response,
+    get_max_tokens,
+    is_template_error,
+    usage_info,
+)
 from tracevllm.outputs import RequestOutput, SampleLogprobs
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 from tracevllm.tracing import records
@@ -50,19 +56,21 @@ class OpenAIServingChat(OpenAIServing):
         """Render the conversation, start generate(), then answer whole or stream."""
         if (error := self._check_model(request)) is not None:
             return error
+        if (error := self._check_chat_template(request.chat_template)) is not None:
+            return error
+        if request.top_logprobs and not request.logprobs:
+            return create_error_response(
+                "top_logprobs needs logprobs to be true.", param="top_logprobs"
+            )
         request_id = f"{self.request_id_prefix}-{self._base_request_id(raw_request)}"
         try:
-            text, prompt_token_ids = apply_chat_template(
-                self.engine_client.get_tokenizer(),
-                parse_chat_messages(request.messages),
-                request.chat_template,
-                request.add_generation_prompt,
-                request.continue_final_message,
-            )
+            text, prompt_token_ids = await self.render_chat(request)
             prompt = {"prompt": text, "prompt_token_ids": prompt_token_ids}
             sampling_params = self._sampling_params(request, len(prompt_token_ids))
             self.validate_inputs(prompt, sampling_params)
-        except (ValueError, TypeError) as e:
+        except Exception as e:  # the request's own fault: a 400 (a template's too)
+            if not isinstance(e, (ValueError, TypeError)) and not is_template_error(e):
+                raise
             return self.create_bad_request_response(e, request)
         result_generator = self.engine_client.generate(
             prompt,
@@ -112,11 +120,16 @@ class OpenAIServingChat(OpenAIServing):
         for, and ``data: [DONE]``."""
         num_generated = [0] * request.n
         role_sent = [False] * request.n
+        created = int(time.time())
 
         def chunk(index: int, delta: DeltaMessage, **fields: Any) -> str:
             choice = ChatCompletionResponseStreamChoice(index=index, delta=delta, **fields)
             response = ChatCompletionStreamResponse(
-                id=request_id, model=model_name, choices=[choice]
+                id=request_id,
+                object="chat.completion.chunk",
+                created=created,
+                model=model_name,
+                choices=[choice],
             )
             return f"data: {response.model_dump_json(exclude_unset=True)}\n\n"
 
@@ -144,18 +157,11 @@ class OpenAIServingChat(OpenAIServing):
                     )
                     self._raise_if_error(output.finish_reason, request_id)
             if request.include_usage:
-                completion_tokens = sum(num_generated)
-                usage = ChatCompletionStreamResponse(
-                    id=request_id,
-                    model=model_name,
-                    choices=[],
-                    usage=UsageInfo(
-                        prompt_tokens=num_prompt_tokens,
-                        completion_tokens=completion_tokens,
-                        total_tokens=num_prompt_tokens + completion_tokens,
-                    ),
+                usage = usage_info(num_prompt_tokens, sum(num_generated))
+                final = ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model_name, choices=[], usage=usage
                 )
-                yield f"data: {usage.model_dump_json()}\n\n"
+                yield f"data: {final.model_dump_json(exclude_unset=True)}\n\n"
         except Exception as e:
             # The status (200) is sent already: the error goes in the stream.
             yield f"data: {self.create_streaming_error_response(e)}\n\n"
@@ -192,13 +198,8 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=output.stop_reason,
                 )
             )
-        num_prompt_tokens = len(final_res.prompt_token_ids)
         num_generated = sum(len(output.token_ids) for output in final_res.outputs)
-        usage = UsageInfo(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_generated,
-            total_tokens=num_prompt_tokens + num_generated,
-        )
+        usage = usage_info(len(final_res.prompt_token_ids), num_generated)
         return ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
 
     @staticmethod

@@ -4,7 +4,8 @@ Mirrors vllm/entrypoints/openai/completion/protocol.py (``CompletionRequest``,
 ``CompletionLogProbs``, ``CompletionResponse``, ``CompletionStreamResponse``).
 The sampling fields live in ``GenerateRequest`` (engine/protocol.py). Left
 out: ``suffix``, ``logit_bias``, beam search, prompt logprobs, prompt
-embeddings, structured outputs (for now), KV-transfer parameters.
+embeddings, KV-transfer parameters. Structured outputs come through
+``structured_outputs`` or ``response_format`` (engine/protocol.py).
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ LoRA, prompt embeddings.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +26,13 @@ from tracevllm.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse, UsageInfo
-from tracevllm.entrypoints.openai.engine.serving import OpenAIServing, get_max_tokens
+from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse
+from tracevllm.entrypoints.openai.engine.serving import (
+    OpenAIServing,
+    create_error_response,
+    get_max_tokens,
+    usage_info,
+)
 from tracevllm.outputs import RequestOutput, SampleLogprobs
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 from tracevllm.tracing import records
@@ -48,15 +55,16 @@ class OpenAIServingCompletion(OpenAIServing):
         if (error := self._check_model(request)) is not None:
             return error
         if request.suffix is not None:
-            return self.create_error_response("suffix is not currently supported", param="suffix")
+            return create_error_response("suffix is not currently supported", param="suffix")
         if request.echo and request.logprobs is not None:
-            return self.create_error_response(
+            return create_error_response(
                 "echo with logprobs needs prompt logprobs, which tracevllm does not compute",
                 param="echo",
             )
         request_id = f"{self.request_id_prefix}-{self._base_request_id(raw_request)}"
         try:
-            prompts = self._engine_prompts(request)
+            # Off the event loop: a long prompt must not hold every other request.
+            prompts = await asyncio.to_thread(self._engine_prompts, request)
             params = [self._sampling_params(request, len(p["prompt_token_ids"])) for p in prompts]
             for prompt, sampling_params in zip(prompts, params):
                 # Refused now, as a 400, not half-way through a 200 stream.
@@ -106,7 +114,9 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(item, str):
                 text, ids = tokenize(item)
             else:
-                text, ids = None, list(item)
+                # Token ids: their text too, for echo (vLLM detokenizes them as well).
+                ids = list(item)
+                text = self.engine_client.get_tokenizer().decode(ids) if request.echo else None
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return prompts
 
@@ -133,6 +143,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Server-sent events: one ``data: {chunk}`` per new piece of text,
         the usage chunk if asked for, then ``data: [DONE]``."""
         n = request.n
+        created = int(time.time())
         echoed = [False] * (len(prompts) * n)
         num_prompt_tokens = [len(p["prompt_token_ids"]) for p in prompts]
         num_generated = [0] * (len(prompts) * n)
@@ -156,6 +167,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         offsets[i] += sum(len(token) for token in logprobs.tokens)
                     chunk = CompletionStreamResponse(
                         id=request_id,
+                        object="text_completion",
+                        created=created,
                         model=model_name,
                         choices=[
                             CompletionResponseStreamChoice(
@@ -170,19 +183,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
                     self._raise_if_error(output.finish_reason, request_id)
             if request.include_usage:
-                prompt_tokens = sum(num_prompt_tokens)
-                completion_tokens = sum(num_generated)
-                usage = CompletionStreamResponse(
-                    id=request_id,
-                    model=model_name,
-                    choices=[],
-                    usage=UsageInfo(
-                        prompt_tokens=prompt_tokens,
-                        completion_tokens=completion_tokens,
-                        total_tokens=prompt_tokens + completion_tokens,
-                    ),
+                usage = usage_info(sum(num_prompt_tokens), sum(num_generated))
+                final = CompletionStreamResponse(
+                    id=request_id, created=created, model=model_name, choices=[], usage=usage
                 )
-                yield f"data: {usage.model_dump_json()}\n\n"
+                yield f"data: {final.model_dump_json(exclude_unset=True)}\n\n"
         except Exception as e:
             # The status (200) is sent already: the error goes in the stream.
             yield f"data: {self.create_streaming_error_response(e)}\n\n"
@@ -219,11 +224,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                 )
                 num_generated_tokens += len(output.token_ids)
-        usage = UsageInfo(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_generated_tokens,
-            total_tokens=num_prompt_tokens + num_generated_tokens,
-        )
+        usage = usage_info(num_prompt_tokens, num_generated_tokens)
         return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
 
     @staticmethod
@@ -232,20 +233,27 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionLogProbs:
         """OpenAI's legacy logprobs: per token its text, logprob, the top
         ``num_top`` alternatives, and where its text starts."""
-        out = CompletionLogProbs()
+        text_offset: list[int] = []
+        token_logprobs: list[float | None] = []
+        tokens: list[str] = []
+        top_logprobs: list[dict[str, float] | None] = []
         offset = initial_text_offset
         for position in logprobs:
             # The first entry is the sampled token (LogprobsProcessor's order).
             sampled = next(iter(position.values()))
             token = sampled.decoded_token or ""
-            out.tokens.append(token)
-            out.token_logprobs.append(max(sampled.logprob, -9999.0))
-            top = sorted(position.values(), key=lambda p: p.rank or 0)
-            out.top_logprobs.append(
-                {(p.decoded_token or ""): max(p.logprob, -9999.0) for p in top[: num_top + 1]}
-                if num_top
-                else None
-            )
-            out.text_offset.append(offset)
+            tokens.append(token)
+            token_logprobs.append(max(sampled.logprob, -9999.0))
+            # The sampled token, then the num_top most likely (as vLLM's).
+            ranked = sorted(position.values(), key=lambda p: p.rank or 0)[:num_top]
+            top = {token: max(sampled.logprob, -9999.0)}
+            top |= {(p.decoded_token or ""): max(p.logprob, -9999.0) for p in ranked}
+            top_logprobs.append(top)
+            text_offset.append(offset)
             offset += len(token)
-        return out
+        return CompletionLogProbs(
+            text_offset=text_offset,
+            token_logprobs=token_logprobs,
+            tokens=tokens,
+            top_logprobs=top_logprobs,
+        )

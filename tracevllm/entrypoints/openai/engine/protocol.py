@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tracevllm.sampling_params import StructuredOutputsParams
 
 
 def random_uuid() -> str:
@@ -69,6 +72,24 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    # "schema" on the wire (a BaseModel attribute name pydantic reserves).
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    # "text" (no constraint), "json_object" or "json_schema".
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+# The kinds of constraint response_format replaces.
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class GenerationError(Exception):
     """The engine failed a request (finish reason "error"): a 500."""
 
@@ -118,6 +139,16 @@ class GenerateRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
+    # Structured outputs: vLLM's extra parameter, or OpenAI's response_format
+    # ({"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}).
+    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> GenerateRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true.")
+        return self
 
     def sampling_kwargs(self, default_sampling_params: dict[str, object]) -> dict[str, object]:
         """SamplingParams keyword arguments; what the request leaves unset
@@ -140,7 +171,26 @@ class GenerateRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self._structured_outputs(),
         )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """``structured_outputs``, with ``response_format`` laid over it (vLLM's rule)."""
+        kwargs = dict(self.structured_outputs or {})
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            kwargs = {k: v for k, v in kwargs.items() if k not in _KINDS} | {"json_object": True}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format: json_schema needs json_schema.schema.")
+            kwargs = {k: v for k, v in kwargs.items() if k not in _KINDS}
+            kwargs["json"] = fmt.json_schema.json_schema
+        if not kwargs:
+            return None
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except TypeError as e:
+            raise TypeError(f"structured_outputs: {e}") from None
 
     @property
     def include_usage(self) -> bool:

@@ -12,6 +12,7 @@ search, request logging, data-parallel ranks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -21,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from tracevllm import tracing
 from tracevllm.engine.exceptions import EngineDeadError
+from tracevllm.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
 from tracevllm.entrypoints.openai.engine.protocol import (
     ErrorInfo,
     ErrorResponse,
     GenerationError,
     OpenAIBaseModel,
+    UsageInfo,
     random_uuid,
 )
 
@@ -49,15 +52,33 @@ def create_error_response(
         exc = message
         if isinstance(exc, EngineDeadError):
             err_type, status_code = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR
+            message = str(exc)
         elif isinstance(exc, GenerationError):
             err_type, status_code = "InternalServerError", HTTPStatus(exc.status_code)
-        elif isinstance(exc, (ValueError, TypeError, OverflowError)):
+            message = str(exc)
+        elif isinstance(exc, (ValueError, TypeError, OverflowError)) or is_template_error(exc):
             err_type, status_code = "BadRequestError", HTTPStatus.BAD_REQUEST
+            message = str(exc)
         else:
+            # Not the client's doing: no internals in the answer, all of it in the log.
+            logger.error("Internal error", exc_info=exc)
             err_type, status_code = "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR
-        message = str(exc)
+            message = f"Internal server error ({type(exc).__name__}); see the server's log."
     return ErrorResponse(
         error=ErrorInfo(message=message, type=err_type, param=param, code=status_code.value)
+    )
+
+
+def is_template_error(exc: Exception) -> bool:
+    """A chat template that failed to render (jinja2.TemplateError): the request's fault."""
+    return any(cls.__name__ == "TemplateError" for cls in type(exc).__mro__)
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
     )
 
 
@@ -66,10 +87,10 @@ def get_max_tokens(
 ) -> int:
     """What a request may generate: its max_tokens (or the model's default),
     never past the end of the context."""
-    if input_length > max_model_len:
+    if input_length >= max_model_len:
         raise ValueError(
-            f"Input length ({input_length}) exceeds model's maximum context length "
-            f"({max_model_len})."
+            f"Input length ({input_length}) leaves no room to generate in the model's "
+            f"maximum context length ({max_model_len}): the prompt must be shorter."
         )
     fallback = max_tokens if max_tokens is not None else default.get("max_tokens")
     return min(v for v in (max_model_len - input_length, fallback) if v is not None)
@@ -81,22 +102,21 @@ class OpenAIServing:
     # What the response ids start with ("cmpl", "chatcmpl").
     request_id_prefix = ""
 
-    def __init__(self, engine_client: AsyncLLM, models: OpenAIServingModels) -> None:
+    def __init__(
+        self,
+        engine_client: AsyncLLM,
+        models: OpenAIServingModels,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         self.engine_client = engine_client
+        # A template sent with a request runs on this server: only if trusted
+        # (vLLM's --trust-request-chat-template, off by default).
+        self.trust_request_chat_template = trust_request_chat_template
         self.models = models
         self.model_config = engine_client.model_config
         self.max_model_len = self.model_config.get_max_model_len()
         # The model's generation-config defaults (temperature, top_p, ...).
         self.default_sampling_params = self.model_config.get_diff_sampling_param()
-
-    @staticmethod
-    def create_error_response(
-        message: str | Exception,
-        err_type: str = "BadRequestError",
-        status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
-        param: str | None = None,
-    ) -> ErrorResponse:
-        return create_error_response(message, err_type, status_code, param)
 
     def create_bad_request_response(
         self, exc: Exception, request: OpenAIBaseModel
@@ -109,12 +129,35 @@ class OpenAIServing:
         fields = type(request).model_fields
         words = re.findall(r"[A-Za-z_]+", message)
         param = next((word for word in words if word in fields and word != "model"), None)
+        if param == "logprobs" and "top_logprobs" in fields:
+            param = "top_logprobs"  # chat: the count is top_logprobs
         if param is None and ("prompt" in message.lower() or message.startswith("Input length")):
             param = "messages" if "messages" in fields else "prompt"
         return create_error_response(exc, param=param)
 
     def create_streaming_error_response(self, exc: Exception) -> str:
         return json.dumps(create_error_response(exc).model_dump())
+
+    def _check_chat_template(self, chat_template: str | None) -> ErrorResponse | None:
+        if chat_template is None or self.trust_request_chat_template:
+            return None
+        return create_error_response(
+            "chat_template: this server does not run templates sent with a request; start "
+            "it with --trust-request-chat-template to allow them.",
+            param="chat_template",
+        )
+
+    async def render_chat(self, request: Any) -> tuple[str, list[int]]:
+        """The conversation through the chat template, off the event loop (a
+        template and a tokenizer take CPU time every other request waits for)."""
+        return await asyncio.to_thread(
+            apply_chat_template,
+            self.engine_client.get_tokenizer(),
+            parse_chat_messages(request.messages),
+            request.chat_template,
+            request.add_generation_prompt,
+            request.continue_final_message,
+        )
 
     def validate_inputs(self, prompt: Any, params: Any) -> None:
         """Run the engine's entry checks (InputProcessor.process_inputs) on a

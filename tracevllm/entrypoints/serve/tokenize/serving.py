@@ -7,9 +7,15 @@ the chat template first, exactly as /v1/chat/completions renders it.
 
 from __future__ import annotations
 
-from tracevllm.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
+import asyncio
+
+from tracevllm.engine.input_processor import check_text
 from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse
-from tracevllm.entrypoints.openai.engine.serving import OpenAIServing
+from tracevllm.entrypoints.openai.engine.serving import (
+    OpenAIServing,
+    create_error_response,
+    is_template_error,
+)
 from tracevllm.entrypoints.serve.tokenize.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -28,18 +34,17 @@ class OpenAIServingTokenization(OpenAIServing):
         tokenizer = self.engine_client.get_tokenizer()
         try:
             if isinstance(request, TokenizeChatRequest):
-                _, tokens = apply_chat_template(
-                    tokenizer,
-                    parse_chat_messages(request.messages),
-                    request.chat_template,
-                    request.add_generation_prompt,
-                    request.continue_final_message,
-                )
+                if (error := self._check_chat_template(request.chat_template)) is not None:
+                    return error
+                _, tokens = await self.render_chat(request)
             else:
-                _, tokens = self.engine_client.input_processor.tokenize(request.prompt)
-                if not request.add_special_tokens:
-                    tokens = tokenizer.encode(request.prompt, add_special_tokens=False)
-        except (ValueError, TypeError) as e:
+                text = check_text(request.prompt, "prompt")
+                tokens = await asyncio.to_thread(
+                    tokenizer.encode, text, add_special_tokens=request.add_special_tokens
+                )
+        except Exception as e:  # the request's own fault: a 400 (a template's too)
+            if not isinstance(e, (ValueError, TypeError)) and not is_template_error(e):
+                raise
             return self.create_bad_request_response(e, request)
         token_strs = tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
         return TokenizeResponse(
@@ -56,7 +61,7 @@ class OpenAIServingTokenization(OpenAIServing):
             return error
         vocab_size = self.model_config.vocab_size
         if bad := [t for t in request.tokens if t >= vocab_size]:
-            return self.create_error_response(
+            return create_error_response(
                 f"tokens {bad[:5]} are out of the vocabulary: token ids must be in "
                 f"[0, {vocab_size - 1}].",
                 param="tokens",

@@ -1,0 +1,1 @@
+"""Benchmarks with vLLM's names (vllm/benchmarks/)."""
