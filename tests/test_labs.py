@@ -34,6 +34,7 @@ BOOK_PAGES = {
     "08": "kv-cache",
     "09": "sampling",
     "10": "pytorch-to-triton",
+    "11": "structured-outputs",
 }
 
 
@@ -233,11 +234,12 @@ def {name}(*args, **kwargs):
 """
 
 # Runs requests that reach every hook: chunked prefills and a prefix-cache hit
-# (01, 02, 03), attention (04), a seeded top-k/top-p sample (05), and a stop
-# string (06) cut from the greedy text.
+# (01, 02, 03), attention (04), a seeded top-k/top-p sample (05), a stop
+# string (06) cut from the greedy text, and a choice (11, the grammar bitmask).
 GENERATE = textwrap.dedent(
     """
     from tracevllm import LLM, SamplingParams
+    from tracevllm.sampling_params import StructuredOutputsParams
 
 
     def run(model_dir):
@@ -253,12 +255,17 @@ GENERATE = textwrap.dedent(
         first = llm.generate([prompt], greedy)[0].outputs[0]
         stop = first.text[len(first.text) // 2 :][:3]
         outs = llm.generate(
-            [prompt, prompt + " And then?", "Hello, world!", prompt],
+            [prompt, prompt + " And then?", "Hello, world!", prompt, "Yes or no?"],
             [
                 greedy,
                 greedy,
                 SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.8, seed=7),
                 SamplingParams(max_tokens=12, temperature=0, stop=[stop]),
+                SamplingParams(
+                    max_tokens=4,
+                    temperature=0,
+                    structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+                ),
             ],
         )
         llm.shutdown()
@@ -324,6 +331,7 @@ def test_plugged_labs_serve_the_same_output(tiny_model_dir: str, tmp_path: Path)
     assert plugged["texts"] == baseline["texts"]
     assert plugged["finish"] == baseline["finish"]
     assert baseline["finish"][3] == "stop"  # the stop string was found
+    assert baseline["texts"][5] in ("yes", "no")  # the choice was masked
     assert (
         baseline["texts"][4] == baseline["texts"][0][: baseline["texts"][0].index(plugged["stop"])]
     )

@@ -128,6 +128,13 @@ LABS: dict[str, Lab] = {
             "OutputProcessor.process_outputs",
         ),
         Lab("10", "online-softmax", "blocked_attention", "kernels.flash_attention", None),
+        Lab(
+            "11",
+            "token-bitmask",
+            "apply_token_bitmask_inplace",
+            "tracevllm.structured_output.utils",
+            "ModelRunner.sample_tokens",
+        ),
     )
 }
 

@@ -31,12 +31,13 @@ def with_grammar(view: dict[str, Any], allowed: dict[str, int]) -> dict[str, Any
 
 
 def _grammar_cell(req: dict[str, Any]) -> Text:
-    """``json · 12 allowed``; a row mid-prefill gets no mask this step."""
+    """``json 12``: the kind of constraint and how many tokens its mask allowed
+    this step; ``json –`` for a row mid-prefill, which gets no mask."""
     if not req.get("structured"):
         return Text("")
     if "allowed_tokens" not in req:
-        return Text(f"{req['structured']} · no mask", style="dim magenta")
-    return Text(f"{req['structured']} · {req['allowed_tokens']} allowed", style="magenta")
+        return Text(f"{req['structured']} –", style="dim magenta")
+    return Text(f"{req['structured']} {req['allowed_tokens']}", style="magenta")
 
 
 def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
@@ -49,9 +50,9 @@ def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
     columns = ["request", "new/cached", "phase", "computed", "+scheduled", "tokens", "hit"]
     structured = any(req.get("structured") for req in view["requests"])
     if structured:
-        columns.append("grammar mask")
+        columns.append("mask")
     for col in columns:
-        left = col in ("request", "phase", "grammar mask")
+        left = col in ("request", "phase", "mask")
         table.add_column(col, justify="left" if left else "right")
     for req in view["requests"]:
         kind = req["kind"]

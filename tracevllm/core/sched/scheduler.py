@@ -505,6 +505,7 @@ class Scheduler:
 
     # --8<-- [end:update_from_output]
 
+    # --8<-- [start:advance_grammar]
     def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
         """Move the request's matcher past its new tokens; True if that ends it.
 
@@ -528,6 +529,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
             return True
         return False
+
+    # --8<-- [end:advance_grammar]
 
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
