@@ -468,3 +468,64 @@ def test_cli_constraints(
     assert "--json-schema: cannot read" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*base, "--choice", "a,b", "--regex", "a"])  # one constraint at a time
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behind(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Aborted in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, a request leaves the
+    scheduler's queues; a plain request beside it is served meanwhile."""
+    import threading
+
+    from tracevllm.request import RequestStatus
+    from tracevllm.structured_output.backend_xgrammar import XgrammarBackend
+
+    release = threading.Event()
+    compile_fn = XgrammarBackend._compile
+
+    def slow_compile(self: Any, kind: Any, spec: str, any_whitespace: bool) -> Any:
+        release.wait(timeout=30)
+        return compile_fn(self, kind, spec, any_whitespace)
+
+    monkeypatch.setattr(XgrammarBackend, "_compile", slow_compile)
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False) as tiny:
+        engine = tiny.llm_engine
+        scheduler = engine.engine_core.engine_core.scheduler
+        so = StructuredOutputsParams(regex="[0-9]+")
+        engine.add_request("structured", "Digits:", SamplingParams(structured_outputs=so))
+        engine.add_request("plain", "Hello", SamplingParams(temperature=0.0, max_tokens=4))
+        [waiting] = scheduler.skipped_waiting
+        assert waiting.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        finished = []
+        while not finished:
+            finished = [o for o in engine.step() if o.finished]
+        assert [o.request_id for o in finished] == ["plain"]
+        engine.abort_request(["structured"])
+        release.set()
+        assert not scheduler.skipped_waiting and not scheduler.waiting
+        assert scheduler.get_num_unfinished_requests() == 0
+
+
+def test_the_engine_waits_for_a_grammar_rather_than_spin(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While every request waits for its grammar, EngineCore.step_fn waits
+    for a compilation (50 ms at a time) instead of running empty steps."""
+    import time
+
+    from tracevllm.structured_output.backend_xgrammar import XgrammarBackend
+
+    compile_fn = XgrammarBackend._compile
+
+    def slow_compile(self: Any, kind: Any, spec: str, any_whitespace: bool) -> Any:
+        time.sleep(0.5)
+        return compile_fn(self, kind, spec, any_whitespace)
+
+    monkeypatch.setattr(XgrammarBackend, "_compile", slow_compile)
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False) as tiny:
+        [out] = tiny.generate(["Yes?"], SamplingParams(max_tokens=4, structured_outputs=so))
+        steps = tiny.llm_engine.engine_core.engine_core.scheduler.step_id
+    assert out.outputs[0].text in ("yes", "no")
+    # A few output tokens, and about ten 50 ms waits (vLLM would spin: thousands).
+    assert steps < 30, steps
