@@ -71,8 +71,10 @@ PAGES: dict[str, tuple[str, int]] = {
     "chapters/model-execution/": ("logits_indices", 0),
     "chapters/paged-attention/": ("block_table", 0),
     "chapters/sampling/": ("stop string", 0),
+    "chapters/serving/": ("AsyncLLM", 1),
     "chapters/tracing/": ("spans.jsonl", 0),
     "chapters/pytorch-to-triton/": ("online softmax", 0),
+    "chapters/structured-outputs/": ("token bitmask", 0),
     "reference/vllm-map/": ("scheduler.py", 0),
     "reference/source/tracevllm/core/sched/scheduler.py/": ("def schedule", 0),
 }

@@ -7,11 +7,16 @@ same renderers as ``tracevllm view``) and writes them to
 
 - ``single``: ``tracevllm trace`` on one chat prompt, two processes over
   ZeroMQ (the map and the entry chapters).
+- ``serve``: ``tracevllm trace --serve``, the same prompt through the
+  OpenAI server: client, API server and engine core (the serving chapter).
 - ``batch``: three chat prompts, one process, a 32-token budget: chunked
   prefill, prefix hits on the shared system prompt, and a step where prefill
   and decode share the batch (scheduling, input preparation).
 - ``preempt``: two chat prompts in a KV cache of 7 usable blocks: a
   preemption, then the resumed request's prefix hits (the KV cache chapter).
+- ``structured``: a JSON-schema request beside a plain one, one process
+  (the structured-outputs chapter; docs/record_structured.py, which also
+  re-records it alone).
 
 Beside the views it writes ``facts.json``, the figures the prose quotes
 (checked at build time by docs/hooks/recorded.py), and the diagrams of
@@ -89,6 +94,15 @@ def run_single() -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
 
 
+def run_serve() -> None:
+    """Three processes: what ``make trace-serve`` gives (the serving chapter)."""
+    out = os.path.join(RUNS_DIR, "serve")
+    cmd = [os.path.join(ROOT, ".venv", "bin", "tracevllm"), "trace", "--serve",
+           "--prompt", SINGLE_PROMPT, "--max-tokens", "24", "--out", out]  # fmt: skip
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+
+
 def _run_in_process(name: str, prompts: list[str], max_tokens: int, **engine_kwargs: Any) -> None:
     """One process, every request added before the first step."""
     from tracevllm import LLM, SamplingParams
@@ -152,6 +166,22 @@ def load(name: str) -> list[SpanRecord]:
     if not os.path.exists(path):
         raise SystemExit(f"{path} is missing: run without --draw-only first")
     return read_spans_jsonl(path)
+
+
+def draw_serve() -> dict[str, Any]:
+    spans = load("serve")
+    save_svg("serve-waterfall.svg", render_waterfall(spans, max_rows=40), "trace-serve", 80)
+    by_name: dict[str, SpanRecord] = {}
+    for span in spans:
+        by_name.setdefault(span.name, span)
+    assert {"openai.chat.completions.create", "OpenAIServingChat.create_chat_completion"} <= set(
+        by_name
+    )
+    return {
+        "processes": len({s.pid for s in spans}),
+        "trace_ids": len({s.trace_id for s in spans}),
+        "steps": sum(1 for s in spans if s.name == "EngineCore.step"),
+    }
 
 
 def draw_single() -> dict[str, Any]:
@@ -367,14 +397,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
     args = parser.parse_args()
+    import record_structured  # docs/, beside this file (it imports this module)
+
     # Start empty: a view the book still names but no run drew breaks the build.
     shutil.rmtree(OUT_DIR, ignore_errors=True)
     os.makedirs(OUT_DIR)
     if not args.draw_only:
         run_single()
+        run_serve()
         run_batch()
         run_preempt()
-    facts = {"single": draw_single(), "batch": draw_batch(), "preempt": draw_preempt()}
+        record_structured.run()
+    facts = {
+        "single": draw_single(),
+        "serve": draw_serve(),
+        "batch": draw_batch(),
+        "preempt": draw_preempt(),
+    }
+    facts[record_structured.NAME] = record_structured.draw()
     write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
 
 

@@ -182,7 +182,7 @@ def test_each_stage_chapter_opens_with_the_request_path() -> None:
     pytest.importorskip("mkdocs")
     hook: Any = _hook("chapters")
     nav = (ROOT / "mkdocs.yml").read_text()
-    section = nav[nav.index("The request's path:") : nav.index("Watching and going further:")]
+    section = nav[nav.index("The request's path:") : nav.index("Serving:")]
     pages = [p.removeprefix("chapters/") for p in re.findall(r"(chapters/[\w-]+\.md)", section)]
     assert [s.page for s in hook.STAGES] == [p for p in pages if p != "map.md"]
     strip = hook.path_strip("scheduling.md")
