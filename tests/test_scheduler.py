@@ -5,7 +5,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from tracevllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from tracevllm.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from tracevllm.core.kv_cache_utils import get_request_block_hasher, sha256
 from tracevllm.core.sched.output import SchedulerOutput
 from tracevllm.core.sched.scheduler import Scheduler
@@ -36,6 +42,7 @@ def make_scheduler(
     policy: str = "fcfs",
     enable_prefix_caching: bool = True,
     include_finished_set: bool = False,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> Scheduler:
     model_config = ModelConfig(
         model="fake",
@@ -53,7 +60,9 @@ def make_scheduler(
         policy=policy,
     )
     return Scheduler(
-        VllmConfig(model_config, cache_config, scheduler_config),
+        VllmConfig(
+            model_config, cache_config, scheduler_config, speculative_config=speculative_config
+        ),
         include_finished_set=include_finished_set,
     )
 

@@ -1,10 +1,11 @@
 """Engine configuration: one dataclass per concern, gathered in ``VllmConfig``.
 
 Mirrors vllm/config/ (``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
-``DeviceConfig``, ``AttentionConfig``, ``ObservabilityConfig`` and the
-``VllmConfig`` that holds them). Config flows down from ``EngineArgs``
+``DeviceConfig``, ``AttentionConfig``, ``ObservabilityConfig``,
+vllm/config/speculative.py's ``SpeculativeConfig`` and the ``VllmConfig``
+that holds them). Config flows down from ``EngineArgs``
 (engine/arg_utils.py); nothing below reads the environment. Left out: parallel,
-LoRA, speculative, structured-output and compilation configs. ``TraceConfig``
+LoRA, structured-output and compilation configs. ``TraceConfig``
 is tracevllm's own (how much to trace and where to write it).
 
 Every config is a plain picklable dataclass: the whole ``VllmConfig`` is handed
@@ -270,6 +271,139 @@ class TraceConfig:
         return self.detail != "off"
 
 
+# --8<-- [start:speculative_config]
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes the drafts, and how many per step.
+
+    ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min":
+    a, "prompt_lookup_max": b}`` looks the drafts up in the request's own
+    tokens; ``{"method": "draft_model", "model": PATH,
+    "num_speculative_tokens": k}`` runs a second, smaller model k times.
+    Without ``method``, ``model="ngram"`` means ngram and any other model a
+    draft model, as vLLM infers. Left out: EAGLE, MTP, Medusa, suffix
+    decoding, parallel drafting, synthetic rejection sampling, draft tensor
+    parallelism and quantization.
+    """
+
+    num_speculative_tokens: int | None = None
+    model: str | None = None
+    method: str | None = None
+    # ngram: the longest suffix of the context, between these lengths, that
+    # occurred before (both None: 5 and 5, vLLM's defaults).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # draft_model: "greedy" drafts (argmax; the rejection sampler takes them
+    # as one-hot) or "probabilistic" (sampled; their probabilities go along).
+    draft_sample_method: str = "greedy"
+    # Set by EngineArgs: the target's config; the draft's is made from it.
+    target_model_config: ModelConfig | None = None
+    draft_model_config: ModelConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "ngram" if self.model in (None, "ngram") else "draft_model"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"Unsupported speculative method: {self.method!r}. tracevllm has "
+                f"{list(SPECULATIVE_METHODS)} (vLLM also has eagle, mtp, medusa, suffix ...)."
+            )
+        k = self.num_speculative_tokens
+        if k is None or isinstance(k, bool) or not isinstance(k, int):
+            raise ValueError(
+                f"speculative_config needs num_speculative_tokens, an int >= 1, got {k!r}."
+            )
+        if not 1 <= k <= MAX_SPEC_LEN:
+            raise ValueError(
+                f"Expected num_speculative_tokens to be in [1, {MAX_SPEC_LEN}], got {k}."
+            )
+        if self.method == "ngram":
+            self._init_ngram()
+        else:
+            self._init_draft_model()
+
+    def _init_ngram(self) -> None:
+        if self.model not in (None, "ngram"):
+            raise ValueError(f"method 'ngram' takes no model, got model={self.model!r}.")
+        self.model = "ngram"
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}.")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        assert lo is not None and hi is not None
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    def _init_draft_model(self) -> None:
+        if self.model is None:
+            raise ValueError("method 'draft_model' needs a model: the draft model's path.")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(
+                "draft_sample_method must be 'greedy' or 'probabilistic', "
+                f"got {self.draft_sample_method!r}."
+            )
+        target = self.target_model_config
+        if target is None or self.draft_model_config is not None:
+            return
+        # Same dtype; no longer than the target, nor than the draft can go.
+        draft_hf = _read_hf_config(os.path.join(self.model, "config.json"))
+        self.draft_model_config = ModelConfig(
+            model=self.model,
+            dtype=target.dtype,
+            seed=target.seed,
+            max_model_len=min(
+                target.get_max_model_len(), int(draft_hf.get("max_position_embeddings", 2048))
+            ),
+            hf_config=draft_hf,
+        )
+        self.verify_equal_vocab_size_if_draft_model()
+
+    def verify_equal_vocab_size_if_draft_model(self) -> None:
+        assert self.target_model_config is not None and self.draft_model_config is not None
+        target_vocab = self.target_model_config.vocab_size
+        draft_vocab = self.draft_model_config.vocab_size
+        if target_vocab != draft_vocab:
+            raise ValueError(
+                "Target and draft model should have the same vocabulary size. "
+                f"Target model vocab_size={target_vocab}. Draft model vocab_size="
+                f"{draft_vocab}. Using models with different tokenizers can cause "
+                "out-of-bounds errors during speculative decoding."
+            )
+
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any], target: ModelConfig) -> SpeculativeConfig:
+        """What ``speculative_config={...}`` gives; unknown keys are refused by name."""
+        if not isinstance(config, dict):
+            raise TypeError(
+                f"speculative_config must be a dict (or JSON object), got {type(config).__name__}."
+            )
+        known = {"num_speculative_tokens", "model", "method", "prompt_lookup_min",
+                 "prompt_lookup_max", "draft_sample_method"}  # fmt: skip
+        if unknown := sorted(set(config) - known):
+            raise ValueError(
+                f"speculative_config has unknown keys {unknown}; tracevllm takes {sorted(known)}."
+            )
+        return cls(**config, target_model_config=target)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Most drafts per request per step (vLLM's rejection_sampler.MAX_SPEC_LEN).
+MAX_SPEC_LEN = 128
+
+
+# --8<-- [end:speculative_config]
+
+
 @dataclass(slots=True)
 class VllmConfig:
     model_config: ModelConfig
@@ -279,3 +413,4 @@ class VllmConfig:
     attention_config: AttentionConfig = field(default_factory=AttentionConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     trace_config: TraceConfig = field(default_factory=TraceConfig)
+    speculative_config: SpeculativeConfig | None = None

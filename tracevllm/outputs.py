@@ -95,9 +95,20 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     # One list per request: the sampled token (empty for a partial prefill,
-    # whose logits are sampled and thrown away).
+    # whose logits are sampled and thrown away); with drafts, the accepted
+    # drafts and one more token.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: LogprobsLists | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+
+
+@dataclass(slots=True)
+class DraftTokenIds:
+    """The drafts proposed after a step, for the next one (vllm/v1/outputs.py)."""
+
+    # Requests in the order of the batch.
+    req_ids: list[str]
+    # One list per request (empty: no drafts).
+    draft_token_ids: list[list[int]]

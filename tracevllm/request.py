@@ -1,7 +1,8 @@
 """The engine core's view of one request.
 
 Mirrors vllm/v1/request.py (``Request``, ``RequestStatus``). Left out:
-multimodal, pooling, LoRA, streaming input, spec tokens.
+multimodal, pooling, LoRA, streaming input, output placeholders (async
+scheduling).
 Block hashes for prefix caching are computed here, as in vLLM: the hasher is
 called whenever tokens are appended, and hashes every newly full block.
 """
@@ -61,6 +62,9 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
+        # Draft tokens proposed for the next step (speculative decoding): not
+        # outputs until the target model accepts them.
+        self.spec_token_ids: list[int] = []
         # Tokens whose KV is in the cache (or scheduled to be this step).
         self.num_computed_tokens = 0
         # This step's chunk stops short of its known tokens: its sample is
@@ -120,8 +124,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        # No speculative decoding yet: equal to num_tokens.
-        return len(self._all_token_ids)
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -85,11 +85,14 @@ class LogprobsLists(NamedTuple):
     logprobs: list[list[float]]
     # [num_reqs]: rank of the sampled token in the vocabulary (1 = most likely).
     sampled_token_ranks: list[int]
+    # With drafts, a request has a row per emitted token: request r's rows
+    # start at cu_num_generated_tokens[r]. None: one row per request.
+    cu_num_generated_tokens: list[int] | None = None
 
     def slice_request(self, req_idx: int, num_positions: int) -> LogprobsLists:
-        """The rows of one request: ``num_positions`` from ``req_idx`` (one per
-        sampled token; with speculative decoding vLLM offsets by
-        ``cu_num_generated_tokens``)."""
+        """The rows of one request: ``num_positions`` of them, one per emitted token."""
+        if self.cu_num_generated_tokens is not None:
+            req_idx = self.cu_num_generated_tokens[req_idx]
         end_idx = req_idx + num_positions
         return LogprobsLists(
             self.logprob_token_ids[req_idx:end_idx],
@@ -113,6 +116,10 @@ class EngineCoreOutput(
     trace_headers: Mapping[str, str] | None = None
     # Sent with the first output: how much of the prompt was cached.
     prefill_stats: PrefillStats | None = None
+    # tracevllm: this step's drafts for the request and how many the target
+    # accepted (speculative decoding), for its llm_request span.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

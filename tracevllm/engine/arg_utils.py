@@ -8,8 +8,10 @@ the offline ``LLM`` class on CPU (max_num_batched_tokens 4096, max_num_seqs 256)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, fields
+from typing import Any
 
 from tracevllm.config import (
     AttentionConfig,
@@ -18,6 +20,7 @@ from tracevllm.config import (
     ModelConfig,
     ObservabilityConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     TraceConfig,
     VllmConfig,
 )
@@ -50,6 +53,8 @@ class EngineArgs:
     trace_live_views: bool = False
     # None: TRACEVLLM_ENABLE_MULTIPROCESSING decides (read by LLMEngine).
     enable_multiprocessing: bool | None = None
+    # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
+    speculative_config: dict[str, Any] | None = None
 
     def create_engine_config(self) -> VllmConfig:
         # Lazy: the loader pulls in torch/transformers only when a model must be
@@ -77,6 +82,7 @@ class EngineArgs:
                 4096 if self.enable_chunked_prefill else max(4096, max_model_len)
             )
         return VllmConfig(
+            speculative_config=self.create_speculative_config(model_config),
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -105,6 +111,18 @@ class EngineArgs:
             ),
         )
 
+    def create_speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
+        """vLLM's ``create_speculative_config``; a draft model's path is resolved
+        as the target's is (a directory, a .gguf file)."""
+        if self.speculative_config is None:
+            return None
+        config = self.speculative_config
+        if isinstance(config, dict) and config.get("model") not in (None, "ngram"):
+            from tracevllm.model_executor.model_loader import resolve_model
+
+            config = {**config, "model": resolve_model(config["model"])}
+        return SpeculativeConfig.from_dict(config, target)
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """One ``--flag`` per field, vLLM's spelling (``--max-num-seqs``)."""
@@ -113,6 +131,9 @@ class EngineArgs:
             default = f.default
             if f.name == "enable_multiprocessing":
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            elif f.name == "speculative_config":
+                # A JSON object, as vLLM's --speculative-config.
+                parser.add_argument(flag, type=_json_object, default=None, metavar="JSON")
             elif isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             elif isinstance(default, int) or f.name.startswith(("max_", "num_")):
@@ -124,3 +145,13 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value

@@ -82,6 +82,7 @@ class EngineCore:
         log_stats: bool = True,
     ) -> None:
         self.vllm_config = vllm_config
+        self.use_spec_decode = vllm_config.speculative_config is not None
         self.model_executor = executor_class(vllm_config)
         num_gpu_blocks = self._initialize_kv_caches(vllm_config)
         vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
@@ -199,9 +200,15 @@ class EngineCore:
             )
         return self.step()
 
+    # --8<-- [start:post_step]
     def post_step(self, model_executed: bool) -> None:
-        # Speculative decoding would collect draft tokens here.
-        pass
+        """After the outputs went out: the drafts for the next step, if speculating."""
+        if self.use_spec_decode and model_executed:
+            draft_token_ids = self.model_executor.take_draft_token_ids()
+            if draft_token_ids is not None:
+                self.scheduler.update_draft_token_ids(draft_token_ids)
+
+    # --8<-- [end:post_step]
 
     # --- utilities (called by name from the client) -------------------------
     def reset_prefix_cache(self) -> bool:

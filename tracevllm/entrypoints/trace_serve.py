@@ -12,6 +12,7 @@ the API server and the engine core. ``tracevllm trace`` then draws them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from argparse import Namespace
 from typing import Any
@@ -38,6 +39,8 @@ def engine_flags(engine_args: EngineArgs) -> list[str]:
         flag = "--" + field.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
         else:
             flags += [flag, str(value)]
     return flags

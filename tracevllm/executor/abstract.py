@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tracevllm.config import VllmConfig
 from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
-from tracevllm.outputs import ModelRunnerOutput
+from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
 
 if TYPE_CHECKING:
     from tracevllm.worker.model_runner import ModelRunner
@@ -44,6 +44,10 @@ class Executor:
         raise NotImplementedError
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts proposed after the last step (speculative decoding)."""
         raise NotImplementedError
 
     def drop_all_requests(self) -> None:
@@ -98,6 +102,9 @@ class UniProcExecutor(Executor):
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        return self.model_runner.take_draft_token_ids()
 
     def drop_all_requests(self) -> None:
         self.model_runner.drop_all_requests()

@@ -2,7 +2,7 @@
 
 Mirrors vllm/v1/metrics/stats.py (``PrefixCacheStats``, ``PrefillStats``,
 ``SchedulerStats``, ``RequestStateStats``, ``FinishedRequestStats``,
-``PromptTokenStats``, ``IterationStats``). Left out: LoRA, spec-decode,
+``PromptTokenStats``, ``IterationStats``). Left out: LoRA,
 connector, cudagraph and perf stats, KV eviction events, corrupted-request
 counts. The ones that cross the process boundary inside ``EngineCoreOutputs``
 (``SchedulerStats``, ``PrefillStats``) are plain dataclasses, which msgspec
@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from tracevllm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from tracevllm.engine import EngineCoreEvent, EngineCoreOutput, FinishReason
@@ -86,6 +88,7 @@ class SchedulerStats:
     num_total_blocks: int = 0
     num_cached_blocks: int = 0
     num_preempted_reqs: int = 0
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 @dataclass

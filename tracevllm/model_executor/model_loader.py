@@ -30,6 +30,8 @@ from tracevllm import envs
 # before the engine process starts, and with torch loaded it would have to
 # start that process with spawn, which re-runs a script without a main guard.
 if TYPE_CHECKING:
+    import torch
+
     from tracevllm.config import VllmConfig
     from tracevllm.model_executor.models.llama import LlamaForCausalLM
 
@@ -181,8 +183,13 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
     console.print(f"Converted in {time.perf_counter() - start:.1f} s")
 
 
-def get_model(vllm_config: VllmConfig) -> LlamaForCausalLM:
-    """Build the model and load its safetensors weights (vLLM's ``get_model``)."""
+def get_model(vllm_config: VllmConfig, prefix: str = "") -> LlamaForCausalLM:
+    """Build the model and load its safetensors weights (vLLM's ``get_model``).
+
+    ``prefix`` goes before its attention layers' names (a draft model's are
+    ``draft_model.model.layers.N.self_attn.attn``), so two models' layers
+    never share a key in the forward context.
+    """
     import torch
     from safetensors.torch import load_file
 
@@ -197,7 +204,7 @@ def get_model(vllm_config: VllmConfig) -> LlamaForCausalLM:
         # Built on the meta device: random init of weights about to be
         # overwritten would take longer than loading them.
         with torch.device("meta"):
-            model = LlamaForCausalLM(vllm_config)
+            model = LlamaForCausalLM(vllm_config, prefix=prefix)
     finally:
         torch.set_default_dtype(old_dtype)
     model.to_empty(device=device)
@@ -218,4 +225,13 @@ def get_model(vllm_config: VllmConfig) -> LlamaForCausalLM:
             f"Checkpoint {model_config.model!r} lacks weights for {sorted(missing)[:5]}"
             f"{' ...' if len(missing) > 5 else ''}."
         )
+    process_weights_after_loading(model)
     return model.eval()
+
+
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Let each layer prepare its loaded weights (vLLM: model_loader/utils.py):
+    here, pack the matmul weights for oneDNN."""
+    for module in model.modules():
+        if (process := getattr(module, "process_weights_after_loading", None)) is not None:
+            process()

@@ -4,7 +4,7 @@ Mirrors vllm/v1/sample/metadata.py (``SamplingMetadata``) and the tensor types
 of vllm/v1/outputs.py (``SamplerOutput``, ``LogprobsTensors``; the plain-list
 types the scheduler sees are in tracevllm/outputs.py). Left out:
 allowed/bad words, logits processors as objects (min-p is a plain field here, as in
-vLLM before logits processors), spec-decode token ids.
+vLLM before logits processors).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class SamplingMetadata:
     # row -> (min_tokens, stop token ids), for rows still short of min_tokens
     # (vLLM keeps this state inside its MinTokensLogitsProcessor).
     min_tokens: dict[int, tuple[int, set[int]]] = field(default_factory=dict)
+    # Per request, this step's drafts (speculative decoding): the penalties
+    # and min-tokens at a draft position count the drafts before it.
+    spec_token_ids: list[list[int]] | None = None
 
 
 class LogprobsTensors(NamedTuple):
@@ -64,6 +67,7 @@ class LogprobsTensors(NamedTuple):
 
 @dataclass(slots=True)
 class SamplerOutput:
-    # [num_reqs, 1], int32: one token per request (more with spec decode).
+    # [num_reqs, 1], int32: one token per request; with drafts (the rejection
+    # sampler) [num_reqs, max_spec_len + 1], -1 after the emitted ones.
     sampled_token_ids: torch.Tensor
     logprobs_tensors: LogprobsTensors | None

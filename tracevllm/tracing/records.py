@@ -11,6 +11,7 @@ never import them: tracing never imports the core.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -34,7 +35,9 @@ __all__ = [
     "process_inputs",
     "process_outputs",
     "process_outputs_parent",
+    "propose_draft_token_ids",
     "record_schedule",
+    "rejection_sample",
     "sample_tokens",
     "step",
     "step_parent",
@@ -241,5 +244,36 @@ def sample_tokens(span: Span, output: Any, runner: Any, *args: Any, **kw: Any) -
             "tracevllm.sampled_token_ids": [
                 ids[0] if ids else -1 for ids in output.sampled_token_ids
             ],
+        }
+    )
+
+
+# --- speculative decoding -----------------------------------------------------
+def rejection_sample(
+    span: Span, output: Any, sampler: Any, metadata: Any, draft_probs: Any, *a: Any, **kw: Any
+) -> None:
+    """What the target model made of each request's drafts (rows in batch order)."""
+    emitted = [[t for t in row if t >= 0] for row in output.sampled_token_ids.tolist()]
+    drafts = metadata.draft_token_ids.tolist()
+    starts = [0, *itertools.accumulate(metadata.num_draft_tokens)]
+    span.set_attributes(
+        {
+            "tracevllm.spec_decode.num_draft_tokens": metadata.num_draft_tokens,
+            # Drafts per row, flattened with their row's start in ..._starts.
+            "tracevllm.spec_decode.draft_token_ids": drafts,
+            "tracevllm.spec_decode.num_accepted_tokens": [len(e) - 1 for e in emitted if e],
+            "tracevllm.spec_decode.emitted_token_ids": [" ".join(map(str, e)) for e in emitted],
+            "tracevllm.spec_decode.has_draft_probs": draft_probs is not None,
+            "tracevllm.spec_decode.draft_starts": starts[:-1],
+        }
+    )
+
+
+def propose_draft_token_ids(span: Span, drafts: Any, runner: Any, *a: Any, **kw: Any) -> None:
+    span.set_attributes(
+        {
+            "tracevllm.spec_decode.method": runner.speculative_config.method,
+            "tracevllm.req_ids": list(runner.input_batch.req_ids),
+            "tracevllm.spec_decode.drafts": [" ".join(map(str, d)) for d in drafts],
         }
     )

@@ -5,15 +5,21 @@ synchronous path: ``execute_model`` updates the persistent batch
 (``_update_states``), flattens it into one token stream (``_prepare_inputs``)
 and runs the forward pass; ``sample_tokens`` samples and does the
 bookkeeping (``_bookkeeping_sync``), after masking the structured requests'
-rows with the scheduler's grammar bitmask. Left out: CUDA graphs,
-torch.compile, async scheduling, speculative decoding, pipeline/tensor/data
-parallelism, LoRA, multimodal, pooling, prompt logprobs, KV connectors,
-cascade attention, profiling runs (the KV cache size comes from a configured
-budget).
+rows with the scheduler's grammar bitmask. With speculative decoding the
+scheduled drafts go into the batch after each request's last token, logits
+are computed at every draft position and one past the last
+(``_calc_spec_decode_metadata``), the ``RejectionSampler`` decides what each
+request emits, and the drafter proposes the next drafts
+(``propose_draft_token_ids``), which EngineCore collects with
+``take_draft_token_ids``. Left out: CUDA graphs, torch.compile, async
+scheduling, the padded drafter batch, pipeline/tensor/data parallelism, LoRA,
+multimodal, pooling, prompt logprobs, KV connectors, cascade attention,
+profiling runs (the KV cache size comes from a configured budget).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,9 +32,13 @@ from tracevllm.attention.selector import get_attn_backend
 from tracevllm.forward_context import set_forward_context
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.model_loader import get_model
-from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+from tracevllm.sample.rejection_sampler import RejectionSampler
 from tracevllm.sample.sampler import Sampler
 from tracevllm.sampling_params import SamplingType
+from tracevllm.spec_decode.draft_model import DraftModelProposer
+from tracevllm.spec_decode.metadata import SpecDecodeMetadata
+from tracevllm.spec_decode.ngram_proposer import NgramProposer
 from tracevllm.structured_output.utils import apply_grammar_bitmask
 from tracevllm.tracing import records
 from tracevllm.worker.input_batch import CachedRequestState, InputBatch
@@ -36,7 +46,9 @@ from tracevllm.worker.input_batch import CachedRequestState, InputBatch
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
     from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
+    from tracevllm.engine import LogprobsLists
     from tracevllm.model_executor.models.llama import LlamaForCausalLM
+    from tracevllm.sample.metadata import SamplingMetadata
 
 
 @dataclass(slots=True)
@@ -49,6 +61,9 @@ class ExecuteModelState:
     # Rows whose chunk stops short of their known tokens (partial prefill):
     # sampled with the rest, then thrown away.
     discard_request_indices: np.ndarray
+    # With drafts: where they and their logits are (logits then has a row
+    # per draft position and one per request).
+    spec_decode_metadata: SpecDecodeMetadata | None = None
 
 
 class ModelRunner:
@@ -80,6 +95,19 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.execute_model_state: ExecuteModelState | None = None
 
+        # Speculative decoding: who proposes, and the drafts for the next step.
+        self.speculative_config = vllm_config.speculative_config
+        self.drafter: NgramProposer | DraftModelProposer | None = None
+        self.rejection_sampler: RejectionSampler | None = None
+        if self.speculative_config is not None:
+            if self.speculative_config.method == "ngram":
+                self.drafter = NgramProposer(vllm_config)
+            else:
+                self.drafter = DraftModelProposer(vllm_config, self.device)
+            self.rejection_sampler = RejectionSampler(self.sampler)
+        self._draft_token_ids: list[list[int]] | None = None
+        self.spec_decode_metadata: SpecDecodeMetadata | None = None
+
         # The last step's prepared inputs, kept for tracing and views.
         self.req_indices = np.zeros(0, dtype=np.int64)
         self.input_ids = torch.zeros(0, dtype=torch.int32)
@@ -106,21 +134,33 @@ class ModelRunner:
         self.attn_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
+        if self.drafter is not None:
+            self.drafter.load_model()
 
     def get_kv_cache_page_size_bytes(self) -> int:
         """Bytes of one KV block across all layers (what one block id costs)."""
         per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size
         num_layers = self.vllm_config.model_config.get_num_layers()
-        return per_layer * num_layers * self.dtype.itemsize
+        page_size = per_layer * num_layers * self.dtype.itemsize
+        if isinstance(self.drafter, DraftModelProposer):
+            # The draft model's layers are paged by the same block ids.
+            draft = self.drafter.draft_vllm_config.model_config
+            per_layer = 2 * self.block_size * draft.get_num_kv_heads() * draft.get_head_size()
+            page_size += per_layer * draft.get_num_layers() * self.dtype.itemsize
+        return page_size
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate each layer's paged cache and bind it to its Attention layer."""
+        """Allocate each layer's paged cache and bind it to its Attention layer
+        (a draft model's layers too: same block count, their own tensors)."""
         assert self.attn_layers, "load_model() first"
-        shape = self.attn_backend.get_kv_cache_shape(
-            num_blocks, self.block_size, self.num_kv_heads, self.head_size
-        )
+        layers = list(self.attn_layers.values())
+        if isinstance(self.drafter, DraftModelProposer):
+            layers += self.drafter.attn_layers.values()
         self.kv_caches = []
-        for layer in self.attn_layers.values():
+        for layer in layers:
+            shape = self.attn_backend.get_kv_cache_shape(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
+            )
             # Zeroed: a never-written slot must not hold NaNs that a masked read could touch.
             kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = kv_cache
@@ -132,6 +172,7 @@ class ModelRunner:
         self.requests.clear()
         self.input_batch = self._make_input_batch()
         self.execute_model_state = None
+        self._draft_token_ids = None
 
     # ------------------------------------------------------------ the step
     # --8<-- [start:update_states]
@@ -201,6 +242,12 @@ class ModelRunner:
         for state in reqs_to_add:
             batch.add_request(state)
         batch.condense()
+        # The drafts go right after each request's tokens, where the input
+        # ids are gathered from (vLLM's update_req_spec_token_ids).
+        for req_id, spec_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens_no_spec[row])
+            batch.token_ids_cpu[row, start : start + len(spec_token_ids)] = spec_token_ids
 
     # --8<-- [end:update_states]
 
@@ -236,8 +283,14 @@ class ModelRunner:
         query_start_loc[1:] = cu_num_tokens
         seq_lens = computed + num_scheduled_tokens  # [num_reqs]
         slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions_np)
-        # Sample at each request's last scheduled token.
+        # Sample at each request's last scheduled token (and at its drafts).
         logits_indices = torch.from_numpy(query_start_loc[1:] - 1).to(torch.int64)
+        self.spec_decode_metadata = None
+        if scheduler_output.scheduled_spec_decode_tokens:
+            self.spec_decode_metadata = self._calc_spec_decode_metadata(
+                scheduler_output, cu_num_tokens
+            )
+            logits_indices = self.spec_decode_metadata.logits_indices
         # A chunk that stops short of the known tokens samples a token nobody wants.
         discard = np.nonzero(seq_lens < batch.num_tokens_no_spec[:num_reqs])[0]
 
@@ -302,9 +355,11 @@ class ModelRunner:
             slot_mapping=dict.fromkeys(self.attn_layers, self.slot_mapping),
         ):
             hidden_states = self.model(self.input_ids, self.positions)  # [num_tokens, hidden]
-        # Only the last token of each request needs logits.
-        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_reqs, vocab]
-        self.execute_model_state = ExecuteModelState(scheduler_output, logits, discard)
+        # Only the last token of each request needs logits (and each draft position).
+        logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_logits, vocab]
+        self.execute_model_state = ExecuteModelState(
+            scheduler_output, logits, discard, self.spec_decode_metadata
+        )
         return None
 
     # --8<-- [end:execute_model]
@@ -335,16 +390,20 @@ class ModelRunner:
             for i in state.discard_request_indices
             if (gen := sampling_metadata.generators.get(int(i))) is not None
         }
-        sampler_output = self.sampler(state.logits, sampling_metadata)
+        if state.spec_decode_metadata is None:
+            sampler_output = self.sampler(state.logits, sampling_metadata)
+            valid_sampled_token_ids: list[list[int]] = sampler_output.sampled_token_ids.tolist()
+            for i in state.discard_request_indices:
+                valid_sampled_token_ids[int(i)].clear()
+            logprobs_lists = None
+            if sampler_output.logprobs_tensors is not None:
+                logprobs_lists = sampler_output.logprobs_tensors.tolists()
+        else:
+            valid_sampled_token_ids, logprobs_lists = self._rejection_sample(
+                state, sampling_metadata
+            )
         for i, gen_state in saved.items():
             sampling_metadata.generators[i].set_state(gen_state)
-
-        valid_sampled_token_ids: list[list[int]] = sampler_output.sampled_token_ids.tolist()
-        for i in state.discard_request_indices:
-            valid_sampled_token_ids[int(i)].clear()
-        logprobs_lists = None
-        if sampler_output.logprobs_tensors is not None:
-            logprobs_lists = sampler_output.logprobs_tensors.tolists()
 
         # Cache the sampled tokens here, so the scheduler need not send them back.
         for req_idx, sampled_ids in enumerate(valid_sampled_token_ids):
@@ -357,6 +416,10 @@ class ModelRunner:
             batch.num_tokens_no_spec[req_idx] = end
             self.requests[batch.req_ids[req_idx]].output_token_ids.extend(sampled_ids)
 
+        if self.drafter is not None:
+            self._draft_token_ids = self.propose_draft_token_ids(
+                state, valid_sampled_token_ids, sampling_metadata
+            )
         return ModelRunnerOutput(
             req_ids=list(batch.req_ids),
             req_id_to_index=dict(batch.req_id_to_index),
@@ -365,3 +428,131 @@ class ModelRunner:
         )
 
     # --8<-- [end:sample_tokens]
+
+    # ------------------------------------------------------ speculative decoding
+    # --8<-- [start:calc_spec_decode_metadata]
+    def _calc_spec_decode_metadata(
+        self, scheduler_output: SchedulerOutput, cu_num_scheduled_tokens: np.ndarray
+    ) -> SpecDecodeMetadata:
+        """Which logits to compute: each draft position, and one past the last.
+
+        E.g. scheduled [4, 100, 3] tokens, of which [3, 0, 2] drafts:
+        logits_indices [0 1 2 3 103 104 105 106], target_logits_indices
+        [0 1 2 5 6] (rows that verify a draft), bonus_logits_indices [3 4 7].
+        """
+        batch = self.input_batch
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        draft_lists = [drafts.get(req_id, []) for req_id in batch.req_ids]
+        num_draft_tokens = np.array([len(d) for d in draft_lists], dtype=np.int32)
+        num_sampled_tokens = num_draft_tokens + 1
+        cu_num_sampled_tokens, sampled_pos = self._get_cumsum_and_arange(num_sampled_tokens)
+        # The last num_sampled tokens of each request: [0 1 2 3 103 104 105 106].
+        logits_indices = (
+            np.repeat(cu_num_scheduled_tokens - num_sampled_tokens, num_sampled_tokens)
+            + sampled_pos
+        )
+        bonus_logits_indices = cu_num_sampled_tokens - 1
+        # Rows of logits: each request's first num_draft of its num_sampled.
+        cu_num_draft_tokens = np.cumsum(num_draft_tokens)
+        draft_pos = np.concatenate([self.arange_np[:n] for n in num_draft_tokens])
+        target_logits_indices = (
+            np.repeat(cu_num_sampled_tokens - num_sampled_tokens, num_draft_tokens) + draft_pos
+        )
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.asarray(a, dtype=np.int64)).to(dev)
+
+        return SpecDecodeMetadata(
+            draft_token_ids=torch.tensor(
+                [t for d in draft_lists for t in d], dtype=torch.int32, device=dev
+            ),
+            num_draft_tokens=num_draft_tokens.tolist(),
+            cu_num_draft_tokens=to_dev(cu_num_draft_tokens),
+            cu_num_sampled_tokens=to_dev(cu_num_sampled_tokens),
+            target_logits_indices=to_dev(target_logits_indices),
+            bonus_logits_indices=to_dev(bonus_logits_indices),
+            logits_indices=to_dev(logits_indices),
+        )
+
+    # --8<-- [end:calc_spec_decode_metadata]
+
+    def _rejection_sample(
+        self, state: ExecuteModelState, sampling_metadata: SamplingMetadata
+    ) -> tuple[list[list[int]], LogprobsLists | None]:
+        """Each request's emitted tokens (accepted drafts + one), by the rejection sampler."""
+        assert self.rejection_sampler is not None and state.spec_decode_metadata is not None
+        metadata = state.spec_decode_metadata
+        batch = self.input_batch
+        drafts = state.scheduler_output.scheduled_spec_decode_tokens
+        # Penalties and min-tokens at a draft position count the drafts before it.
+        sampling_metadata = dataclasses.replace(
+            sampling_metadata,
+            output_token_ids=batch.req_output_token_ids[: batch.num_reqs],  # type: ignore[arg-type]
+            spec_token_ids=[drafts.get(req_id, []) for req_id in batch.req_ids],
+        )
+        draft_probs = None
+        if isinstance(self.drafter, DraftModelProposer) and self.drafter.last_draft_probs:
+            draft_probs = self._get_spec_decode_draft_probs(metadata, drafts)
+        sampler_output = self.rejection_sampler(
+            metadata, draft_probs, state.logits, sampling_metadata
+        )
+        return RejectionSampler.parse_output(
+            sampler_output.sampled_token_ids,
+            metadata.num_draft_tokens,
+            state.discard_request_indices.tolist(),
+            sampler_output.logprobs_tensors,
+        )
+
+    def _get_spec_decode_draft_probs(
+        self, metadata: SpecDecodeMetadata, drafts: dict[str, list[int]]
+    ) -> torch.Tensor:
+        """[num_draft_tokens, vocab_size]: q for each scheduled draft, from the
+        draft model's last proposal (one-hot where it has none: a greedy draft)."""
+        assert isinstance(self.drafter, DraftModelProposer)
+        rows = []
+        for req_id in self.input_batch.req_ids:
+            n = len(drafts.get(req_id, ()))
+            probs = self.drafter.last_draft_probs.get(req_id)
+            if probs is None:
+                probs = torch.zeros(n, self.vocab_size, device=self.device)
+                ids = torch.tensor(drafts.get(req_id, []), dtype=torch.int64)
+                probs[torch.arange(n), ids] = 1.0
+            rows.append(probs[:n])
+        return torch.cat(rows).contiguous()
+
+    # --8<-- [start:propose_draft_token_ids]
+    @tracing.instrument(
+        "ModelRunner.propose_draft_token_ids", record=records.propose_draft_token_ids
+    )
+    def propose_draft_token_ids(
+        self,
+        state: ExecuteModelState,
+        sampled_token_ids: list[list[int]],
+        sampling_metadata: SamplingMetadata,
+    ) -> list[list[int]]:
+        """The drafts for the next step, one list per row (after the bookkeeping,
+        so the persistent batch already holds this step's tokens)."""
+        if isinstance(self.drafter, NgramProposer):
+            return self.drafter.propose(
+                sampled_token_ids,
+                self.input_batch.num_tokens_no_spec,
+                self.input_batch.token_ids_cpu,
+            )
+        assert isinstance(self.drafter, DraftModelProposer)
+        batch = self.input_batch
+        so = state.scheduler_output
+        num_scheduled = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids])
+        num_draft = [len(so.scheduled_spec_decode_tokens.get(r, ())) for r in batch.req_ids]
+        return self.drafter.propose(
+            sampled_token_ids, batch, num_scheduled, num_draft, sampling_metadata
+        )
+
+    # --8<-- [end:propose_draft_token_ids]
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts of the last step, once (EngineCore.post_step hands them to the scheduler)."""
+        if self._draft_token_ids is None:
+            return None
+        draft_token_ids, self._draft_token_ids = self._draft_token_ids, None
+        return DraftTokenIds(list(self.input_batch.req_ids), draft_token_ids)

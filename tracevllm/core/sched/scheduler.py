@@ -8,9 +8,12 @@ prefill, prefix caching and preemption. A structured-output request waits
 in ``skipped_waiting`` until its grammar is compiled; each step
 ``get_grammar_bitmask`` asks the ``StructuredOutputManager`` for the mask of
 the structured requests it scheduled, and ``update_from_output`` advances
-their matchers. Left out: KV connectors, encoder inputs, LoRA, speculative
-decoding, async scheduling (output placeholders), streaming input, pause
-states, pipeline parallelism.
+their matchers. With speculative decoding a running request also carries
+the drafts proposed after the last step (``spec_token_ids``): they are
+scheduled with it (``scheduled_spec_decode_tokens``), and after the step
+``num_computed_tokens`` goes back by the drafts the target rejected.
+Left out: KV connectors, encoder inputs, LoRA, async scheduling (output
+placeholders), streaming input, pause states, pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from tracevllm.core.sched.utils import check_stop, remove_all
 from tracevllm.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import SchedulerStats
-from tracevllm.outputs import ModelRunnerOutput
+from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
+from tracevllm.spec_decode.metrics import SpecDecodingStats
 from tracevllm.structured_output import StructuredOutputManager
 from tracevllm.tracing import records
 
@@ -119,6 +123,17 @@ class Scheduler:
         self.prev_step_scheduled_req_ids: set[str] = set()
         self.step_id = 0
         self.num_preempted_reqs = 0  # in the last step, for make_stats
+        self.spec_decoding_stats: SpecDecodingStats | None = None  # likewise
+
+        # Drafts per step; a draft model also writes its KV that many slots
+        # ahead of the tokens it was given (vLLM's lookahead slots).
+        speculative_config = vllm_config.speculative_config
+        self.num_spec_tokens = self.num_lookahead_tokens = 0
+        if speculative_config is not None:
+            assert speculative_config.num_speculative_tokens is not None
+            self.num_spec_tokens = speculative_config.num_speculative_tokens
+            if speculative_config.uses_draft_model():
+                self.num_lookahead_tokens = self.num_spec_tokens
 
         num_gpu_blocks = self.cache_config.num_gpu_blocks
         assert num_gpu_blocks is not None, "EngineCore sets num_gpu_blocks first"
@@ -139,15 +154,17 @@ class Scheduler:
         preempted_reqs: list[Request] = []
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
         num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         token_budget = self.max_num_scheduled_tokens
         threshold = self.scheduler_config.long_prefill_token_threshold
         scheduled_timestamp = time.monotonic()
         self.step_id += 1
 
         # --8<-- [start:schedule_running]
-        # Pass 1, RUNNING requests in order: a decode needs one token, an
-        # unfinished (chunked) prefill the rest of its prompt. If the pool is
-        # out of blocks, preempt from the back until this request fits.
+        # Pass 1, RUNNING requests in order: a decode needs one token (plus
+        # its drafts), an unfinished (chunked) prefill the rest of its prompt.
+        # If the pool is out of blocks, preempt from the back until this
+        # request fits.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
@@ -165,7 +182,9 @@ class Scheduler:
                 continue
 
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                )
                 if new_blocks is not None:
                     break
                 if self.policy == SchedulingPolicy.PRIORITY:
@@ -177,6 +196,7 @@ class Scheduler:
                         scheduled_running_reqs.remove(victim)
                         token_budget += num_scheduled_tokens.pop(victim.request_id)
                         req_to_new_blocks.pop(victim.request_id)
+                        scheduled_spec_decode_tokens.pop(victim.request_id, None)
                         req_index -= 1
                 else:
                     # FCFS: the last admitted, which is not scheduled yet.
@@ -193,6 +213,20 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
             req_index += 1
+
+            # --8<-- [start:schedule_spec_tokens]
+            # The drafts that fit go along (the budget or max_model_len may
+            # cut them); the next ones come from update_draft_token_ids.
+            if request.spec_token_ids:
+                num_scheduled_spec_tokens = (
+                    num_new_tokens + request.num_computed_tokens - request.num_tokens
+                )
+                if num_scheduled_spec_tokens > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[
+                        :num_scheduled_spec_tokens
+                    ]
+                request.spec_token_ids = []
+            # --8<-- [end:schedule_spec_tokens]
         # --8<-- [end:schedule_running]
 
         # --8<-- [start:schedule_waiting]
@@ -237,6 +271,7 @@ class Scheduler:
                     num_new_tokens,
                     num_new_computed_tokens=num_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
+                    num_lookahead_tokens=self.num_lookahead_tokens,
                 )
                 if new_blocks is None:
                     break
@@ -289,7 +324,7 @@ class Scheduler:
             scheduled_cached_reqs=cached_reqs_data,
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total_num_scheduled_tokens,
-            scheduled_spec_decode_tokens={},
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={req.request_id for req in preempted_reqs},
@@ -311,6 +346,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # drafts of a state it no longer has
         request.num_preemptions += 1
         if self.log_stats:
             request.record_event(EngineCoreEventType.PREEMPTED, timestamp)
@@ -437,6 +473,7 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_reqs: set[Request] = set()
+        self.spec_decoding_stats = None
 
         # One row per scheduled request. A partial prefill's row is empty: it
         # appends nothing and sends nothing.
@@ -446,6 +483,18 @@ class Scheduler:
                 continue  # aborted while the step ran
             req_index = model_runner_output.req_id_to_index[req_id]
             new_token_ids = sampled_token_ids[req_index] if sampled_token_ids else []
+            # --8<-- [start:rollback]
+            # With drafts, the row holds the accepted drafts and one more token
+            # (the bonus, or the target's own pick where a draft was rejected).
+            # The KV written for the rejected drafts is simply overwritten later.
+            num_draft_tokens = num_accepted = 0
+            scheduled_spec_token_ids = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if scheduled_spec_token_ids and new_token_ids:
+                num_draft_tokens = len(scheduled_spec_token_ids)
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= num_draft_tokens - num_accepted
+                self._observe_draft(num_draft_tokens, num_accepted)
+            # --8<-- [end:rollback]
             stopped = False
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
@@ -471,6 +520,8 @@ class Scheduler:
                         # tracevllm: sent once, on the last output (vLLM: on each).
                         trace_headers=request.trace_headers if stopped else None,
                         prefill_stats=request.take_prefill_stats(),
+                        num_draft_tokens=num_draft_tokens,
+                        num_accepted_tokens=num_accepted,
                     )
                 )
         if stopped_reqs:
@@ -532,15 +583,49 @@ class Scheduler:
 
     # --8<-- [end:advance_grammar]
 
+    def _observe_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one request's drafts in this step's stats (vLLM's make_spec_decoding_stats)."""
+        if not self.log_stats:
+            return
+        if self.spec_decoding_stats is None:
+            self.spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        self.spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted)
+
+    # --8<-- [start:update_draft_token_ids]
+    def update_draft_token_ids(self, draft_token_ids: DraftTokenIds) -> None:
+        """Take the drafts the runner proposed after this step, for the next.
+
+        A request mid-prefill gets none (its sample was thrown away); a
+        structured request keeps only the drafts its grammar accepts.
+        """
+        for req_id, spec_token_ids in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # finished in this step
+            if request.is_prefill_chunk:
+                request.spec_token_ids = []
+                continue
+            if self.structured_output_manager.should_advance(request):
+                so_request = request.structured_output_request
+                assert so_request is not None and so_request.grammar is not None
+                spec_token_ids = so_request.grammar.validate_tokens(spec_token_ids)
+            request.spec_token_ids = spec_token_ids
+
+    # --8<-- [end:update_draft_token_ids]
+
+    # --8<-- [start:update_request_with_output]
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
-        """Append tokens one at a time, dropping any after a stop."""
+        """Append tokens one at a time, dropping any after a stop: an accepted
+        run of drafts is cut at the first token that stops the request."""
         for num_new, token_id in enumerate(new_token_ids, 1):
             request.append_output_token_ids(token_id)
             if check_stop(request, self.max_model_len):
                 return new_token_ids[:num_new], True
         return new_token_ids, False
+
+    # --8<-- [end:update_request_with_output]
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, f"duplicate id {request.request_id}"
@@ -641,6 +726,7 @@ class Scheduler:
             num_total_blocks=block_pool.get_num_usable_blocks(),
             num_cached_blocks=block_pool.num_cached_blocks,
             num_preempted_reqs=self.num_preempted_reqs,
+            spec_decoding_stats=self.spec_decoding_stats,
         )
 
     def shutdown(self) -> None:
