@@ -1,7 +1,7 @@
 """Drafts from a second, smaller model, run k times after each target step.
 
 Mirrors vllm/v1/spec_decode/draft_model.py (``DraftModelProposer``) with the
-parts of llm_base_proposer.py (``SpecDecodeBaseProposer``: ``propose``,
+parts of vllm/v1/spec_decode/llm_base_proposer.py (``SpecDecodeBaseProposer``: ``propose``,
 ``prepare_inputs``, ``_sample_draft_tokens``) and of its
 ``compute_probs_and_sample_next_token`` that a draft model uses, on the
 unpadded path (vLLM's ``disable_padded_drafter_batch``): rejected drafts are
