@@ -425,3 +425,24 @@ def test_ngram_defaults_and_method_inference() -> None:
         {"model": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, _target()
     )
     assert (config.method, config.prompt_lookup_min) == ("ngram", 3)
+
+
+def test_the_cli_takes_a_json_speculative_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """--speculative-config '{...}' (vLLM's flag), also forwarded by trace --serve."""
+    import argparse
+
+    from tracevllm.engine.arg_utils import EngineArgs
+    from tracevllm.entrypoints.trace_serve import engine_flags
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", '
+                              '"num_speculative_tokens": 4, "prompt_lookup_max": 3}'])  # fmt: skip
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.speculative_config == config
+    flags = engine_flags(engine_args)
+    assert EngineArgs.from_cli_args(parser.parse_args(flags)).speculative_config == config
+    for bad in ("{method: ngram}", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--speculative-config", bad])
+    assert "--speculative-config" in capsys.readouterr().err

@@ -325,3 +325,81 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tied_dir: str, tmp_pat
         _llm(tied_dir, speculative_config=_draft(other))
     with pytest.raises(ValueError, match="does not exist"):
         _llm(tied_dir, speculative_config=_draft(str(tmp_path / "nowhere")))
+
+
+# ------------------------------------------------------- spans, views, metrics
+def test_spans_views_and_metrics_show_the_drafts(tied_dir: str) -> None:
+    """The proposer and the rejection sampler have spans; the step view says
+    which drafts were kept; llm_request and the Prometheus counters carry the
+    acceptance counts, and they agree with the scheduler's."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from rich.console import Console
+
+    from tracevllm.metrics.loggers import PrometheusStatLogger
+    from tracevllm.metrics.stats import IterationStats
+    from tracevllm.tracing.attributes import SpanAttributes
+    from tracevllm.tracing.exporters import SpanRecord
+    from tracevllm.views.report import RichViewProcessor, render_report
+
+    exporter = InMemorySpanExporter()
+    live = Console(record=True, width=100)
+    metrics = PrometheusStatLogger("tiny", num_speculative_tokens=K)
+    with _llm(tied_dir, speculative_config=NGRAM, trace_detail="request") as llm:
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        provider.add_span_processor(RichViewProcessor(live))
+        checker = StepChecker(_engine_core(llm))
+        sched = _engine_core(llm).scheduler
+        original = sched.make_stats
+
+        def make_stats() -> Any:  # feed the logger what the frontend would
+            stats = original()
+            metrics.record(stats, IterationStats())
+            return stats
+
+        sched.make_stats = make_stats
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    spans = list(exporter.get_finished_spans())
+    names = {s.name for s in spans}
+    assert {"RejectionSampler.forward", "ModelRunner.propose_draft_token_ids"} <= names
+    rejection = [s for s in spans if s.name == "RejectionSampler.forward"]
+    assert (
+        sum(sum(s.attributes["tracevllm.spec_decode.num_accepted_tokens"]) for s in rejection)
+        == checker.accepted
+    )
+    requests = [s.attributes for s in spans if s.name == "llm_request"]
+    assert (
+        sum(a[SpanAttributes.SPEC_DECODE_NUM_ACCEPTED_TOKENS] for a in requests) == checker.accepted
+    )
+    assert sum(a[SpanAttributes.SPEC_DECODE_NUM_DRAFT_TOKENS] for a in requests) == checker.drafted
+
+    # The live view and the one drawn from saved spans both show the drafts.
+    saved = Console(record=True, width=100)
+    records = [
+        SpanRecord(
+            trace_id=f"{s.context.trace_id:032x}",
+            span_id=f"{s.context.span_id:016x}",
+            parent_span_id=f"{s.parent.span_id:016x}" if s.parent else None,
+            name=s.name,
+            start_ns=s.start_time or 0,
+            end_ns=s.end_time or 0,
+            attributes=dict(s.attributes or {}),
+            resource=dict(s.resource.attributes),
+        )
+        for s in spans
+    ]
+    render_report(records, saved)
+    for console in (live, saved):
+        text = console.export_text()
+        assert "drafts (speculative decoding)" in text and "✓" in text and "✗" in text
+        assert "→" in text and "kept" in text and "drafts kept" in text
+
+    page = metrics.render().decode()
+    labels = '{engine="0",model_name="tiny"}'
+    assert f"vllm:spec_decode_num_accepted_tokens_total{labels} {float(checker.accepted)}" in page
+    assert (
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}'
+        in page
+    )

@@ -5,10 +5,11 @@ Mirrors vllm/v1/metrics/loggers.py (``StatLoggerBase``,
 ``SchedulerStats`` and the frontend's ``IterationStats``; the Prometheus
 logger turns them into vLLM's metrics, under vLLM's names (``vllm:*``) and
 labels (``model_name``, ``engine``), so a dashboard made for vLLM reads a
-tracevllm server. Left out: the periodic log line (``LoggingStatLogger``),
-spec-decode, KV-connector, LoRA, multimodal-cache and KV-block-lifetime
-metrics. Each logger has its own registry (vLLM uses the global one), so
-that several can live in one process.
+tracevllm server; with speculative decoding, vLLM's spec-decode counters
+(vllm/v1/spec_decode/metrics.py, ``SpecDecodingProm``). Left out: the
+periodic log line (``LoggingStatLogger``), KV-connector, LoRA,
+multimodal-cache and KV-block-lifetime metrics. Each logger has its own
+registry (vLLM uses the global one), so that several can live in one process.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class StatLoggerBase:
 class PrometheusStatLogger(StatLoggerBase):
     """vLLM's Prometheus metrics, fed from SchedulerStats and IterationStats."""
 
-    def __init__(self, model_name: str, engine_index: int = 0) -> None:
+    def __init__(
+        self, model_name: str, engine_index: int = 0, num_speculative_tokens: int = 0
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "engine": str(engine_index)}
         names = list(labels)
@@ -125,6 +128,29 @@ class PrometheusStatLogger(StatLoggerBase):
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
+        # Speculative decoding (vLLM's SpecDecodingProm): only when it is on.
+        # Acceptance rate = accepted / draft tokens; mean acceptance length =
+        # 1 + accepted / drafts.
+        self.spec_decoding_enabled = num_speculative_tokens > 0
+        if self.spec_decoding_enabled:
+            # SpecDecodingStats field -> vllm:spec_decode_<field>.
+            self.counters_spec_decode = {
+                field: counter(f"vllm:spec_decode_{field}", doc)
+                for field, doc in (
+                    ("num_drafts", "Number of spec decoding drafts."),
+                    ("num_draft_tokens", "Number of draft tokens."),
+                    ("num_accepted_tokens", "Number of accepted tokens."),
+                )
+            }
+            per_pos = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                [*names, "position"],
+                registry=self.registry,
+            )
+            self.counter_spec_decode_num_accepted_tokens_per_pos = [
+                per_pos.labels(**labels, position=str(pos)) for pos in range(num_speculative_tokens)
+            ]
 
     # --8<-- [start:prometheus_record]
     def record(
@@ -138,6 +164,11 @@ class PrometheusStatLogger(StatLoggerBase):
             self.gauge_kv_cache_usage.set(scheduler_stats.kv_cache_usage)
             self.counter_prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
             self.counter_prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
+            if (spec := scheduler_stats.spec_decoding_stats) and self.spec_decoding_enabled:
+                for field, spec_counter in self.counters_spec_decode.items():
+                    spec_counter.inc(getattr(spec, field))
+                for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+                    self.counter_spec_decode_num_accepted_tokens_per_pos[pos].inc(n)
         if iteration_stats is None:
             return
         self.counter_num_preempted_reqs.inc(iteration_stats.num_preempted_reqs)

@@ -107,6 +107,10 @@ class RequestStateStats:
     last_token_ts: float = 0.0
     # Frontend: arrival to first token, wall clock.
     first_token_latency: float = 0.0
+    # Speculative decoding: steps that verified drafts, drafts, drafts accepted.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -184,6 +188,10 @@ class IterationStats:
             self.time_to_first_tokens_iter.append(first_token_latency)
             req_stats.first_token_latency = first_token_latency
         req_stats.num_generation_tokens += num_new_generation_tokens
+        if output.num_draft_tokens:
+            req_stats.num_drafts += 1
+            req_stats.num_draft_tokens += output.num_draft_tokens
+            req_stats.num_accepted_tokens += output.num_accepted_tokens
         if output.events is not None:
             self.update_from_events(output.events, req_stats)
         if is_prefilling:

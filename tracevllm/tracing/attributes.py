@@ -48,8 +48,15 @@ class SpanAttributes:
     NUM_CACHED_TOKENS = "tracevllm.num_cached_tokens"
     COMPLETION_TEXT = "tracevllm.completion.text"
     INTER_TOKEN_MS = "tracevllm.latency.inter_token_ms"
+    # Speculative decoding, per request: steps with drafts, drafts, accepted.
+    SPEC_DECODE_NUM_DRAFTS = "tracevllm.spec_decode.num_drafts"
+    SPEC_DECODE_NUM_DRAFT_TOKENS = "tracevllm.spec_decode.num_draft_tokens"
+    SPEC_DECODE_NUM_ACCEPTED_TOKENS = "tracevllm.spec_decode.num_accepted_tokens"
+    SPEC_DECODE_ACCEPTANCE_RATE = "tracevllm.spec_decode.acceptance_rate"
     # JSON documents the views are drawn from (OTel attributes are flat).
     STEP_VIEW = "tracevllm.view.step"
     # req_id -> tokens its grammar's mask allowed, this step.
     GRAMMAR_VIEW = "tracevllm.view.grammar"
+    # req_id -> its drafts, how many were kept, the next token, the running rate.
+    SPEC_VIEW = "tracevllm.view.spec"
     COMPLETION_VIEW = "tracevllm.view.completion"

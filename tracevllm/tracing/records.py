@@ -21,7 +21,11 @@ from opentelemetry.trace import Span
 
 from tracevllm.tracing import extract_trace_context, extract_trace_headers
 from tracevllm.tracing.attributes import SpanAttributes
-from tracevllm.tracing.step_view import record_grammar_bitmask, record_schedule
+from tracevllm.tracing.step_view import (
+    record_grammar_bitmask,
+    record_schedule,
+    record_spec_decode,
+)
 
 __all__ = [
     "core_add_request",
@@ -163,8 +167,9 @@ def step(span: Span, result: Any, engine_core: Any) -> None:
 
 
 def update_from_output(
-    span: Span, engine_core_outputs: Any, scheduler: Any, *args: Any, **kw: Any
+    span: Span, engine_core_outputs: Any, scheduler: Any, so: Any, runner_output: Any
 ) -> None:
+    record_spec_decode(span, scheduler, so, runner_output)
     finished = [
         o.request_id
         for outputs in engine_core_outputs.values()

@@ -100,6 +100,16 @@ class LLMRequestSpan:
         }
         if params.seed is not None:
             attrs[SpanAttributes.GEN_AI_REQUEST_SEED] = params.seed
+        if stats.num_drafts:
+            # Speculative decoding: how many drafts this request's steps kept.
+            attrs |= {
+                SpanAttributes.SPEC_DECODE_NUM_DRAFTS: stats.num_drafts,
+                SpanAttributes.SPEC_DECODE_NUM_DRAFT_TOKENS: stats.num_draft_tokens,
+                SpanAttributes.SPEC_DECODE_NUM_ACCEPTED_TOKENS: stats.num_accepted_tokens,
+                SpanAttributes.SPEC_DECODE_ACCEPTANCE_RATE: (
+                    stats.num_accepted_tokens / stats.num_draft_tokens
+                ),
+            }
         # tracevllm's own, for the completion view.
         attrs |= {
             SpanAttributes.NUM_CACHED_TOKENS: num_cached_tokens,

@@ -7,12 +7,15 @@ span (tracing/records.py): it runs only when that span records, so tracing off
 costs nothing here. It reads the scheduler without importing it (tracing never
 imports the core). ``Scheduler.get_grammar_bitmask``'s span adds, for each
 structured request, how many tokens its mask allowed
-(``tracevllm.view.grammar``); the view draws both together.
+(``tracevllm.view.grammar``); ``Scheduler.update_from_output``'s, what
+became of each request's drafts (``tracevllm.view.spec``); the view draws
+them together.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any
 
 import numpy as np
@@ -57,6 +60,8 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
                 "block_ids": kv.get_block_ids(req_id)[0],
                 # The kind of its constraint (json, regex, ...), or None.
                 "structured": _structured_kind(req),
+                # Drafts it verifies this step (speculative decoding).
+                "spec_token_ids": so.scheduled_spec_decode_tokens.get(req_id, []),
             }
         )
     # The head of the free queue (next to be handed out), with whether each
@@ -136,3 +141,48 @@ def record_grammar_bitmask(span: Span, grammar_output: Any, scheduler: Any, so: 
 
 
 # --8<-- [end:record_grammar_bitmask]
+
+
+# Per scheduler: req_id -> [drafts so far, accepted so far] (the running rate).
+_spec_totals: weakref.WeakKeyDictionary[Any, dict[str, list[int]]] = weakref.WeakKeyDictionary()
+
+
+# --8<-- [start:record_spec_decode]
+def record_spec_decode(span: Span, scheduler: Any, so: Any, model_runner_output: Any) -> None:
+    """What became of each request's drafts this step: which the target
+    kept, what it emitted after them, and the request's acceptance so far."""
+    if not so.scheduled_spec_decode_tokens:
+        return
+    totals = _spec_totals.setdefault(scheduler, {})
+    spec: dict[str, dict[str, Any]] = {}
+    for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+        index = model_runner_output.req_id_to_index.get(req_id)
+        emitted = model_runner_output.sampled_token_ids[index] if index is not None else []
+        if not emitted:
+            continue
+        accepted = len(emitted) - 1
+        total = totals.setdefault(req_id, [0, 0])
+        total[0] += len(drafts)
+        total[1] += accepted
+        spec[req_id] = {
+            "drafts": drafts,
+            "accepted": accepted,
+            # The bonus token if every draft was kept, else the target's own pick.
+            "next": emitted[-1],
+            "bonus": accepted == len(drafts),
+            "rate": total[1] / total[0],
+        }
+    for req_id in list(totals):
+        if req_id not in scheduler.requests:
+            del totals[req_id]  # finished
+    span.set_attributes(
+        {
+            SpanAttributes.STEP_ID: so.step_id,
+            "tracevllm.spec_decode.req_ids": list(spec),
+            "tracevllm.spec_decode.num_accepted": [s["accepted"] for s in spec.values()],
+            SpanAttributes.SPEC_VIEW: json.dumps(spec),
+        }
+    )
+
+
+# --8<-- [end:record_spec_decode]

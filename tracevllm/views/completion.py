@@ -32,6 +32,14 @@ def render_completion(attrs: dict[str, Any]) -> RenderableType:
             "inter-token latency",
             f"mean {mean:.1f} ms · min {min(itl):.1f} · max {max(itl):.1f} ({len(itl)} gaps)",
         )
+    drafts = attrs.get("tracevllm.spec_decode.num_draft_tokens")
+    if drafts:
+        accepted = attrs.get("tracevllm.spec_decode.num_accepted_tokens", 0)
+        steps = attrs.get("tracevllm.spec_decode.num_drafts", 0)
+        grid.add_row(
+            "drafts kept",
+            f"{accepted} of {drafts} ({accepted / drafts:.0%}) over {steps} steps with drafts",
+        )
     return Panel(
         Group(Text(text, style="bold"), Text(""), grid),
         title="Completion",

@@ -30,6 +30,40 @@ def with_grammar(view: dict[str, Any], allowed: dict[str, int]) -> dict[str, Any
     return view
 
 
+def with_spec(view: dict[str, Any], spec: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The step view with what became of each request's drafts (from the
+    ``Scheduler.update_from_output`` span of the same step)."""
+    for req in view["requests"]:
+        if req["req_id"] in spec:
+            req["spec"] = spec[req["req_id"]]
+    return view
+
+
+# --8<-- [start:drafts_line]
+def _drafts_line(req: dict[str, Any]) -> Text:
+    """``0-ab12  314✓ 15✓ 92✗ → 65 recovered · 83% kept``: each draft kept
+    (✓) or rejected (✗, and those after it with it), then the token the
+    target added after the kept ones (the bonus if it kept them all), then
+    the share of this request's drafts kept so far."""
+    spec = req.get("spec")
+    line = Text(f"{req['req_id']}  ")
+    if spec is None:  # drawn before the step ended
+        return line.append(f"{len(req.get('spec_token_ids') or ())} drafts", style="dim")
+    for i, token in enumerate(spec["drafts"]):
+        kept = i < spec["accepted"]
+        line.append(f"{token}")
+        line.append("✓ " if kept else "✗ ", style="green" if kept else "red")
+    line.append(f"→ {spec['next']} ")
+    line.append(
+        "bonus" if spec["bonus"] else "recovered", style="bold green" if spec["bonus"] else "yellow"
+    )
+    line.append(f" · {spec['rate']:.0%} kept", style="cyan")
+    return line
+
+
+# --8<-- [end:drafts_cell]
+
+
 def _grammar_cell(req: dict[str, Any]) -> Text:
     """``json 12``: the kind of constraint and how many tokens its mask allowed
     this step; ``json –`` for a row mid-prefill, which gets no mask."""
@@ -75,6 +109,10 @@ def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
         Text(f"{used}/{total}"),
     )
     extra = []
+    drafted = [req for req in view["requests"] if req.get("spec_token_ids") or req.get("spec")]
+    if drafted:
+        extra.append(Text("drafts (speculative decoding)", style="bold"))
+        extra += [_drafts_line(req) for req in drafted]
     if view.get("preempted"):
         extra.append(Text(f"preempted: {', '.join(view['preempted'])}", style="bold red"))
     if view.get("finished"):

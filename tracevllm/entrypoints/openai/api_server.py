@@ -340,7 +340,11 @@ async def run_server(args: Namespace, **uvicorn_kwargs: Any) -> int:
     import uvicorn
 
     engine_args = EngineArgs.from_cli_args(args)
-    stat_logger = PrometheusStatLogger(model_name=served_names(args)[0])
+    spec = engine_args.speculative_config or {}
+    stat_logger = PrometheusStatLogger(
+        model_name=served_names(args)[0],
+        num_speculative_tokens=int(spec.get("num_speculative_tokens") or 0),
+    )
     engine_client = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
     try:
         app = build_app(args)
