@@ -48,6 +48,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TRACEVLLM_LAB": lambda: os.environ.get("TRACEVLLM_LAB") or None,
     # Log level of the "tracevllm" logger.
     "TRACEVLLM_LOGGING_LEVEL": lambda: os.environ.get("TRACEVLLM_LOGGING_LEVEL", "WARNING"),
+    # CPU matmuls through oneDNN on weights packed once at load, as vLLM's CPU
+    # backend (0: plain F.linear, for comparing).
+    "TRACEVLLM_CPU_ONEDNN_GEMM": _bool("TRACEVLLM_CPU_ONEDNN_GEMM", "1"),
     # Torch intra-op threads in the engine process (0: torch's default).
     "TRACEVLLM_NUM_THREADS": lambda: int(os.environ.get("TRACEVLLM_NUM_THREADS", "0")),
 }
@@ -62,6 +65,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_LAB: str | None
     TRACEVLLM_LOGGING_LEVEL: str
     TRACEVLLM_NUM_THREADS: int
+    TRACEVLLM_CPU_ONEDNN_GEMM: bool
 
 
 def __getattr__(name: str) -> Any:

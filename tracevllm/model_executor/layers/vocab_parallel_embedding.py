@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tracevllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
@@ -23,6 +25,11 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # [num_tokens] -> [num_tokens, embedding_dim]
         return F.embedding(input_ids, self.weight)
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the weight for the LM head's matmul too (vLLM: in
+        ``UnquantizedEmbeddingMethod``); the embedding keeps the plain copy."""
+        dispatch_cpu_unquantized_gemm(self, remove_weight=False)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

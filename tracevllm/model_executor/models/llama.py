@@ -9,7 +9,7 @@ gate/up are fused into one matmul each, as vLLM does; ``load_weights`` maps
 HF's separate tensors onto them.
 
 Left out: tensor and pipeline parallelism (the *ParallelLinear layers are
-plain ``nn.Linear`` here), quantization, LoRA, Eagle hooks, sliding windows,
+all ``ReplicatedLinear`` here), quantization, LoRA, Eagle hooks, sliding windows,
 the embedding/classification adapters.
 """
 
@@ -19,14 +19,15 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tracevllm import tracing
 from tracevllm.model_executor.layers.activation import SiluAndMul
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.layers.layernorm import RMSNorm
+from tracevllm.model_executor.layers.linear import ReplicatedLinear
 from tracevllm.model_executor.layers.rotary_embedding import get_rope
+from tracevllm.model_executor.layers.utils import cpu_unquantized_gemm
 from tracevllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -42,8 +43,8 @@ class LlamaMLP(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"Unsupported activation: {hidden_act}. Only silu is supported.")
         # gate_proj and up_proj stacked: [2 * intermediate_size, hidden_size]
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = ReplicatedLinear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +70,8 @@ class LlamaAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         bias = bool(hf_config.get("attention_bias", False))
         # q_proj, k_proj and v_proj stacked: [q_size + 2 * kv_size, hidden_size]
-        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=bias)
+        self.qkv_proj = ReplicatedLinear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = ReplicatedLinear(self.q_size, hidden_size, bias=bias)
         max_position = int(hf_config.get("max_position_embeddings", 8192))
         self.rotary_emb = get_rope(self.head_dim, max_position, hf_config)
         self.attn = Attention(
@@ -207,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [num_sampled, hidden_size] -> [num_sampled, vocab_size]
-        return F.linear(hidden_states, self.lm_head.weight)
+        # vLLM: LogitsProcessor -> UnquantizedEmbeddingMethod.apply.
+        return cpu_unquantized_gemm(self.lm_head, hidden_states, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our parameters; returns the names loaded."""
