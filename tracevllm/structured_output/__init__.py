@@ -4,11 +4,12 @@ Mirrors vllm/v1/structured_output/__init__.py (``StructuredOutputManager``):
 ``grammar_init`` compiles a request's constraint on a thread pool (the
 request waits in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` meanwhile),
 ``grammar_bitmask`` fills one row of the token bitmask per structured request
-the scheduler scheduled, ``should_advance`` says whether a sampled token moves
-the request's matcher. Lives in the engine-core process, beside the scheduler.
-Left out: reasoning parsers (constraints that start after the model's
-reasoning), the parallel bitmask fill for batches over 128 structured
-requests, speculative positions, backends other than xgrammar. The backend is
+the scheduler scheduled (with drafts, one row per draft position and one
+more), ``should_advance`` says whether a sampled token moves the request's
+matcher. Lives in the engine-core process, beside the scheduler. Left out:
+reasoning parsers (constraints that start after the model's reasoning), the
+parallel bitmask fill for batches over 128 structured requests, backends
+other than xgrammar. The backend is
 made (and the tokenizer loaded) with the first structured request, as vLLM's.
 """
 
@@ -88,29 +89,47 @@ class StructuredOutputManager:
         structured_output_request_ids: list[str],
         scheduled_spec_decode_tokens: dict[str, list[int]],
     ) -> npt.NDArray[np.int32] | None:
-        """One bitmask row per structured request, in the order given.
+        """One bitmask row per structured request, in the order given; with
+        drafts, one per draft position and one more, each row for the state
+        the grammar would be in had the drafts before it been accepted.
 
         Bit ``t`` of a row is set iff token ``t`` may come next. A request
         whose grammar has terminated gets a full row (-1): nothing to forbid.
+        The matcher walks through the drafts and is rolled back after.
         """
         if not structured_output_request_ids:
             return None
         if self._grammar_bitmask is None:
             assert self.backend is not None
             max_batch_size = self.vllm_config.scheduler_config.max_num_seqs
-            self._grammar_bitmask = self.backend.allocate_token_bitmask(max_batch_size)
+            spec = self.vllm_config.speculative_config
+            max_num_spec_tokens = (spec.num_speculative_tokens or 0) if spec is not None else 0
+            self._grammar_bitmask = self.backend.allocate_token_bitmask(
+                max_batch_size * (1 + max_num_spec_tokens)
+            )
         bitmask = self._grammar_bitmask
-        for index, req_id in enumerate(structured_output_request_ids):
+        index = 0
+        for req_id in structured_output_request_ids:
             so_request = requests[req_id].structured_output_request
             assert so_request is not None
             grammar = so_request.grammar
             assert grammar is not None, "scheduled before its grammar was ready"
-            if grammar.is_terminated():
-                bitmask[index].fill_(-1)
-            else:
-                grammar.fill_bitmask(bitmask, index)
+            advanced = 0
+            # -1: the position after the last draft (the bonus, or the only one).
+            for token in [*scheduled_spec_decode_tokens.get(req_id, ()), -1]:
+                if grammar.is_terminated():
+                    bitmask[index].fill_(-1)
+                else:
+                    grammar.fill_bitmask(bitmask, index)
+                    if token != -1:
+                        # The drafts passed validate_tokens: the grammar takes them.
+                        assert grammar.accept_tokens(req_id, [token]), (req_id, token)
+                        advanced += 1
+                index += 1
+            if advanced:
+                grammar.rollback(advanced)
         # numpy: what vLLM sends to its workers (cheaper to serialize than a tensor).
-        return bitmask[: len(structured_output_request_ids)].numpy()
+        return bitmask[:index].numpy()
 
     # --8<-- [end:grammar_bitmask]
 

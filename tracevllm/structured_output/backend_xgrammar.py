@@ -13,8 +13,9 @@ compilation and a trace says whether a compilation was a hit. Choice lists
 reach the backend as ``CHOICE`` (vLLM turns them into an EBNF grammar at the
 entry; tracevllm at compile time, so the trace still says "choice").
 ``disable_any_whitespace`` is the request's (vLLM: the engine's config).
-Left out: Mistral tokenizers, structural tags, Lark grammars, speculative
-rollback depth (no speculative decoding).
+Left out: Mistral tokenizers, structural tags, Lark grammars, the rollback
+depth (``max_rollback_tokens``: unlimited since xgrammar 0.2, which drafts
+use).
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ Mirrors vllm/v1/structured_output/utils.py (``apply_grammar_bitmask``,
 (``xgr.apply_token_bitmask_inplace``); tracevllm with
 ``apply_token_bitmask_inplace`` below, the same operation in plain PyTorch,
 checked against xgrammar's in the tests and rewritten by lab 11. Left out:
-the speculative positions (one mask row per draft token), Lark-to-EBNF
-conversion.
+Lark-to-EBNF conversion.
 """
 
 from __future__ import annotations
@@ -60,16 +59,26 @@ def apply_grammar_bitmask(
     The scheduler's bitmask has one row per structured request, in its own
     order; the runner's logits have one row per request in the batch. So
     the rows are put in batch order first (-1, all allowed, for the
-    others), and only the structured rows are touched.
+    others), and only the structured rows are touched. With drafts a
+    request has a row per draft position and one more, in both.
     """
-    grammar_bitmask = grammar_output.grammar_bitmask  # [num_structured, words], int32
-    batch_index = input_batch.req_id_to_index
+    grammar_bitmask = grammar_output.grammar_bitmask  # [num_structured rows, words], int32
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    # req_id -> its first row of logits: the rows of the drafts before it shift it.
+    logit_index: dict[str, int] = {}
+    offset = 0
+    for batch_index, req_id in enumerate(input_batch.req_ids):
+        logit_index[req_id] = batch_index + offset
+        offset += len(spec_tokens.get(req_id, ()))
     sorted_bitmask = np.full((logits.shape[0], grammar_bitmask.shape[1]), -1, dtype=np.int32)
-    out_indices = []
-    for row, req_id in enumerate(grammar_output.structured_output_request_ids):
-        if (logit_index := batch_index.get(req_id)) is not None:
-            sorted_bitmask[logit_index] = grammar_bitmask[row]
-            out_indices.append(logit_index)
+    out_indices: list[int] = []
+    row = 0
+    for req_id in grammar_output.structured_output_request_ids:
+        num_rows = 1 + len(spec_tokens.get(req_id, ()))
+        if (first := logit_index.get(req_id)) is not None:
+            sorted_bitmask[first : first + num_rows] = grammar_bitmask[row : row + num_rows]
+            out_indices += range(first, first + num_rows)
+        row += num_rows
     if not out_indices:
         return
     apply_token_bitmask_inplace(logits, torch.from_numpy(sorted_bitmask), indices=out_indices)
