@@ -29,6 +29,14 @@ class InputProcessor:
     def __init__(self, vllm_config: VllmConfig, tokenizer: Any) -> None:
         self.model_config = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
+        # Slots a request may need past its last token with speculative
+        # decoding: its drafts, and a draft model's own lookahead as many.
+        spec = vllm_config.speculative_config
+        self.num_spec_slots = 0
+        if spec is not None:
+            k = spec.num_speculative_tokens
+            assert k is not None
+            self.num_spec_slots = 2 * k if spec.uses_draft_model() else k
         self.tokenizer = tokenizer
         # Known once the engine core reported READY (set by LLMEngine).
         self.num_gpu_blocks: int | None = vllm_config.cache_config.num_gpu_blocks
@@ -143,7 +151,10 @@ class InputProcessor:
         """
         if self.num_gpu_blocks is None:
             return
-        max_len = min(num_prompt_tokens + max_tokens, self.model_config.get_max_model_len())
+        max_len = min(
+            num_prompt_tokens + max_tokens + self.num_spec_slots,
+            self.model_config.get_max_model_len(),
+        )
         needed = cdiv(max_len, self.cache_config.block_size)
         usable = self.num_gpu_blocks - 1  # block 0 is the null block
         if needed > usable:
