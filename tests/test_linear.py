@@ -22,6 +22,10 @@ needs_onednn = pytest.mark.skipif(
 def test_packed_linear_matches_f_linear(bias: bool, num_tokens: int) -> None:
     torch.manual_seed(0)
     layer = ReplicatedLinear(96, 160, bias=bias)
+    # Weights start as torch.empty (the loader fills them): give them values.
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_()
     weight = layer.weight.detach().clone()
     b = layer.bias.detach().clone() if bias else None
     x = torch.randn(num_tokens, 96)
@@ -36,6 +40,8 @@ def test_packed_linear_matches_f_linear(bias: bool, num_tokens: int) -> None:
 def test_tied_embedding_keeps_its_weight() -> None:
     torch.manual_seed(0)
     emb = VocabParallelEmbedding(50, 32)
+    with torch.no_grad():
+        emb.weight.normal_()
     emb.process_weights_after_loading()
     ids = torch.tensor([3, 49, 0])
     torch.testing.assert_close(emb(ids), emb.weight[ids])
