@@ -10,7 +10,7 @@ PROMPT ?= What is the capital of France?
 TRACE_DIR ?= traces/latest
 MAX_TOKENS ?= 48
 
-.PHONY: setup generate trace trace-serve trace-view serve test lint unit bench bench-serve clean
+.PHONY: setup generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec clean
 
 setup: $(STAMP)
 
@@ -68,6 +68,11 @@ bench: setup
 # 32 streams x 64 tokens against tracevllm serve (and vLLM's server with VLLM_VENV=...).
 bench-serve: setup
 	$(PY) benchmarks/bench_serve.py
+
+# Speculative decoding: copy and chat prompts, batch 1 and 16, with and without
+# n-gram drafts (and vLLM's CPU build on the same tokens with VLLM_VENV=...).
+bench-spec: setup
+	$(PY) benchmarks/bench_spec.py
 
 clean:
 	rm -rf $(VENV) site traces .pytest_cache .mypy_cache .ruff_cache

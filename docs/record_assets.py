@@ -17,6 +17,9 @@ same renderers as ``tracevllm view``) and writes them to
 - ``structured``: a JSON-schema request beside a plain one, one process
   (the structured-outputs chapter; docs/record_structured.py, which also
   re-records it alone).
+- ``spec``: n-gram speculative decoding, a copy prompt beside a question,
+  one process (the speculative-decoding chapter; docs/record_spec.py, which
+  also re-records it alone).
 
 Beside the views it writes ``facts.json``, the figures the prose quotes
 (checked at build time by docs/hooks/recorded.py), and the diagrams of
@@ -397,7 +400,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
     args = parser.parse_args()
-    import record_structured  # docs/, beside this file (it imports this module)
+    import record_spec  # docs/, beside this file (it imports this module)
+    import record_structured  # likewise
 
     # Start empty: a view the book still names but no run drew breaks the build.
     shutil.rmtree(OUT_DIR, ignore_errors=True)
@@ -408,6 +412,7 @@ def main() -> None:
         run_batch()
         run_preempt()
         record_structured.run()
+        record_spec.run()
     facts = {
         "single": draw_single(),
         "serve": draw_serve(),
@@ -415,6 +420,7 @@ def main() -> None:
         "preempt": draw_preempt(),
     }
     facts[record_structured.NAME] = record_structured.draw()
+    facts[record_spec.NAME] = record_spec.draw()
     write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
 
 

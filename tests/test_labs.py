@@ -35,6 +35,7 @@ BOOK_PAGES = {
     "09": "sampling",
     "10": "pytorch-to-triton",
     "11": "structured-outputs",
+    "12": "speculative-decoding",
 }
 
 
@@ -235,7 +236,8 @@ def {name}(*args, **kwargs):
 
 # Runs requests that reach every hook: chunked prefills and a prefix-cache hit
 # (01, 02, 03), attention (04), a seeded top-k/top-p sample (05), a stop
-# string (06) cut from the greedy text, and a choice (11, the grammar bitmask).
+# string (06) cut from the greedy text, a choice (11, the grammar bitmask), then
+# greedy and sampled requests with drafts (12, the acceptance rule).
 GENERATE = textwrap.dedent(
     """
     from tracevllm import LLM, SamplingParams
@@ -267,6 +269,14 @@ GENERATE = textwrap.dedent(
                     structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
                 ),
             ],
+        )
+        llm.shutdown()
+        # The model drafting for itself: every step has drafts to verify.
+        spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2}
+        llm = LLM(model=model_dir, enable_multiprocessing=False, speculative_config=spec)
+        outs += llm.generate(
+            [prompt, "Hello, world!"],
+            [greedy, SamplingParams(max_tokens=8, temperature=0.8, seed=3)],
         )
         llm.shutdown()
         result = {

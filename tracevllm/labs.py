@@ -135,6 +135,13 @@ LABS: dict[str, Lab] = {
             "tracevllm.structured_output.utils",
             "ModelRunner.sample_tokens",
         ),
+        Lab(
+            "12",
+            "rejection-sampling",
+            "accept_draft_tokens",
+            "tracevllm.sample.rejection_sampler",
+            "RejectionSampler.forward",
+        ),
     )
 }
 
