@@ -352,16 +352,64 @@ def test_structured_outputs_over_http(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         messages=[{"role": "user", "content": "A color, as JSON."}], max_tokens=60,
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
-        # vLLM's extra body, merged with response_format: no free whitespace either.
-        **greedy(extra_body={"structured_outputs": {"disable_any_whitespace": True}}),
+        # vLLM's extra body: response_format's schema replaces a json of its
+        # own (vLLM's rule), the options stay: no free whitespace, xgrammar's
+        # one-line separators (", " and ": ", json.dumps's).
+        **greedy(extra_body={"structured_outputs": {"json": {"type": "string"},
+                                                    "disable_any_whitespace": True}}),
     )  # fmt: skip
-    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    content = out.choices[0].message.content
+    jsonschema.validate(json.loads(content), schema)
+    assert content == json.dumps(json.loads(content)), content
     choice = client.completions.create(prompt="Pick:", max_tokens=10, **greedy(
         extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}}))  # fmt: skip
     assert choice.choices[0].text in {"red", "green", "blue"}
     with pytest.raises(openai.BadRequestError, match="structured_outputs"):
         client.completions.create(prompt="x", **greedy(
             extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}))  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize(
+    ("response_format", "structured_outputs", "words"),
+    [
+        ({"type": "json_object"}, {"regex": "a+"},
+         "'json_object' and structured_outputs sets 'regex'"),
+        ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}},
+         {"choice": ["a", "b"]}, "'json' and structured_outputs sets 'choice'"),
+        ({"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}},
+         {"json_object": True}, "'json' and structured_outputs sets 'json_object'"),
+        ({"type": "json_object"}, {"json": {"type": "object"}}, "structured_outputs sets 'json'"),
+        # Options without a constraint of their own: refused, as vLLM's model refuses them.
+        ({"type": "json_object"}, {"disable_any_whitespace": True}, "one kind of constraint"),
+    ],
+)  # fmt: skip
+def test_response_format_beside_structured_outputs_is_a_400(
+    client: openai.OpenAI, endpoint: str, response_format: dict[str, Any],
+    structured_outputs: dict[str, Any], words: str,
+) -> None:  # fmt: skip
+    """vLLM 0.22.0: response_format's constraint replaces structured_outputs'
+    one of the same kind; a constraint of another kind is a 400 (the
+    StructuredOutputsParams it would make holds two kinds)."""
+    extra_body = {"structured_outputs": structured_outputs}
+    with pytest.raises(openai.BadRequestError) as e:
+        if endpoint == "chat":
+            client.chat.completions.create(
+                messages=MESSAGES,
+                response_format=response_format,
+                **greedy(max_tokens=4, extra_body=extra_body),
+            )
+        else:  # the client's completions.create has no response_format: vLLM takes it
+            client.completions.create(prompt="x", **greedy(max_tokens=4, extra_body={
+                **extra_body, "response_format": response_format}))  # fmt: skip
+    assert e.value.status_code == 400 and words in e.value.body["message"], e.value.body
+    if "one kind of constraint" not in words:
+        assert (
+            "You can only use one kind of structured outputs constraint" in e.value.body["message"]
+        )
+    # Either alone is served.
+    assert client.completions.create(prompt="x", **greedy(max_tokens=4, extra_body={
+        "response_format": response_format})).choices  # fmt: skip
 
 
 def test_completion_details_as_vllm(server: Server, client: openai.OpenAI) -> None:

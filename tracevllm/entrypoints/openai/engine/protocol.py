@@ -14,9 +14,10 @@ import time
 import uuid
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tracevllm.sampling_params import StructuredOutputsParams
+from tracevllm.sampling_params import _CONSTRAINTS, StructuredOutputsParams
 
 
 def random_uuid() -> str:
@@ -84,10 +85,6 @@ class ResponseFormat(OpenAIBaseModel):
     # "text" (no constraint), "json_object" or "json_schema".
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaResponseFormat | None = None
-
-
-# The kinds of constraint response_format replaces.
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class GenerationError(Exception):
@@ -175,22 +172,45 @@ class GenerateRequest(OpenAIBaseModel):
         )
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """``structured_outputs``, with ``response_format`` laid over it (vLLM's rule)."""
-        kwargs = dict(self.structured_outputs or {})
+        """``structured_outputs``, with ``response_format``'s constraint laid over it.
+
+        vLLM's rule (``to_sampling_params``: ``replace(structured_outputs,
+        **response_format's)``): ``structured_outputs`` must hold a constraint
+        of its own (a request with options only is refused, as vLLM's pydantic
+        model refuses it); ``response_format`` then replaces a constraint of
+        its own kind (``json`` for json_schema, ``json_object`` for
+        json_object) and a constraint of another kind is a conflict: a 400.
+        """
+        so_params = None
+        if self.structured_outputs is not None:
+            try:
+                so_params = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise TypeError(f"structured_outputs: {e}") from None
         fmt = self.response_format
+        kwargs: dict[str, Any] = {}
         if fmt is not None and fmt.type == "json_object":
-            kwargs = {k: v for k, v in kwargs.items() if k not in _KINDS} | {"json_object": True}
+            kwargs["json_object"] = True
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-                raise ValueError("response_format: json_schema needs json_schema.schema.")
-            kwargs = {k: v for k, v in kwargs.items() if k not in _KINDS}
+                raise ValueError(
+                    "When response_format type is 'json_schema', the 'json_schema' field "
+                    "(with its 'schema') must be provided."
+                )
             kwargs["json"] = fmt.json_schema.json_schema
         if not kwargs:
-            return None
-        try:
+            return so_params
+        if so_params is None:
             return StructuredOutputsParams(**kwargs)
-        except TypeError as e:
-            raise TypeError(f"structured_outputs: {e}") from None
+        (new_kind,) = kwargs
+        old_kind = next(k for k in _CONSTRAINTS if getattr(so_params, k) is not None)
+        if old_kind != new_kind:
+            raise ValueError(
+                "You can only use one kind of structured outputs constraint but multiple are "
+                f"specified: response_format sets {new_kind!r} and structured_outputs sets "
+                f"{old_kind!r}."
+            )
+        return msgspec.structs.replace(so_params, **kwargs)
 
     @property
     def include_usage(self) -> bool:
