@@ -374,6 +374,29 @@ def test_bitmask_rows_go_to_their_requests_rows() -> None:
     assert allowed == [list(range(64)), [33], list(range(64)), [0]]
 
 
+def test_bitmask_goes_to_the_logits_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bitmask is built on the CPU (numpy) and moved to the logits'
+    device before it is applied, as vLLM's. The meta device stands in for
+    a GPU: like CUDA, it refuses an operation that mixes it with the CPU."""
+    from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
+    from tracevllm.structured_output import utils
+
+    seen: list[torch.device] = []
+    apply = utils.apply_token_bitmask_inplace
+
+    def spy(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int] | None) -> None:
+        seen.append(bitmask.device)
+        apply(logits, bitmask, indices)
+
+    monkeypatch.setattr(utils, "apply_token_bitmask_inplace", spy)
+    logits = torch.zeros(4, 64, device="meta")
+    grammar_output = GrammarOutput(["d", "b"], torch.zeros(2, 2, dtype=torch.int32).numpy())
+    apply_grammar_bitmask(
+        SchedulerOutput.make_empty(), grammar_output, _Batch(list("abcd")), logits
+    )
+    assert seen == [logits.device]
+
+
 # --- spans, views, command line (the tiny model) -----------------------------------
 
 

@@ -35,9 +35,12 @@ def apply_token_bitmask_inplace(
     Token ``t`` is bit ``t % 32`` (least significant first) of word
     ``t // 32``: -1 (all 32 bits set) allows a whole word of tokens.
     """
-    rows = torch.arange(logits.shape[0]) if indices is None else torch.tensor(indices)
+    device = logits.device  # the bitmask is there too (apply_grammar_bitmask moved it)
+    rows = torch.arange(logits.shape[0], device=device)
+    if indices is not None:
+        rows = torch.tensor(indices, device=device)
     vocab_size = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32)  # [32]
+    shifts = torch.arange(32, dtype=torch.int32, device=device)  # [32]
     # [rows, words, 32] -> [rows, words * 32]: one 0/1 per token.
     bits = (bitmask[rows].unsqueeze(-1) >> shifts) & 1
     allowed = bits.flatten(1)[:, :vocab_size].bool()  # [rows, vocab_size]
@@ -81,7 +84,9 @@ def apply_grammar_bitmask(
         row += num_rows
     if not out_indices:
         return
-    apply_token_bitmask_inplace(logits, torch.from_numpy(sorted_bitmask), indices=out_indices)
+    # To the logits' device (vLLM: non_blocking, from pinned memory on a GPU).
+    bitmask = torch.from_numpy(sorted_bitmask).to(logits.device, non_blocking=True)
+    apply_token_bitmask_inplace(logits, bitmask, indices=out_indices)
 
 
 # --8<-- [end:apply_grammar_bitmask]
