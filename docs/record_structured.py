@@ -138,7 +138,7 @@ def draw() -> dict[str, Any]:
         "num_masked_steps": len(rows),
         "last_allowed": rows[-1]["allowed"],
         "output": text,
-        "compile_cache_hit": compile_span.attributes["tracevllm.structured_output.cache_hit"],
+        "compile_joined": compile_span.attributes["tracevllm.structured_output.joined"],
         "vocab_size": tokenizer.vocab_size,
     }
 

@@ -202,14 +202,18 @@ def _backend(llm: LLM) -> Any:
 
 @pytest.mark.slow
 def test_n_children_share_one_compilation(inproc: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """n = 4: four outputs, each valid, from one compilation (the cache)."""
+    """n = 4: four outputs, each valid, from one compilation: the children
+    join it while it runs, or find it in the compiler's cache after."""
     backend = _backend(inproc) or _first_backend(inproc)
     compiled: list[str] = []
     compile_fn = backend._compile
 
     def counting_compile(kind: Any, spec: str, any_whitespace: bool) -> Any:
-        compiled.append(spec)
-        return compile_fn(kind, spec, any_whitespace)
+        before = backend.compiler.get_cache_size_bytes()
+        ctx = compile_fn(kind, spec, any_whitespace)
+        if backend.compiler.get_cache_size_bytes() != before:  # a miss: compiled
+            compiled.append(spec)
+        return ctx
 
     monkeypatch.setattr(backend, "_compile", counting_compile)
     schema = dict(cases.FLAT, title="n children")  # a key no other test compiled
@@ -225,6 +229,28 @@ def test_n_children_share_one_compilation(inproc: LLM, monkeypatch: pytest.Monke
     for completion in output.outputs:
         jsonschema.validate(json.loads(completion.text), schema)
     assert len(compiled) == 1
+
+
+def test_the_compiled_grammar_cache_is_bounded(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRACEVLLM_XGRAMMAR_CACHE_MB (vLLM's VLLM_XGRAMMAR_CACHE_MB, 512 by
+    default) is the limit of xgrammar's compiler cache, and holds."""
+    from tracevllm.structured_output.backend_types import StructuredOutputOptions
+    from tracevllm.structured_output.backend_xgrammar import XgrammarBackend
+
+    monkeypatch.delenv("TRACEVLLM_XGRAMMAR_CACHE_MB", raising=False)
+    assert XgrammarBackend(tokenizer, 49152).compiler.cache_limit_bytes == 512 * 1024 * 1024
+    monkeypatch.setenv("TRACEVLLM_XGRAMMAR_CACHE_MB", "1")
+    backend = XgrammarBackend(tokenizer, 49152)
+    assert backend.compiler.cache_limit_bytes == 1024 * 1024
+    sizes = []
+    for i in range(80):  # each some 40 KB: three times the limit in all
+        schema = json.dumps({"type": "object", "properties": {f"k{i}": {"type": "string"}}})
+        backend.compile_grammar(StructuredOutputOptions.JSON, schema)
+        sizes.append(backend.compiler.get_cache_size_bytes())
+    assert sum(sizes) / len(sizes) > 1024 * 1024 / 20  # the grammars were cached
+    assert max(sizes) <= 1024 * 1024 * 1.2, sizes
 
 
 def _first_backend(llm: LLM) -> Any:
@@ -401,7 +427,7 @@ def test_bitmask_goes_to_the_logits_device(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_spans_and_the_step_view(tiny_model_dir: str, tmp_path: Path) -> None:
-    """A compilation span in the request's trace (a miss, then a hit), a
+    """A compilation span in the request's trace (compiled, then from the cache), a
     bitmask span per step with how many tokens the mask allowed (the ten
     digits, then the stop token alone), and the step view showing it."""
     from tracevllm.tracing.exporters import read_spans_jsonl
@@ -420,10 +446,12 @@ def test_spans_and_the_step_view(tiny_model_dir: str, tmp_path: Path) -> None:
     assert re.fullmatch("[0-9]", first.text)
     spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
     compiles = [s for s in spans if s.name == "StructuredOutputManager._create_grammar"]
-    assert [s.attributes["tracevllm.structured_output.cache_hit"] for s in compiles] == [
-        False,
-        True,
+    # The second finds the grammar in the compiler's cache: it does not grow.
+    assert [s.attributes["tracevllm.structured_output.joined"] for s in compiles] == [False] * 2
+    cache_bytes = [
+        s.attributes["tracevllm.structured_output.compiler_cache_bytes"] for s in compiles
     ]
+    assert cache_bytes[0] == cache_bytes[1] > 0
     requests = [s for s in spans if s.name == "llm_request"]
     assert [s.trace_id for s in compiles] == [s.trace_id for s in requests]
     # (A step with no structured request to mask, e.g. while the grammar

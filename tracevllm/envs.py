@@ -53,6 +53,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TRACEVLLM_CPU_ONEDNN_GEMM": _bool("TRACEVLLM_CPU_ONEDNN_GEMM", "1"),
     # Torch intra-op threads in the engine process (0: torch's default).
     "TRACEVLLM_NUM_THREADS": lambda: int(os.environ.get("TRACEVLLM_NUM_THREADS", "0")),
+    # The most memory xgrammar's compiler keeps compiled grammars in, in MiB
+    # (vLLM's VLLM_XGRAMMAR_CACHE_MB; least recently used dropped first).
+    "TRACEVLLM_XGRAMMAR_CACHE_MB": lambda: int(
+        os.environ.get("TRACEVLLM_XGRAMMAR_CACHE_MB", "512")
+    ),
 }
 
 if TYPE_CHECKING:  # the names above, as module attributes
@@ -66,6 +71,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_LOGGING_LEVEL: str
     TRACEVLLM_NUM_THREADS: int
     TRACEVLLM_CPU_ONEDNN_GEMM: bool
+    TRACEVLLM_XGRAMMAR_CACHE_MB: int
 
 
 def __getattr__(name: str) -> Any:

@@ -6,13 +6,14 @@ Mirrors vllm/v1/structured_output/backend_xgrammar.py (``XgrammarBackend``,
 tokenizer's vocabulary (``GrammarCompiler``, from ``TokenizerInfo``); each
 request then gets its own ``GrammarMatcher``, the automaton's position, which
 fills one row of the token bitmask per step and accepts each sampled token.
-Departures: vLLM leans on xgrammar's own compiler cache
-(``VLLM_XGRAMMAR_CACHE_MB``); tracevllm keeps its cache in sight, compiled
-grammars by key, so the ``n`` children of one request wait for one
-compilation and a trace says whether a compilation was a hit. Choice lists
-reach the backend as ``CHOICE`` (vLLM turns them into an EBNF grammar at the
-entry; tracevllm at compile time, so the trace still says "choice").
-``disable_any_whitespace`` is the request's (vLLM: the engine's config).
+Compiled grammars are cached by xgrammar's compiler, as vLLM's, within
+``TRACEVLLM_XGRAMMAR_CACHE_MB`` (vLLM's ``VLLM_XGRAMMAR_CACHE_MB``, 512 MiB).
+Departures: tracevllm also keeps the compilations in flight by key, so the
+``n`` children of one request wait for one compilation and a trace says a
+request joined one; choice lists reach the backend as ``CHOICE`` (vLLM turns
+them into an EBNF grammar at the entry; tracevllm at compile time, so the
+trace still says "choice"); ``disable_any_whitespace`` is the request's
+(vLLM: the engine's config).
 Left out: Mistral tokenizers, structural tags, Lark grammars, the rollback
 depth (``max_rollback_tokens``: unlimited since xgrammar 0.2, which drafts
 use).
@@ -23,11 +24,11 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tracevllm import envs
 from tracevllm.structured_output.backend_types import StructuredOutputKey, StructuredOutputOptions
 from tracevllm.structured_output.utils import choice_as_grammar
 
@@ -36,9 +37,6 @@ if TYPE_CHECKING:
     import xgrammar as xgr
 
     from tracevllm.sampling_params import SamplingParams
-
-# Compiled grammars kept (least recently used dropped first).
-GRAMMAR_CACHE_SIZE = 256
 
 
 class XgrammarBackend:
@@ -50,42 +48,50 @@ class XgrammarBackend:
         # padded embedding (vocab_size > len(tokenizer)) gets rows that the
         # matcher never allows.
         tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=8, cache_enabled=False)
-        self._cache: OrderedDict[tuple[StructuredOutputKey, bool], Future[xgr.CompiledGrammar]]
-        self._cache = OrderedDict()
+        # The compiled grammars, least recently used dropped past the limit.
+        self.compiler = xgr.GrammarCompiler(
+            tokenizer_info,
+            max_threads=8,
+            cache_enabled=True,
+            cache_limit_bytes=envs.TRACEVLLM_XGRAMMAR_CACHE_MB * 1024 * 1024,
+        )
+        # tracevllm: the compilations under way, by key (gone once done).
+        self._compiling: dict[tuple[StructuredOutputKey, bool], Future[xgr.CompiledGrammar]]
+        self._compiling = {}
         self._lock = threading.Lock()
 
     # --8<-- [start:compile_grammar]
     def compile_grammar(
         self, request_type: StructuredOutputOptions, grammar_spec: str, any_whitespace: bool = True
     ) -> XgrammarGrammar:
-        """A fresh matcher for a constraint, compiled at most once per key.
+        """A fresh matcher for a constraint, from the compiler's cache.
 
-        The first caller compiles; a caller with the same key meanwhile (the
-        children of an ``n > 1`` request) waits for that compilation.
+        The first caller compiles (or finds it in xgrammar's cache); a caller
+        with the same key meanwhile (the children of an ``n > 1`` request)
+        waits for that compilation.
         """
         import xgrammar as xgr
 
         key = ((request_type, grammar_spec), any_whitespace)
         with self._lock:
-            future = self._cache.get(key)
-            cache_hit = future is not None
+            future = self._compiling.get(key)
+            joined = future is not None
             if future is None:
-                future = self._cache[key] = Future()
-                if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(key)
-        if not cache_hit:
+                future = self._compiling[key] = Future()
+        if not joined:
             try:
                 future.set_result(self._compile(request_type, grammar_spec, any_whitespace))
             except Exception as e:
-                with self._lock:
-                    self._cache.pop(key, None)  # a failure is not cached
                 future.set_exception(e)
+            finally:
+                with self._lock:
+                    del self._compiling[key]
         ctx = future.result()
         return XgrammarGrammar(
-            matcher=xgr.GrammarMatcher(ctx), vocab_size=self.vocab_size, cache_hit=cache_hit
+            matcher=xgr.GrammarMatcher(ctx),
+            vocab_size=self.vocab_size,
+            joined=joined,
+            compiler_cache_bytes=self.compiler.get_cache_size_bytes(),
         )
 
     def _compile(
@@ -115,7 +121,6 @@ class XgrammarBackend:
 
     def destroy(self) -> None:
         del self.compiler
-        self._cache.clear()
 
 
 @dataclass
@@ -124,8 +129,10 @@ class XgrammarGrammar:
 
     vocab_size: int
     matcher: xgr.GrammarMatcher = field(repr=False)
-    # tracevllm: its compiled grammar came from the cache (for the trace).
-    cache_hit: bool = False
+    # tracevllm, for the trace: it waited for another request's compilation
+    # of the same key; the compiler's cache size after (bytes).
+    joined: bool = False
+    compiler_cache_bytes: int = 0
     num_processed_tokens: int = field(default=0, init=False)
     _is_terminated: bool = field(default=False, repr=False, init=False)
 

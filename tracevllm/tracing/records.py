@@ -193,7 +193,8 @@ def create_grammar(span: Span, grammar: Any, manager: Any, request: Any) -> None
             SpanAttributes.GEN_AI_REQUEST_ID: request.request_id,
             "tracevllm.structured_output.kind": kind.name.lower(),
             "tracevllm.structured_output.spec_chars": len(spec),
-            "tracevllm.structured_output.cache_hit": grammar.cache_hit,
+            "tracevllm.structured_output.joined": grammar.joined,
+            "tracevllm.structured_output.compiler_cache_bytes": grammar.compiler_cache_bytes,
         }
     )
 
