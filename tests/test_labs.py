@@ -378,3 +378,39 @@ def test_a_plugged_lab_says_so(tiny_model_dir: str, tmp_path: Path) -> None:
     prepared = [s for s in spans if s.name == "ModelRunner._prepare_inputs"]
     first = " ".join(str(slot) for slot in prepared[0].attributes["tracevllm.slot_mapping"])
     assert f"slot_mapping [{first}]" in " ".join(proc.stdout.split())
+
+
+def test_the_engine_core_process_says_which_labs_it_runs(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """With the engine core in its own process (the default), that process
+    names the plugged lab too, with its pid: the lab's function runs there."""
+    folder = tmp_path / "03-slot-mapping"
+    folder.mkdir()
+    (folder / "lab.py").write_text(
+        PASS_THROUGH_LAB.format(name="compute_slot_mapping")
+        + "\nimport os, sys\nprint(f'lab.py loaded in pid {os.getpid()}', file=sys.stderr)\n"
+    )
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from tracevllm import LLM, SamplingParams
+
+        print(f"frontend pid {os.getpid()}", file=sys.stderr, flush=True)
+        llm = LLM(model=sys.argv[1])
+        llm.generate(["Hello, world!"], SamplingParams(max_tokens=2, temperature=0))
+        llm.shutdown()
+        """
+    )
+    env = dict(os.environ, TRACEVLLM_ENABLE_MULTIPROCESSING="1", TRACEVLLM_LAB=str(folder))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, tiny_model_dir],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (frontend,) = re.findall(r"frontend pid (\d+)", proc.stderr)
+    named = f"lab 03: compute_slot_mapping from {folder / 'lab.py'}"
+    said = re.findall(re.escape(named) + r" \(engine core process, pid (\d+)\)", proc.stderr)
+    assert len(said) == 1 and said[0] != frontend, proc.stderr[-2000:]
+    # ... and that is where the lab's code was loaded (and ran).
+    assert said[0] in re.findall(r"lab.py loaded in pid (\d+)", proc.stderr), proc.stderr[-2000:]

@@ -19,7 +19,9 @@ engine's own functions stay reachable as ``reference(name)`` (the labs' tests
 run against them to prove the tests right).
 
 A plugged lab says so: one line on stderr when the engine loads it
-(``lab 03: compute_slot_mapping from chapters/03-slot-mapping/lab.py``), and,
+(``lab 03: compute_slot_mapping from chapters/03-slot-mapping/lab.py``), one
+more from the engine core's own process when it runs in one (the default:
+``... (engine core process, pid 1234)``, ``announce``), and,
 with tracing on, the attribute ``tracevllm.labs`` on the span that is open
 when its function runs, so a trace shows whose code served a request.
 """
@@ -262,6 +264,14 @@ def lab_override(name: str, default: F) -> F:
     if multiprocessing.parent_process() is None:
         print(f"lab {named}", file=sys.stderr, flush=True)
     return _tagged(function, named)
+
+
+def announce(where: str) -> None:
+    """One line on stderr per lab TRACEVLLM_LAB plugs in, said by a process
+    the engine started (the engine core's): its hooks resolve there too,
+    on import, but ``lab_override`` leaves the saying to the first process."""
+    for lab, path in selected_labs().values():
+        print(f"lab {lab.number}: {describe(lab, path)} ({where})", file=sys.stderr, flush=True)
 
 
 def _tagged(function: F, named: str) -> F:

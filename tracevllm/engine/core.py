@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from tracevllm import tracing
+from tracevllm import labs, tracing
 from tracevllm.config import VllmConfig
 from tracevllm.core.kv_cache_utils import (
     BlockHash,
@@ -296,6 +296,8 @@ class EngineCoreProc(EngineCore):
             "engine_core", vllm_config.trace_config, vllm_config.observability_config
         )
         try:
+            # The labs plugged into this process's engine, in its own words.
+            labs.announce(f"engine core process, pid {os.getpid()}")
             engine_core = EngineCoreProc(*args, **kwargs)
             engine_core.run_busy_loop()
         except SystemExit:
