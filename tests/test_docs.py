@@ -151,6 +151,39 @@ def test_a_number_quoted_from_a_recording_must_match_it() -> None:
         hook.check("48", "run.miss", "page.md")
 
 
+@pytest.mark.parametrize(
+    ("text", "value", "same"),
+    [
+        ("1, 23", [12, 3], False),  # the same digits, other numbers
+        ("12, 3", [1, 23], False),
+        ("123", [1, 2, 3], False),
+        ("[1, 2]", [1, 2, 3], False),
+        ("`[12, 3]`", [12, 3], True),
+        ("12 3", [12, 3], True),
+        ("1,456", 1456, True),  # a thousands separator
+        ("1, 456", 1456, False),
+        ("14,56", 1456, False),
+        ("[48]", 48, False),
+        ("`48`", 48, True),
+        ("4.14", 4.14, True),
+        ('`{"a": 1,\n"b": 2}`', '{"a": 1, "b": 2}', True),  # a line break in the prose
+        ('`{"a": 12}`', '{"a": 1, 2}', False),
+    ],
+)
+def test_a_quoted_figure_is_compared_item_by_item(text: str, value: Any, same: bool) -> None:
+    pytest.importorskip("mkdocs")
+    from mkdocs.exceptions import PluginError
+
+    hook: Any = _hook("recorded")
+    hook._facts.clear()
+    hook._facts["v"] = value
+    if same:
+        assert hook.check(text, "v", "page.md") == text
+    else:
+        with pytest.raises(PluginError, match="but the recording says"):
+            hook.check(text, "v", "page.md")
+
+
 def test_every_number_the_book_quotes_matches_its_recording() -> None:
     """What the build checks, as a test: every rec: link of every page, against
     docs/assets/recorded/facts.json."""

@@ -57,20 +57,36 @@ def lookup(key: str) -> Any:
 
 
 def _normal(text: str) -> str:
-    """What a quoted figure says, less its formatting: `52` -> 52, 1,456 -> 1456,
-    [1, 2, 3] -> 123."""
-    return re.sub(r"[`\[\],\s]", "", text)
+    """What a quoted figure says, less its formatting: `52` -> 52, 1,456 ->
+    1456 (a thousands separator), runs of whitespace -> one space."""
+    text = text.strip().strip("`").strip()
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", text):
+        text = text.replace(",", "")
+    return " ".join(text.split())
+
+
+def _items(text: str) -> list[str]:
+    """A quoted list's items, in order: [1, 2, 3], `1, 2, 3` and [1 2 3] ->
+    ["1", "2", "3"]; commas and spaces only separate (1, 23 is not 12, 3)."""
+    return [item for item in re.split(r"[\s,]+", re.sub(r"[`\[\]]", " ", text)) if item]
 
 
 def _shown(value: Any) -> str:
     if isinstance(value, list):
-        return "[" + ",".join(_shown(v) for v in value) + "]"
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
     return str(value)
+
+
+def matches(text: str, value: Any) -> bool:
+    """Does the quote say the recorded value? A list item by item, the rest as text."""
+    if isinstance(value, list):
+        return _items(text) == _items(_shown(value))
+    return _normal(text) == _normal(_shown(value))
 
 
 def check(text: str, key: str, where: str) -> str:
     value = lookup(key)
-    if _normal(text) != _normal(_shown(value)):
+    if not matches(text, value):
         raise PluginError(
             f"{where}: quotes {text!r} for rec:{key}, but the recording says {_shown(value)!r}. "
             "The run was re-recorded or the engine changed: re-read the passage and fix it."
