@@ -18,7 +18,7 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tracevllm import tracing
 from tracevllm.tracing import records
@@ -40,7 +40,6 @@ class StructuredOutputManager:
         self.vllm_config = vllm_config
         self.backend: XgrammarBackend | None = None
         self._grammar_bitmask: torch.Tensor | None = None
-        self._tokenizer: Any = None
         # Compilation is CPU-bound: half the cores (vLLM's choice).
         max_workers = max(1, (multiprocessing.cpu_count() + 1) // 2)
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
@@ -62,8 +61,8 @@ class StructuredOutputManager:
             from tracevllm.structured_output.backend_xgrammar import XgrammarBackend
 
             model_config = self.vllm_config.model_config
-            self._tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
-            self.backend = XgrammarBackend(self._tokenizer, model_config.vocab_size)
+            tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+            self.backend = XgrammarBackend(tokenizer, model_config.vocab_size)
         grammar = self.executor.submit(self._create_grammar, request)
         request.structured_output_request.grammar = grammar
 

@@ -170,11 +170,6 @@ class XgrammarGrammar:
     def is_terminated(self) -> bool:
         return self._is_terminated
 
-    def reset(self) -> None:
-        self.num_processed_tokens = 0
-        self.matcher.reset()
-        self._is_terminated = False
-
 
 # What xgrammar's JSON-schema converter supports (vLLM's list, from xgrammar's
 # json_schema_converter.cc).

@@ -48,10 +48,6 @@ class StructuredOutputRequest:
         return True
 
     @property
-    def is_grammar_ready(self) -> bool:
-        return self._check_grammar_completion()
-
-    @property
     def grammar(self) -> XgrammarGrammar | None:
         if not self._check_grammar_completion():
             return None
