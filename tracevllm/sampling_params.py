@@ -105,7 +105,8 @@ class StructuredOutputsParams(_TypeChecked, msgspec.Struct, omit_defaults=True):
     ``regex``, ``choice``, ``grammar`` (EBNF/GBNF, as xgrammar reads it) and
     ``json_object`` (any JSON object). The engine compiles it with xgrammar
     against the tokenizer's vocabulary and masks every token that would
-    break it. ``disable_any_whitespace`` keeps JSON compact (vLLM reads it
+    break it. ``disable_any_whitespace`` allows no free whitespace in JSON,
+    only xgrammar's one-line separators ``", "`` and ``": "`` (vLLM reads it
     from the engine's ``StructuredOutputsConfig`` only; tracevllm honours the
     request's). ``disable_additional_properties`` and ``whitespace_pattern``
     are the guidance/outlines backends' options: kept so a request written
