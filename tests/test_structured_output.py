@@ -426,6 +426,20 @@ def test_bitmask_goes_to_the_logits_device(monkeypatch: pytest.MonkeyPatch) -> N
 # --- spans, views, command line (the tiny model) -----------------------------------
 
 
+def test_min_tokens_past_the_grammars_end_is_an_error(tiny_model_dir: str) -> None:
+    """As vLLM's: the grammar allows the stop token alone, min-tokens forbids
+    it, every logit is -inf, token 0 comes out and the grammar refuses it."""
+    so = StructuredOutputsParams(regex="[0-9]")
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False) as tiny:
+        for temperature in (0.0, 1.0):
+            params = SamplingParams(
+                temperature=temperature, seed=1, max_tokens=8, min_tokens=3, structured_outputs=so
+            )
+            out = tiny.generate(["Pick a digit:"], params, use_tqdm=False)[0].outputs[0]
+            assert out.finish_reason == "error" and re.fullmatch("[0-9]", out.text), out
+            assert len(out.token_ids) == 2 and out.token_ids[-1] == 0, out
+
+
 def test_spans_and_the_step_view(tiny_model_dir: str, tmp_path: Path) -> None:
     """A compilation span in the request's trace (compiled, then from the cache), a
     bitmask span per step with how many tokens the mask allowed (the ten
