@@ -159,12 +159,25 @@ def test_plain_requests_beside_structured_ones_are_untouched(
 
 @pytest.mark.slow
 def test_preemption_chunked_prefill_and_prefix_hits(
-    default_model_dir: str, runs: dict[str, list[Any]]
+    default_model_dir: str, runs: dict[str, list[Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three nested-schema requests in a KV cache too small for all three, a
-    32-token budget (chunked prefill) and prefix caching: preempted and
-    resumed, their outputs still validate, and equal the same greedy
-    requests run in the big batch without preemption."""
+    32-token budget (chunked prefill) and prefix caching: preempted in the
+    middle of their JSON and resumed, their outputs still validate, and equal
+    the same greedy requests run in the big batch without preemption."""
+    from tracevllm.core.sched.scheduler import Scheduler
+
+    # (request, output tokens, tokens its matcher had accepted) at each preemption.
+    preempted: list[tuple[str, int, int]] = []
+    preempt = Scheduler._preempt_request
+
+    def recording_preempt(self: Scheduler, request: Any, timestamp: float) -> None:
+        grammar = request.structured_output_request.grammar
+        preempted.append((request.request_id, request.num_output_tokens,
+                          grammar.num_processed_tokens))  # fmt: skip
+        preempt(self, request, timestamp)
+
+    monkeypatch.setattr(Scheduler, "_preempt_request", recording_preempt)
     schema, template, compact = cases.SCHEMAS["nested"]
     so = StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
     with LLM(
@@ -179,7 +192,16 @@ def test_preemption_chunked_prefill_and_prefix_hits(
             use_tqdm=False,
         )
         num_preemptions = small.llm_engine.num_preemptions
-    assert num_preemptions > 0
+    assert num_preemptions > 0 and len(preempted) > 0
+    # Preempted with output already written, its matcher that far into the JSON.
+    assert all(n_out > 0 and n_matched == n_out for _, n_out, n_matched in preempted), preempted
+    # ... and each went on writing after it was resumed.
+    final = {o.request_id: len(o.outputs[0].token_ids) for o in outputs}
+    by_internal_id = {req_id: n_out for req_id, n_out, _ in preempted}
+    assert len(final) == 3 and len(by_internal_id) > 0
+    for req_id, n_out in by_internal_id.items():
+        (external,) = [e for e in final if req_id.startswith(e)]
+        assert final[external] > n_out, (req_id, n_out, final)
     # The chat template's system prompt, a full block, is shared.
     assert [o.num_cached_tokens > 0 for o in outputs] == [False, True, True]
     for got, want in zip(outputs, runs["nested"][:3]):
