@@ -225,6 +225,34 @@ def test_parse_output_drops_placeholders_and_discarded_rows() -> None:
     assert logprobs is None
 
 
+def test_a_draft_counts_in_the_penalties_of_the_positions_after_it() -> None:
+    """Token 1 leads token 2 by 0.1 everywhere; a presence penalty of 0.5
+    turns that round once 1 has been generated. Plain decoding gives 1, 2;
+    so must drafts [1, 1]: the second position sees the first draft as
+    generated, so the target picks 2 there and the second draft is rejected."""
+    row = torch.tensor([0.0, 1.0, 0.9, 0.0])
+    md = SamplingMetadata(
+        temperature=None,
+        all_greedy=True,
+        all_random=False,
+        top_p=None,
+        top_k=None,
+        min_p=None,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=False,
+        prompt_token_ids=torch.tensor([[3]]),
+        frequency_penalties=torch.zeros(1),
+        presence_penalties=torch.tensor([0.5]),
+        repetition_penalties=torch.ones(1),
+        output_token_ids=[[]],
+        spec_token_ids=[[1, 1]],
+    )
+    sampler = RejectionSampler(Sampler())
+    out = sampler(_metadata([2], [1, 1]), None, row.expand(3, 4).clone(), md)
+    assert out.sampled_token_ids.tolist() == [[1, 2, PLACEHOLDER_TOKEN_ID]]
+
+
 def test_spec_decode_metadata_indices(tmp_path: object) -> None:
     """vLLM's worked example of _calc_spec_decode_metadata."""
     from tracevllm.worker.model_runner import ModelRunner
