@@ -474,3 +474,35 @@ def test_the_cli_takes_a_json_speculative_config(capsys: pytest.CaptureFixture[s
         with pytest.raises(SystemExit):
             parser.parse_args(["--speculative-config", bad])
     assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_the_grammar_walks_through_the_drafts_even_without_asserts() -> None:
+    """grammar_bitmask advances the matcher through each draft to fill the
+    next row, then rolls it back; under ``python -O`` (asserts stripped) it
+    must do the same."""
+    import subprocess
+    import sys
+
+    code = """
+import types, torch
+from tracevllm.structured_output import StructuredOutputManager
+
+class Grammar:  # its state: how many tokens it took; a row holds the state
+    n = 0
+    def is_terminated(self): return False
+    def fill_bitmask(self, bitmask, i): bitmask[i].fill_(self.n)
+    def accept_tokens(self, req_id, tokens): self.n += len(tokens); return True
+    def rollback(self, k): self.n -= k
+
+manager = StructuredOutputManager.__new__(StructuredOutputManager)
+manager._grammar_bitmask = torch.zeros(4, 1, dtype=torch.int32)
+grammar = Grammar()
+request = types.SimpleNamespace(structured_output_request=types.SimpleNamespace(grammar=grammar))
+rows = manager.grammar_bitmask({"a": request}, ["a"], {"a": [5, 6]})
+print(rows[:, 0].tolist(), grammar.n)
+"""
+    for flags in ([], ["-O"]):
+        result = subprocess.run(
+            [sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True
+        )
+        assert result.stdout.split("\n")[-2] == "[0, 1, 2] 0", (flags, result.stdout)
