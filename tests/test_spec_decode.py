@@ -75,6 +75,13 @@ def test_ngram_matches_a_brute_force_search() -> None:
         assert got == brute(tokens, min_n, max_n, K), (tokens, min_n, max_n)
 
 
+def test_ngram_with_a_huge_prompt_lookup_max() -> None:
+    """No n-gram is longer than the context: prompt_lookup_max = 10**12
+    must not allocate a table of that size (a MemoryError in the engine)."""
+    tokens = [1, 2, 3, 4, 1, 2, 3]
+    assert _find_longest_matched_ngram_and_propose_tokens(tokens, 1, 10**12, 100, 3) == [4, 1, 2]
+
+
 def test_ngram_stops_at_max_model_len() -> None:
     tokens = [1, 2, 3, 4, 1, 2, 3]
     assert _find_longest_matched_ngram_and_propose_tokens(tokens, 2, 3, 9, 3) == [4, 1]
