@@ -446,6 +446,12 @@ def _target(vocab_size: int = 100) -> ModelConfig:
              "draft_sample_method": "top"},
             "draft_sample_method",
         ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "top"},
+            "draft_sample_method",
+        ),
+        ({"method": "draft_model", "model": "ngram", "num_speculative_tokens": 2}, "needs a model"),
+        ({"method": "draft_model", "model": 123, "num_speculative_tokens": 2}, "must be a path"),
     ],
 )  # fmt: skip
 def test_bad_speculative_configs_are_refused(config: dict, message: str) -> None:
