@@ -489,6 +489,18 @@ def test_the_cli_takes_a_json_speculative_config(capsys: pytest.CaptureFixture[s
     assert "--speculative-config" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_bad_speculative_config_by_name() -> None:
+    import asyncio
+
+    from tracevllm.entrypoints.cli import make_parser
+    from tracevllm.entrypoints.openai.api_server import run_server
+
+    config = '{"method": "ngram", "num_speculative_tokens": "four"}'
+    args = make_parser().parse_args(["serve", "--speculative-config", config])
+    with pytest.raises(ValueError, match="needs num_speculative_tokens"):
+        asyncio.run(run_server(args))
+
+
 def test_the_grammar_walks_through_the_drafts_even_without_asserts() -> None:
     """grammar_bitmask advances the matcher through each draft to fill the
     next row, then rolls it back; under ``python -O`` (asserts stripped) it
