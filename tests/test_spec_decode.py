@@ -75,6 +75,13 @@ def test_ngram_matches_a_brute_force_search() -> None:
         assert got == brute(tokens, min_n, max_n, K), (tokens, min_n, max_n)
 
 
+def test_ngram_with_a_huge_prompt_lookup_max() -> None:
+    """No n-gram is longer than the context: prompt_lookup_max = 10**12
+    must not allocate a table of that size (a MemoryError in the engine)."""
+    tokens = [1, 2, 3, 4, 1, 2, 3]
+    assert _find_longest_matched_ngram_and_propose_tokens(tokens, 1, 10**12, 100, 3) == [4, 1, 2]
+
+
 def test_ngram_stops_at_max_model_len() -> None:
     tokens = [1, 2, 3, 4, 1, 2, 3]
     assert _find_longest_matched_ngram_and_propose_tokens(tokens, 2, 3, 9, 3) == [4, 1]
@@ -223,6 +230,34 @@ def test_parse_output_drops_placeholders_and_discarded_rows() -> None:
     tokens, logprobs = RejectionSampler.parse_output(out, [2, 2, 2], discard_req_indices=[1])
     assert tokens == [[4, 5], [], [7, 8, 9]]
     assert logprobs is None
+
+
+def test_a_draft_counts_in_the_penalties_of_the_positions_after_it() -> None:
+    """Token 1 leads token 2 by 0.1 everywhere; a presence penalty of 0.5
+    turns that round once 1 has been generated. Plain decoding gives 1, 2;
+    so must drafts [1, 1]: the second position sees the first draft as
+    generated, so the target picks 2 there and the second draft is rejected."""
+    row = torch.tensor([0.0, 1.0, 0.9, 0.0])
+    md = SamplingMetadata(
+        temperature=None,
+        all_greedy=True,
+        all_random=False,
+        top_p=None,
+        top_k=None,
+        min_p=None,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=False,
+        prompt_token_ids=torch.tensor([[3]]),
+        frequency_penalties=torch.zeros(1),
+        presence_penalties=torch.tensor([0.5]),
+        repetition_penalties=torch.ones(1),
+        output_token_ids=[[]],
+        spec_token_ids=[[1, 1]],
+    )
+    sampler = RejectionSampler(Sampler())
+    out = sampler(_metadata([2], [1, 1]), None, row.expand(3, 4).clone(), md)
+    assert out.sampled_token_ids.tolist() == [[1, 2, PLACEHOLDER_TOKEN_ID]]
 
 
 def test_spec_decode_metadata_indices(tmp_path: object) -> None:
@@ -411,6 +446,12 @@ def _target(vocab_size: int = 100) -> ModelConfig:
              "draft_sample_method": "top"},
             "draft_sample_method",
         ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "top"},
+            "draft_sample_method",
+        ),
+        ({"method": "draft_model", "model": "ngram", "num_speculative_tokens": 2}, "needs a model"),
+        ({"method": "draft_model", "model": 123, "num_speculative_tokens": 2}, "must be a path"),
     ],
 )  # fmt: skip
 def test_bad_speculative_configs_are_refused(config: dict, message: str) -> None:
@@ -446,3 +487,47 @@ def test_the_cli_takes_a_json_speculative_config(capsys: pytest.CaptureFixture[s
         with pytest.raises(SystemExit):
             parser.parse_args(["--speculative-config", bad])
     assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_bad_speculative_config_by_name() -> None:
+    import asyncio
+
+    from tracevllm.entrypoints.cli import make_parser
+    from tracevllm.entrypoints.openai.api_server import run_server
+
+    config = '{"method": "ngram", "num_speculative_tokens": "four"}'
+    args = make_parser().parse_args(["serve", "--speculative-config", config])
+    with pytest.raises(ValueError, match="needs num_speculative_tokens"):
+        asyncio.run(run_server(args))
+
+
+def test_the_grammar_walks_through_the_drafts_even_without_asserts() -> None:
+    """grammar_bitmask advances the matcher through each draft to fill the
+    next row, then rolls it back; under ``python -O`` (asserts stripped) it
+    must do the same."""
+    import subprocess
+    import sys
+
+    code = """
+import types, torch
+from tracevllm.structured_output import StructuredOutputManager
+
+class Grammar:  # its state: how many tokens it took; a row holds the state
+    n = 0
+    def is_terminated(self): return False
+    def fill_bitmask(self, bitmask, i): bitmask[i].fill_(self.n)
+    def accept_tokens(self, req_id, tokens): self.n += len(tokens); return True
+    def rollback(self, k): self.n -= k
+
+manager = StructuredOutputManager.__new__(StructuredOutputManager)
+manager._grammar_bitmask = torch.zeros(4, 1, dtype=torch.int32)
+grammar = Grammar()
+request = types.SimpleNamespace(structured_output_request=types.SimpleNamespace(grammar=grammar))
+rows = manager.grammar_bitmask({"a": request}, ["a"], {"a": [5, 6]})
+print(rows[:, 0].tolist(), grammar.n)
+"""
+    for flags in ([], ["-O"]):
+        result = subprocess.run(
+            [sys.executable, *flags, "-c", code], capture_output=True, text=True, check=True
+        )
+        assert result.stdout.split("\n")[-2] == "[0, 1, 2] 0", (flags, result.stdout)

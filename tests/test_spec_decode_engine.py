@@ -406,15 +406,20 @@ def test_spans_views_and_metrics_show_the_drafts(tied_dir: str) -> None:
 
 
 def test_a_request_whose_drafts_cannot_fit_the_cache_is_refused(tied_dir: str) -> None:
-    """Two usable blocks (32 slots): 20 prompt tokens + 12 fit alone, not with
-    the k draft slots past them; refused at the entry instead of preempting
-    itself forever."""
+    """Two usable blocks (32 slots): 20 prompt tokens + 12 fit alone. With
+    n-gram drafts too: where the drafts do not fit, the request preempts
+    itself and comes back without them (as in vLLM). A draft model also
+    reserves k lookahead slots when a request is admitted, so the request
+    would wait forever: it is refused at the entry."""
     prompt = {"prompt_token_ids": list(range(100, 120))}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     with _llm(tied_dir, num_gpu_blocks_override=3) as llm:
-        assert len(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids) == 12
+        plain = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert len(plain) == 12
     with _llm(tied_dir, num_gpu_blocks_override=3, speculative_config=NGRAM) as llm:
+        assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == plain
+    with _llm(tied_dir, num_gpu_blocks_override=3, speculative_config=_draft(tied_dir)) as llm:
         with pytest.raises(ValueError, match="needs up to 3 KV cache blocks"):
             llm.generate(prompt, params, use_tqdm=False)
         short = SamplingParams(temperature=0.0, max_tokens=12 - K, ignore_eos=True)
-        assert len(llm.generate(prompt, short, use_tqdm=False)[0].outputs[0].token_ids) == 12 - K
+        assert llm.generate(prompt, short, use_tqdm=False)[0].outputs[0].token_ids == plain[:-K]

@@ -301,6 +301,13 @@ class SpeculativeConfig:
     draft_model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config's model must be a path, got {self.model!r}.")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(
+                "draft_sample_method must be 'greedy' or 'probabilistic', "
+                f"got {self.draft_sample_method!r}."
+            )
         if self.method is None:
             self.method = "ngram" if self.model in (None, "ngram") else "draft_model"
         if self.method not in SPECULATIVE_METHODS:
@@ -342,13 +349,8 @@ class SpeculativeConfig:
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
     def _init_draft_model(self) -> None:
-        if self.model is None:
+        if self.model in (None, "ngram"):
             raise ValueError("method 'draft_model' needs a model: the draft model's path.")
-        if self.draft_sample_method not in ("greedy", "probabilistic"):
-            raise ValueError(
-                "draft_sample_method must be 'greedy' or 'probabilistic', "
-                f"got {self.draft_sample_method!r}."
-            )
         target = self.target_model_config
         if target is None or self.draft_model_config is not None:
             return

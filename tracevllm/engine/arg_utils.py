@@ -117,10 +117,11 @@ class EngineArgs:
         if self.speculative_config is None:
             return None
         config = self.speculative_config
-        if isinstance(config, dict) and config.get("model") not in (None, "ngram"):
+        model = config.get("model") if isinstance(config, dict) else None
+        if isinstance(model, str) and model != "ngram":
             from tracevllm.model_executor.model_loader import resolve_model
 
-            config = {**config, "model": resolve_model(config["model"])}
+            config = {**config, "model": resolve_model(model)}
         return SpeculativeConfig.from_dict(config, target)
 
     @staticmethod

@@ -29,14 +29,16 @@ class InputProcessor:
     def __init__(self, vllm_config: VllmConfig, tokenizer: Any) -> None:
         self.model_config = vllm_config.model_config
         self.cache_config = vllm_config.cache_config
-        # Slots a request may need past its last token with speculative
-        # decoding: its drafts, and a draft model's own lookahead as many.
+        # Slots a request needs past its tokens, even alone, with speculative
+        # decoding. Not its drafts: a request whose drafts do not fit preempts
+        # itself and comes back without them, one token further on (as in
+        # vLLM). But a draft model's lookahead (k slots) is reserved when a
+        # request is admitted too (see Scheduler.schedule).
         spec = vllm_config.speculative_config
         self.num_spec_slots = 0
-        if spec is not None:
-            k = spec.num_speculative_tokens
-            assert k is not None
-            self.num_spec_slots = 2 * k if spec.uses_draft_model() else k
+        if spec is not None and spec.uses_draft_model():
+            assert spec.num_speculative_tokens is not None
+            self.num_spec_slots = spec.num_speculative_tokens
         self.tokenizer = tokenizer
         # Known once the engine core reported READY (set by LLMEngine).
         self.num_gpu_blocks: int | None = vllm_config.cache_config.num_gpu_blocks
@@ -158,9 +160,10 @@ class InputProcessor:
         needed = cdiv(max_len, self.cache_config.block_size)
         usable = self.num_gpu_blocks - 1  # block 0 is the null block
         if needed > usable:
+            lookahead = f" + {self.num_spec_slots} draft-model slots" if self.num_spec_slots else ""
             raise ValueError(
                 f"The request needs up to {needed} KV cache blocks ({num_prompt_tokens} "
-                f"prompt tokens + max_tokens={max_tokens}, block_size="
+                f"prompt tokens + max_tokens={max_tokens}{lookahead}, block_size="
                 f"{self.cache_config.block_size}) but the cache has only {usable}. "
                 "Lower max_tokens or the prompt length, or give the cache more blocks "
                 "(num_gpu_blocks_override / kv_cache_memory_bytes)."

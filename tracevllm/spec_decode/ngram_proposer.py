@@ -86,7 +86,8 @@ def _find_longest_matched_ngram_and_propose_tokens(
     if k <= 0:
         return []
     tokens = origin_tokens[::-1]
-    lps = [0] * max_ngram
+    # No match is longer than the context: a huge prompt_lookup_max costs nothing.
+    lps = [0] * min(max_ngram, total_token)
     longest_ngram = 0
     position = 0
     prev_lps = 0  # tokens[:prev_lps] is the longest prefix that ends at i - 1

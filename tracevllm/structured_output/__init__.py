@@ -122,7 +122,8 @@ class StructuredOutputManager:
                     grammar.fill_bitmask(bitmask, index)
                     if token != -1:
                         # The drafts passed validate_tokens: the grammar takes them.
-                        assert grammar.accept_tokens(req_id, [token]), (req_id, token)
+                        accepted = grammar.accept_tokens(req_id, [token])
+                        assert accepted, (req_id, token)
                         advanced += 1
                 index += 1
             if advanced:

@@ -271,6 +271,9 @@ class Scheduler:
                     num_new_tokens,
                     num_new_computed_tokens=num_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
+                    # vLLM passes 0 for a request with no computed tokens (a
+                    # P/D edge case); here the draft model writes its drafts
+                    # right after the prefill, so they need their slots now.
                     num_lookahead_tokens=self.num_lookahead_tokens,
                 )
                 if new_blocks is None:

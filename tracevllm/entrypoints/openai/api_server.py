@@ -341,9 +341,11 @@ async def run_server(args: Namespace, **uvicorn_kwargs: Any) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)
     spec = engine_args.speculative_config or {}
+    # Unchecked yet: a bad value is refused, by name, when the engine is made.
+    num_spec_tokens = spec.get("num_speculative_tokens")
     stat_logger = PrometheusStatLogger(
         model_name=served_names(args)[0],
-        num_speculative_tokens=int(spec.get("num_speculative_tokens") or 0),
+        num_speculative_tokens=num_spec_tokens if isinstance(num_spec_tokens, int) else 0,
     )
     engine_client = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
     try:
