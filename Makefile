@@ -10,7 +10,7 @@ PROMPT ?= What is the capital of France?
 TRACE_DIR ?= traces/latest
 MAX_TOKENS ?= 48
 
-.PHONY: setup generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec clean
+.PHONY: setup generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,14 @@ bench-serve: setup
 # n-gram drafts (and vLLM's CPU build on the same tokens with VLLM_VENV=...).
 bench-spec: setup
 	$(PY) benchmarks/bench_spec.py
+
+# This machine's roofline (sgemm GFLOP/s, memory bandwidth) and the default
+# model's decode steps vs batch and prefill vs tokens on it, with what the same
+# arithmetic predicts for an H100/H200 (computed). Writes
+# benchmarks/results/roofline.json (the book's plot is drawn from it) and
+# bench-results/roofline.{png,svg}. A few minutes. ARGS="--threads 1" on a shared machine.
+bench-roofline: setup
+	$(PY) benchmarks/roofline.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) site traces .pytest_cache .mypy_cache .ruff_cache

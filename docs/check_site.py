@@ -75,6 +75,7 @@ PAGES: dict[str, tuple[str, int]] = {
     "chapters/tracing/": ("spans.jsonl", 0),
     "chapters/pytorch-to-triton/": ("online softmax", 0),
     "chapters/structured-outputs/": ("token bitmask", 0),
+    "chapters/performance/": ("roofline", 0),
     "reference/vllm-map/": ("scheduler.py", 0),
     "reference/source/tracevllm/core/sched/scheduler.py/": ("def schedule", 0),
 }

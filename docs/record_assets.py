@@ -400,7 +400,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
     args = parser.parse_args()
-    import record_spec  # docs/, beside this file (it imports this module)
+    import record_performance  # docs/, beside this file (it imports this module)
+    import record_spec  # likewise
     import record_structured  # likewise
 
     # Start empty: a view the book still names but no run drew breaks the build.
@@ -413,6 +414,7 @@ def main() -> None:
         run_preempt()
         record_structured.run()
         record_spec.run()
+        record_performance.run()
     facts = {
         "single": draw_single(),
         "serve": draw_serve(),
@@ -421,6 +423,9 @@ def main() -> None:
     }
     facts[record_structured.NAME] = record_structured.draw()
     facts[record_spec.NAME] = record_spec.draw()
+    facts[record_performance.NAME] = record_performance.draw()
+    # The roofline and the profile: from committed benchmark results, not re-measured.
+    facts |= record_performance.draw_measured()
     write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
 
 

@@ -172,6 +172,7 @@ class IterationStats:
     def _time_since(self, start: float) -> float:
         return self.iteration_timestamp - start
 
+    # --8<-- [start:latency_stats]
     def update_from_output(
         self,
         output: EngineCoreOutput,
@@ -199,6 +200,8 @@ class IterationStats:
         else:
             self.inter_token_latencies_iter.append(engine_core_timestamp - req_stats.last_token_ts)
         req_stats.last_token_ts = engine_core_timestamp
+
+    # --8<-- [end:latency_stats]
 
     def update_from_events(
         self, events: list[EngineCoreEvent], req_stats: RequestStateStats

@@ -1,0 +1,320 @@
+"""Record the performance chapter's figures: latency on a real run, the roofline,
+and the profile breakdown.
+
+``docs/record_assets.py`` calls ``run()`` and ``draw()`` with the book's other
+runs; ``python docs/record_performance.py`` re-records this one alone (and
+``--draw-only`` redraws it), updating the ``latency``, ``roofline`` and
+``profile`` entries of ``facts.json`` and leaving the other recordings as
+they are.
+
+- ``latency``: the same chat prompt, greedy, ``ignore_eos``, 16 tokens, in
+  one process with tracing at ``request`` detail, twice: alone, then with 15
+  other prompts added before the first step. Each request's ``llm_request``
+  span carries its arrival (the span's start), its time to first token and
+  the gaps between its tokens: the chapter's timeline and table are drawn
+  from them.
+- ``roofline``: drawn from ``benchmarks/results/roofline.json``, which
+  ``make bench-roofline`` measures (minutes; the book does not re-measure).
+- ``profile``: the table of ``benchmarks/results/profile_step.json``, which
+  ``python benchmarks/profile_step.py`` measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "docs"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import record_assets as assets  # noqa: E402
+from recording import external  # noqa: E402
+
+NAME = "latency"
+PROMPT = "Explain photosynthesis to a ten-year-old."
+OTHERS = [
+    "Write a short story about the Roman Empire.",
+    "What are three surprising facts about black holes?",
+    "Summarize the history of jazz music in a paragraph.",
+    "Explain the stock market to a ten-year-old.",
+]
+MAX_TOKENS = 16
+BATCH = 16
+RUNS = {"alone": 1, "batched": BATCH}
+ROOFLINE_JSON = os.path.join(ROOT, "benchmarks", "results", "roofline.json")
+PROFILE_JSON = os.path.join(ROOT, "benchmarks", "results", "profile_step.json")
+
+
+def _prompts(n: int) -> list[str]:
+    return [PROMPT] + [f"{OTHERS[i % len(OTHERS)]} ({i})" for i in range(n - 1)]
+
+
+def run() -> None:
+    from tracevllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for run_name, n in RUNS.items():
+        out = os.path.join(assets.RUNS_DIR, f"{NAME}-{run_name}")
+        os.makedirs(out, exist_ok=True)
+        spans_path = os.path.join(out, "spans.jsonl")
+        if os.path.exists(spans_path):
+            os.remove(spans_path)
+        print(f"# {NAME}-{run_name}: {n} prompt(s), {MAX_TOKENS} tokens each", flush=True)
+        with LLM(enable_multiprocessing=False, trace_detail="request", trace_dir=out) as llm:
+            # Warm up untraced work (the first matmuls pay for thread pools).
+            llm.chat([[{"role": "user", "content": "Hi"}]], params, use_tqdm=False)
+            llm.chat([[{"role": "user", "content": p}] for p in _prompts(n)], params,
+                     use_tqdm=False)  # fmt: skip
+
+
+def _requests(run_name: str) -> dict[str, dict[str, Any]]:
+    """req id -> arrival (s), token times (s after arrival), TTFT, ITLs, e2e."""
+    spans = assets.load(f"{NAME}-{run_name}")
+    out = {}
+    for s in spans:
+        if s.name != "llm_request":
+            continue
+        a = s.attributes
+        rid = external(a["gen_ai.request.id"])
+        if rid == "0":
+            continue  # the warm-up
+        ttft = a["gen_ai.latency.time_to_first_token"]
+        itl = [ms / 1e3 for ms in a["tracevllm.latency.inter_token_ms"]]
+        times = [ttft]
+        for gap in itl:
+            times.append(times[-1] + gap)
+        out[rid] = {
+            "arrival": s.start_ns / 1e9,
+            "times": times,
+            "ttft": ttft,
+            "itl": itl,
+            "e2e": a["gen_ai.latency.e2e"],
+            "tpot": (a["gen_ai.latency.e2e"] - ttft) / (MAX_TOKENS - 1),
+        }
+    return out
+
+
+def draw_latency() -> dict[str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams["svg.hashsalt"] = "tracevllm-latency"
+    runs = {name: _requests(name) for name in RUNS}
+    first = {name: min(reqs, key=lambda r: reqs[r]["arrival"]) for name, reqs in runs.items()}
+    fig, axes = plt.subplots(2, 1, figsize=(10, 5.2), layout="constrained", sharex=True)
+    for ax, (name, reqs) in zip(axes, runs.items()):
+        t0 = min(r["arrival"] for r in reqs.values())
+        order = sorted(reqs, key=lambda r: reqs[r]["arrival"])
+        for row, rid in enumerate(order):
+            r = reqs[rid]
+            start = (r["arrival"] - t0) * 1e3
+            ts = [start + t * 1e3 for t in r["times"]]
+            color = "tab:blue" if rid == first[name] else "tab:gray"
+            ax.plot([start, ts[-1]], [row, row], color=color, lw=0.6, alpha=0.6)
+            ax.plot(ts, [row] * len(ts), "|", color=color, ms=7)
+            ax.plot([start], [row], ">", color=color, ms=4)
+        r = reqs[first[name]]
+        start = (r["arrival"] - t0) * 1e3
+        y = -0.9
+        ax.annotate("", (start + r["ttft"] * 1e3, y), (start, y),
+                    arrowprops={"arrowstyle": "<->", "color": "tab:red"})  # fmt: skip
+        ax.text(start + r["ttft"] * 5e2, y - 0.25, f"TTFT {r['ttft'] * 1e3:.0f} ms",
+                ha="center", va="top", fontsize=8, color="tab:red")  # fmt: skip
+        a, b = r["times"][1], r["times"][2]
+        ax.annotate("", (start + b * 1e3, y), (start + a * 1e3, y),
+                    arrowprops={"arrowstyle": "<->", "color": "tab:green"})  # fmt: skip
+        ax.text(start + b * 1e3, y - 0.25, f" ITL {(b - a) * 1e3:.0f} ms", ha="left", va="top",
+                fontsize=8, color="tab:green")  # fmt: skip
+        ax.set_ylim(len(order) + 0.2 if len(order) > 1 else 1, -2.2)
+        ax.set_yticks(range(len(order)), order if len(order) <= 16 else [""] * len(order),
+                      fontsize=6 if len(order) > 4 else 8)  # fmt: skip
+        ax.set_ylabel("request")
+        total = sum(len(x["times"]) for x in reqs.values())
+        span = max((x["arrival"] - t0) + x["e2e"] for x in reqs.values())
+        ax.set_title(f"{name}: {len(order)} request(s) x {MAX_TOKENS} tokens, "
+                     f"{total / span:.1f} tok/s overall", fontsize=9, loc="left")  # fmt: skip
+        ax.grid(True, axis="x", alpha=0.2)
+    axes[-1].set_xlabel("ms since the first request arrived  (▸ arrival, | a token reached the "
+                        "frontend)")  # fmt: skip
+    path = os.path.join(assets.OUT_DIR, "latency-timeline.svg")
+    fig.savefig(path, metadata={"Date": None})
+    plt.close(fig)
+    print("  wrote", os.path.relpath(path, ROOT))
+
+    rows = ["| run | requests | TTFT ms | mean ITL ms | TPOT ms | e2e ms | tok/s overall |",
+            "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for name, reqs in runs.items():
+        r = reqs[first[name]]
+        t0 = min(x["arrival"] for x in reqs.values())
+        span = max((x["arrival"] - t0) + x["e2e"] for x in reqs.values())
+        total = sum(len(x["times"]) for x in reqs.values())
+        rows.append(
+            f"| {name} (request {first[name]}) | {len(reqs)} | {r['ttft'] * 1e3:.0f} | "
+            f"{statistics.mean(r['itl']) * 1e3:.1f} | {r['tpot'] * 1e3:.1f} | "
+            f"{r['e2e'] * 1e3:.0f} | {total / span:.1f} |"
+        )
+    assets.write_text("latency-table.md", "\n".join(rows) + "\n")
+    return {
+        "max_tokens": MAX_TOKENS,
+        "batch": BATCH,
+        "itl_per_request": MAX_TOKENS - 1,
+        "prompt": PROMPT,
+    }
+
+
+def draw_roofline() -> dict[str, Any]:
+    import roofline  # benchmarks/
+
+    with open(ROOFLINE_JSON) as f:
+        res = json.load(f)
+    res["analysis"] = roofline.analyse(res)  # from the raw measurements
+    roofline.draw(res, [os.path.join(assets.OUT_DIR, "roofline.svg")])
+    a = res["analysis"]
+    dec = {r["batch"]: r for r in res["engine"]["decode"]}
+    pre = res["engine"]["prefill"]
+    gpus = a["gpus"]
+    return {
+        "cpu": res["machine"]["cpu"],
+        "threads": res["machine"]["threads"],
+        "load": res["machine"]["load_before"],
+        "peak_gflops": round(a["peak_gflops"]),
+        "square_gflops": round(max(s["gflops"] for s in res["sgemm"]["squares"])),
+        "read_gbps": round(a["bw_gbps"], 1),
+        "copy_gbps": round(res["bandwidth"]["copy_gbps"], 1),
+        "ridge": round(a["ridge"], 1),
+        "ridge_batch": a["decode_ridge_batch"],
+        "weight_mb": round(res["model"]["weight_bytes"] / 1e6),
+        "max_intensity": {
+            k.replace(" ", "_"): round(v, 1) for k, v in a["max_decode_intensity"].items()
+        },  # fmt: skip
+        "kv_kb_per_token": round(res["model"]["kv_bytes_per_token"] / 1e3, 1),
+        "decode": {
+            str(b): {
+                "forward_ms": round(r["forward_s"] * 1e3, 1),
+                "bound_ms": round(r["bound_s"] * 1e3, 1),
+                "gflops": round(r["gflops"]),
+                "gbps": round(r["gbps"], 1),
+                "intensity": round(r["intensity"], 1),
+                "tok_s": round(r["tok_s"]),
+            }
+            for b, r in dec.items()
+        },
+        "prefill_max": {
+            "tokens": pre[-1]["tokens"],
+            "gflops": round(pre[-1]["gflops"]),
+            "forward_ms": round(pre[-1]["forward_s"] * 1e3),
+        },
+        "gpus": {
+            name.replace(" ", "_"): {
+                "ridge": round(g["ridge"]),
+                "ridge_batch": g["decode_ridge_batch"] or "never",
+                "batch1_us": round(g["decode"][0]["bound_s"] * 1e6),
+                "batch256_us": round(g["decode"][-1]["bound_s"] * 1e6),
+                "batch256_tok_s": round(g["decode"][-1]["tok_s"]),
+            }
+            for name, g in gpus.items()
+        },
+    }
+
+
+def draw_profile() -> dict[str, Any]:
+    with open(PROFILE_JSON) as f:
+        res = json.load(f)
+    head = f"decode, batch {res['batch']} | % | prefill, {res['prefill_tokens']} tokens"
+    rows = [
+        f"| part | {head} | % |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    dec, pre = res["decode"], res["prefill"]
+    shares = {}
+    for part, s in dec["parts_s"].items():
+        p = pre["parts_s"][part]
+        shares[part] = 100 * s / dec["step_s"]
+        rows.append(
+            f"| {part} | {s * 1e3:.2f} ms | {100 * s / dec['step_s']:.1f} | "
+            f"{p * 1e3:.2f} ms | {100 * p / pre['step_s']:.1f} |"
+        )
+    rows.append(
+        f"| **LLMEngine.step, in process** | **{dec['step_s'] * 1e3:.2f} ms** | 100 | "
+        f"**{pre['step_s'] * 1e3:.2f} ms** | 100 |"
+    )
+    ipc = res["ipc"]
+    rows.append(
+        f"| + IPC with two processes ({ipc['bytes']} B a step) | {ipc['seconds'] * 1e3:.2f} ms | "
+        f"{100 * ipc['seconds'] / dec['step_s']:.2f} | | |"
+    )
+
+    def span_cell(d: float, best: float) -> str:
+        # A traced step faster than the untraced one: the cost is below the noise.
+        if d <= 0:
+            return f"below the noise ({d * 1e3:+.1f} ms) | "
+        return f"{d * 1e3:+.2f} ms | {100 * d / best:+.1f}"
+
+    for detail in ("request", "full"):
+        d, p = res["spans"][detail]["decode"], res["spans"][detail]["prefill"]
+        rows.append(
+            f"| + spans, `trace_detail={detail}` | {span_cell(d, dec['best_step_s'])} | "
+            f"{span_cell(p, pre['best_step_s'])} |"
+        )
+    assets.write_text("profile-breakdown.md", "\n".join(rows) + "\n")
+    ops = ["| operator | calls | self ms | % |", "|---|---:|---:|---:|"]
+    for op in res["ops"][:8]:
+        ops.append(
+            f"| `{op['op']}` | {op['calls']} | {op['self_ms']:.2f} | {100 * op['share']:.1f} |"
+        )
+    assets.write_text("profile-ops.md", "\n".join(ops) + "\n")
+    matmul = next(k for k in shares if k.startswith("matmuls"))
+    attn = next(k for k in shares if k.startswith("attention"))
+    pmat = 100 * pre["parts_s"][matmul] / pre["step_s"]
+    rest = next(k for k in shares if k.startswith("rest of the forward"))
+    return {
+        "command": res["command"],
+        "threads": res["threads"],
+        "load": res["load_before"],
+        "batch": res["batch"],
+        "prefill_tokens": res["prefill_tokens"],
+        "decode_matmul_pct": round(shares[matmul]),
+        "decode_attention_pct": round(shares[attn]),
+        "decode_outside_forward_pct": round(100 - shares[matmul] - shares[attn] - shares[rest], 1),
+        "ipc_us": round(res["ipc"]["seconds"] * 1e6),
+        "ipc_bytes": res["ipc"]["bytes"],
+        "prefill_matmul_pct": round(pmat),
+        "top_op": res["ops"][0]["op"],
+        "top_op_pct": round(100 * res["ops"][0]["share"]),
+        "op_pct": {op["op"].split("::")[-1]: round(100 * op["share"], 1) for op in res["ops"]},
+    }
+
+
+def draw() -> dict[str, Any]:
+    return draw_latency()
+
+
+def draw_measured() -> dict[str, dict[str, Any]]:
+    """The two drawn from committed benchmark results (no run needed)."""
+    return {"roofline": draw_roofline(), "profile": draw_profile()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
+    args = parser.parse_args()
+    if not args.draw_only:
+        run()
+    facts_path = os.path.join(assets.OUT_DIR, "facts.json")
+    with open(facts_path) as f:
+        facts = json.load(f)
+    facts[NAME] = draw()
+    facts |= draw_measured()
+    assets.write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
