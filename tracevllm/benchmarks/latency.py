@@ -7,8 +7,8 @@ runs, then ``--num-iters`` timed ones; prefix caching off by default (it
 would skew the figures). vLLM's results, with its JSON keys: ``avg_latency``,
 ``latencies`` and ``percentiles`` (10, 25, 50, 75, 90, 99) of one batch, in
 seconds. tracevllm adds what happens inside a batch, each engine step timed
-as its tokens come back: ``avg_step_latency`` and ``step_percentiles``
-(seconds), and ``bench serve``'s ``mean_ttft_ms``, ``p99_itl_ms`` ... over
+as its tokens come back: ``avg_step_latency``, ``step_latencies`` and
+``step_percentiles`` (seconds), and ``bench serve``'s ``mean_ttft_ms``, ``p99_itl_ms`` ... over
 every request of every timed run. Left out: ``--n``, beam search, ``--profile``.
 """
 
@@ -51,6 +51,7 @@ def summarize(runs: list[TimedRun]) -> dict[str, Any]:
         "latencies": latencies,
         "percentiles": {p: _percentile(latencies, p) for p in PERCENTAGES},
         "avg_step_latency": statistics.fmean(steps),
+        "step_latencies": steps,
         "step_percentiles": {p: _percentile(steps, p) for p in PERCENTAGES},
         "num_steps": len(steps) // len(runs),
         "total_output_tokens": sum(o.output_tokens for o in runs[-1].outputs),
