@@ -106,10 +106,13 @@ def main(args: argparse.Namespace) -> int:
         for what, limit in (("TTFT", args.max_ttft_ms), ("ITL", args.max_itl_ms))
         if limit is not None
     )
-    table = Table(title=f"bench sweep (target: {target or 'none, best throughput'})")
+    table = Table(
+        title=f"bench sweep (target: {target or 'none, best throughput'})",
+        caption="seqs: --max-num-seqs, tokens: --max-num-batched-tokens",
+    )
     p = f"P{pct:g}"
-    for col in ("max_num_seqs", "max_num_batched_tokens", "output tok/s", "req/s",
-                f"{p} TTFT ms", f"{p} ITL ms", "mean TPOT ms", "meets target"):  # fmt: skip
+    for col in ("seqs", "tokens", "output tok/s", "req/s", f"{p} TTFT ms", f"{p} ITL ms",
+                "mean TPOT ms", "meets target"):  # fmt: skip
         table.add_column(col, justify="right")
     for i, r in enumerate(results):
         r["meets_target"] = meets_target(r, args.max_ttft_ms, args.max_itl_ms, pct)
