@@ -62,6 +62,8 @@ include mk/*.mk
 # whole pytest suite (last, so its summary closes the log).
 test: lint docs-check labs-check unit
 
+# Offline throughput: tracevllm vs HF static batching (and vLLM's CPU build,
+# eager and compiled, with VLLM_VENV=...), then the cost of tracing.
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
 

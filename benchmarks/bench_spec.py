@@ -24,19 +24,17 @@ Run: ``make bench-spec`` or ``python benchmarks/bench_spec.py [--batch1 N]``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from tracevllm.benchmarks.datasets import workload
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_throughput import workload  # noqa: E402
+from offline_common import greedy_requests, run_in_vllm_venv, timed_generate  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}  # fmt: skip
@@ -96,18 +94,10 @@ def run_tracevllm(cells: list[dict[str, Any]], spec: dict[str, Any] | None) -> l
     results = []
     with LLM(speculative_config=spec, max_num_seqs=16) as llm:
         for cell in cells:
-            params = [
-                SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=cell["ignore_eos"])
-                for m in cell["max_tokens"]
-            ]
-            prompts = [{"prompt_token_ids": p} for p in cell["prompts"]]
-            llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
-            t0 = time.perf_counter()
-            if cell["batch"] == 1:
-                outs = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
-            else:
-                outs = llm.generate(prompts, params, use_tqdm=False)
-            elapsed = time.perf_counter() - t0
+            prompts, params = greedy_requests(
+                SamplingParams, cell["prompts"], cell["max_tokens"], cell["ignore_eos"]
+            )
+            elapsed, outs = timed_generate(llm, prompts, params, cell["batch"])
             drafts = sum(o.metrics.num_drafts for o in outs if o.metrics)
             accepted = sum(o.metrics.num_accepted_tokens for o in outs if o.metrics)
             results.append({
@@ -119,16 +109,8 @@ def run_tracevllm(cells: list[dict[str, Any]], spec: dict[str, Any] | None) -> l
 
 def run_vllm(venv: str, model_dir: str, cells: list[dict[str, Any]]) -> list[list[dict]]:
     """The same cells through vLLM's LLM, without and with drafts (another process)."""
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_spec_offline.py")
-    with tempfile.TemporaryDirectory() as tmp:
-        job, out = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
-        with open(job, "w") as f:
-            json.dump({"model": model_dir, "spec": NGRAM, "cells": cells}, f)
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-        python = os.path.join(venv, "bin", "python")
-        subprocess.run([python, script, job, out], check=True, env=env, cwd=tmp)
-        with open(out) as f:
-            results: list[list[dict]] = json.load(f)
+    job = {"model": model_dir, "spec": NGRAM, "cells": cells}
+    results: list[list[dict]] = run_in_vllm_venv(venv, "vllm_spec_offline.py", job)
     return results
 
 

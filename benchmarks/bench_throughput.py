@@ -1,149 +1,112 @@
-"""Offline throughput: tracevllm against HF transformers static batching.
+"""Offline throughput: tracevllm against HF static batching and vLLM's own CPU build.
 
 The workload (issue: 64 chat prompts, per-request max_tokens drawn from 16-128
 with a fixed seed, greedy, ignore_eos; only requested tokens count):
 - tracevllm: one ``LLM.generate`` call over all 64 (continuous batching).
 - HF: batches of 16 in order, left-padded, each generating to its longest
   request (``min_new_tokens`` = ``max_new_tokens``, so EOS cannot end it early).
-Then the cost of each tracing level on a smaller workload.
+- vLLM, with ``VLLM_VENV`` naming a venv that holds the real vLLM CPU build
+  (``bash benchmarks/setup_vllm_venv.sh``): the same prompt token ids and
+  max_tokens through vLLM's own ``LLM`` (fp32, ``VLLM_CPU_KVCACHE_SPACE=2``),
+  with ``enforce_eager=True`` and then its default ``torch.compile`` path
+  (benchmarks/vllm_offline.py, a separate process).
+All in one table, with each row's ratio tracevllm / that row. Then the cost
+of each tracing level on a smaller workload. The workload and the tracevllm
+and HF runs are ``tracevllm bench throughput``'s (tracevllm/benchmarks/).
 
-Run: ``make bench`` (or ``python benchmarks/bench_throughput.py [--skip-hf]``).
+Run: ``make bench`` or ``VLLM_VENV=.vllm-venv make bench`` (or ``python
+benchmarks/bench_throughput.py [--skip-hf] [--skip-tracing] [--num-prompts N]``).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import os
+import sys
 import tempfile
-import time
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-TOPICS = [
-    "the French Revolution",
-    "photosynthesis",
-    "black holes",
-    "the stock market",
-    "machine learning",
-    "the Roman Empire",
-    "climate change",
-    "the human heart",
-    "volcanoes",
-    "jazz music",
-    "the internet",
-    "honey bees",
-    "chess openings",
-    "the moon landing",
-    "coffee",
-    "electric cars",
-]
-TEMPLATES = [
-    "Explain {} to a ten-year-old.",
-    "Write a short story about {}.",
-    "What are three surprising facts about {}?",
-    "Summarize the history of {} in a paragraph.",
-]
+from tracevllm.benchmarks.datasets import SampleRequest, chat_samples
+from tracevllm.benchmarks.throughput import run_hf, run_tracevllm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from offline_common import run_in_vllm_venv  # noqa: E402
+
+# vLLM's CPU build: first without torch.compile, then its default compiled path.
+VLLM_CONFIGS = [{"enforce_eager": True}, {"enforce_eager": False}]
 
 
-def workload(n: int = 64, seed: int = 0) -> tuple[list[list[dict[str, str]]], list[int]]:
-    rng = random.Random(seed)
-    convs = [
-        [{"role": "user", "content": TEMPLATES[i % 4].format(TOPICS[(i // 4) % 16])}]
-        for i in range(n)
-    ]
-    return convs, [rng.randint(16, 128) for _ in range(n)]
-
-
-def bench_tracevllm(convs: Any, max_tokens: list[int], **llm_kwargs: Any) -> tuple[float, int]:
-    from tracevllm import LLM, SamplingParams
+def bench_tracevllm(samples: list[SampleRequest], **llm_kwargs: Any) -> tuple[float, int]:
+    from tracevllm import LLM
 
     with LLM(**llm_kwargs) as llm:
-        tok = llm.get_tokenizer()
-        prompts = [
-            {
-                "prompt_token_ids": tok.encode(
-                    tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                    add_special_tokens=False,
-                )
-            }
-            for c in convs
-        ]
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens
-        ]
-        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
+        elapsed, outs = run_tracevllm(llm, samples, num_warmups=2, use_tqdm=False)
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert generated == sum(max_tokens), (generated, sum(max_tokens))
+    asked = sum(s.expected_output_len for s in samples)
+    assert generated == asked, (generated, asked)
     return elapsed, generated
 
 
-def bench_hf(convs: Any, max_tokens: list[int], batch_size: int = 16) -> tuple[float, int]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tracevllm.model_executor.model_loader import resolve_model
-
-    path = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(path, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
-    with torch.inference_mode():
-        batch = tok(texts[:2], return_tensors="pt", padding=True, add_special_tokens=False)
-        model.generate(**batch, max_new_tokens=4, do_sample=False)  # warm-up
-        t0 = time.perf_counter()
-        for i in range(0, len(texts), batch_size):
-            batch = tok(
-                texts[i : i + batch_size],
-                return_tensors="pt",
-                padding=True,
-                add_special_tokens=False,
-            )
-            longest = max(max_tokens[i : i + batch_size])
-            model.generate(
-                **batch,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id or tok.eos_token_id,
-            )
-        elapsed = time.perf_counter() - t0
-    return elapsed, sum(max_tokens)
+def bench_vllm(venv: str, model_dir: str, samples: list[SampleRequest]) -> list[dict[str, Any]]:
+    """The same prompt token ids and max_tokens through vLLM's LLM (another process)."""
+    job = {
+        "model": model_dir,
+        "prompts": [s.prompt_token_ids for s in samples],
+        "max_tokens": [s.expected_output_len for s in samples],
+        "num_warmups": 2,
+        "configs": VLLM_CONFIGS,
+    }
+    results: list[dict[str, Any]] = run_in_vllm_venv(venv, "vllm_offline.py", job)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-tracing", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=64)
     args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    from tracevllm.model_executor.model_loader import resolve_model
+
+    model_dir = resolve_model(None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    samples = chat_samples(tokenizer, args.num_prompts)
+    asked = sum(s.expected_output_len for s in samples)
     console = Console()
-    convs, max_tokens = workload()
     console.print(
-        f"workload: {len(convs)} chat prompts, max_tokens 16-128 (seed 0), "
-        f"{sum(max_tokens)} requested tokens, greedy, ignore_eos"
+        f"workload: {len(samples)} chat prompts, max_tokens 16-128 (seed 0), "
+        f"{asked} requested tokens, greedy, ignore_eos, fp32"
     )
+    rows: list[tuple[str, int, float]] = []
+    t, n = bench_tracevllm(samples)
+    rows.append(("tracevllm (continuous batching, 2 processes)", n, t))
+    if not args.skip_hf:
+        rows.append(("HF transformers (static batches of 16)", asked, run_hf(model_dir, samples)))
+    venv = os.environ.get("VLLM_VENV")
+    if venv:
+        for result in bench_vllm(venv, model_dir, samples):
+            mode = "enforce_eager" if result["config"]["enforce_eager"] else "torch.compile"
+            rows.append((f"vLLM 0.32 CPU ({mode})", result["tokens"], result["seconds"]))
+    ours = rows[0][1] / rows[0][2]
     table = Table(title="Offline throughput (generated tokens / s)")
-    for col in ("engine", "tokens", "seconds", "tok/s"):
+    for col in ("engine", "tokens", "seconds", "tok/s", "tracevllm / this"):
         table.add_column(col, justify="right" if col != "engine" else "left")
-    t, n = bench_tracevllm(convs, max_tokens)
-    ours = n / t
-    table.add_row("tracevllm (continuous batching, 2 processes)", str(n), f"{t:.1f}", f"{ours:.1f}")
-    if not args.skip_hf:
-        t, n = bench_hf(convs, max_tokens)
-        hf = n / t
-        table.add_row("HF transformers (static batches of 16)", str(n), f"{t:.1f}", f"{hf:.1f}")
+    for engine, tokens, seconds in rows:
+        rate = tokens / seconds
+        table.add_row(engine, str(tokens), f"{seconds:.1f}", f"{rate:.1f}", f"{ours / rate:.2f}x")
     console.print(table)
-    if not args.skip_hf:
-        console.print(f"[bold]tracevllm / HF = {ours / hf:.2f}x[/]")
+    if not venv:
+        console.print("(VLLM_VENV not set: vLLM's CPU build not measured)")
 
     if args.skip_tracing:
         return
     # Tracing cost: a smaller workload, each level in a fresh LLM.
-    convs, max_tokens = workload(16, seed=1)
+    samples = chat_samples(tokenizer, 16, seed=1)
     cost = Table(title="Tracing cost (16 prompts, same workload each row)")
     for col in ("detail", "tok/s", "vs off"):
         cost.add_column(col, justify="right" if col != "detail" else "left")
@@ -151,7 +114,7 @@ def main() -> None:
     for detail in ("off", "request", "full"):
         with tempfile.TemporaryDirectory() as d:
             t, n = bench_tracevllm(
-                convs, max_tokens, trace_detail=detail, trace_dir=None if detail == "off" else d
+                samples, trace_detail=detail, trace_dir=None if detail == "off" else d
             )
         rate = n / t
         base = base or rate

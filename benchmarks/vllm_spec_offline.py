@@ -13,10 +13,9 @@ spec-decode counters (``LLM.get_metrics``). Never imported by tracevllm.
 from __future__ import annotations
 
 import gc
-import json
-import sys
-import time
 from typing import Any
+
+from offline_common import greedy_requests, job_main, timed_generate
 
 
 def spec_counters(llm: Any) -> tuple[float, float]:
@@ -30,25 +29,17 @@ def spec_counters(llm: Any) -> tuple[float, float]:
 
 def run(model: str, spec: dict[str, Any] | None, cells: list[dict[str, Any]]) -> list[dict]:
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     llm = LLM(model=model, dtype="float32", seed=0, max_num_seqs=16,
               speculative_config=spec, disable_log_stats=False)  # fmt: skip
     results = []
     for cell in cells:
-        params = [
-            SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=cell["ignore_eos"])
-            for m in cell["max_tokens"]
-        ]
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in cell["prompts"]]
+        prompts, params = greedy_requests(
+            SamplingParams, cell["prompts"], cell["max_tokens"], cell["ignore_eos"]
+        )
         llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
         drafts0, accepted0 = spec_counters(llm)
-        t0 = time.perf_counter()
-        if cell["batch"] == 1:
-            outs = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
-        else:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
+        elapsed, outs = timed_generate(llm, prompts, params, cell["batch"], num_warmups=0)
         drafts1, accepted1 = spec_counters(llm)
         results.append({
             "seconds": elapsed, "tokens": [list(o.outputs[0].token_ids) for o in outs],
@@ -60,8 +51,4 @@ def run(model: str, spec: dict[str, Any] | None, cells: list[dict[str, Any]]) ->
 
 
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
-    out = [run(job["model"], None, job["cells"]), run(job["model"], job["spec"], job["cells"])]
-    with open(sys.argv[2], "w") as f:
-        json.dump(out, f)
+    job_main(lambda job: [run(job["model"], spec, job["cells"]) for spec in (None, job["spec"])])

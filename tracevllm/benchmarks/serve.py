@@ -26,18 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-TOPICS = ["the French Revolution", "photosynthesis", "black holes", "the stock market",
-          "machine learning", "the Roman Empire", "climate change", "the human heart",
-          "volcanoes", "jazz music", "the internet", "honey bees", "chess openings",
-          "the moon landing", "coffee", "electric cars"]  # fmt: skip
-TEMPLATES = ["Explain {} to a ten-year-old.", "Write a short story about {}.",
-             "What are three surprising facts about {}?",
-             "Summarize the history of {} in a paragraph."]  # fmt: skip
-
-
-def prompts(n: int) -> list[str]:
-    """The ``make bench`` chat prompts, cycled."""
-    return [TEMPLATES[i % 4].format(TOPICS[(i // 4) % 16]) for i in range(n)]
+from tracevllm.benchmarks.datasets import chat_prompts
 
 
 @dataclass
@@ -164,7 +153,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
         start = time.perf_counter()
         outputs = await asyncio.gather(
-            *(paced(a, p) for a, p in zip(arrivals, prompts(args.num_prompts)))
+            *(paced(a, p) for a, p in zip(arrivals, chat_prompts(args.num_prompts)))
         )
         duration = time.perf_counter() - start
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]

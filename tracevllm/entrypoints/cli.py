@@ -13,7 +13,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from tracevllm.benchmarks.serve import add_cli_args as add_bench_serve_args
+from tracevllm.benchmarks import latency, sweep, throughput
+from tracevllm.benchmarks import serve as bench_serve
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.entrypoints.openai.cli_args import make_arg_parser
 
@@ -183,12 +184,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(run_server(args))
 
 
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from tracevllm.benchmarks.serve import main as bench_serve
-
-    return bench_serve(args)
-
-
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tracevllm", description="vLLM's V1 engine, small enough to read."
@@ -216,9 +211,15 @@ def make_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks, with vLLM's names (vllm bench)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    bench_serve = bench_sub.add_parser("serve", help="load a running OpenAI-compatible server")
-    add_bench_serve_args(bench_serve)
-    bench_serve.set_defaults(func=cmd_bench_serve)
+    for module, name, summary in (
+        (bench_serve, "serve", "load a running OpenAI-compatible server"),
+        (latency, "latency", "the latency of one batch, step by step"),
+        (throughput, "throughput", "offline throughput of a dataset in one generate"),
+        (sweep, "sweep", "max_num_seqs x max_num_batched_tokens under a TTFT/ITL target"),
+    ):
+        bench_parser = bench_sub.add_parser(name, help=summary)
+        module.add_cli_args(bench_parser)
+        bench_parser.set_defaults(func=module.main)
 
     view = sub.add_parser("view", help="re-draw a saved spans.jsonl")
     view.add_argument("spans", help="path to spans.jsonl")
