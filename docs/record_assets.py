@@ -44,6 +44,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console, RenderableType
@@ -162,6 +163,30 @@ def write_text(name: str, text: str) -> None:
     with open(os.path.join(OUT_DIR, name), "w") as f:
         f.write(text)
     print("  wrote", os.path.relpath(os.path.join(OUT_DIR, name), ROOT))
+
+
+def rerecord_alone(
+    doc: str,
+    name: str,
+    run: Callable[[], None],
+    draw: Callable[[], dict[str, Any]],
+    measured: Callable[[], dict[str, Any]] | None = None,
+) -> None:
+    """The main of a docs/record_<name>.py: re-record (or with --draw-only
+    redraw) that one run and update its entry of facts.json, leaving the
+    other recordings as they are. ``measured`` adds entries drawn from
+    committed benchmark results."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
+    args = parser.parse_args()
+    if not args.draw_only:
+        run()
+    with open(os.path.join(OUT_DIR, "facts.json")) as f:
+        facts = json.load(f)
+    facts[name] = draw()
+    if measured is not None:
+        facts |= measured()
+    write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
 
 
 def load(name: str) -> list[SpanRecord]:

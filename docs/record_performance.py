@@ -21,7 +21,6 @@ they are.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -303,17 +302,7 @@ def draw_measured() -> dict[str, dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
-    args = parser.parse_args()
-    if not args.draw_only:
-        run()
-    facts_path = os.path.join(assets.OUT_DIR, "facts.json")
-    with open(facts_path) as f:
-        facts = json.load(f)
-    facts[NAME] = draw()
-    facts |= draw_measured()
-    assets.write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
+    assets.rerecord_alone(__doc__, NAME, run, draw, draw_measured)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ row beside it untouched.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -144,16 +143,7 @@ def draw() -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
-    args = parser.parse_args()
-    if not args.draw_only:
-        run()
-    facts_path = os.path.join(assets.OUT_DIR, "facts.json")
-    with open(facts_path) as f:
-        facts = json.load(f)
-    facts[NAME] = draw()
-    assets.write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
+    assets.rerecord_alone(__doc__, NAME, run, draw)
 
 
 if __name__ == "__main__":
