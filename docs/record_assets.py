@@ -107,15 +107,22 @@ def run_serve() -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
 
 
-def _run_in_process(name: str, prompts: list[str], max_tokens: int, **engine_kwargs: Any) -> None:
-    """One process, every request added before the first step."""
-    from tracevllm import LLM, SamplingParams
-
+def fresh_run_dir(name: str) -> str:
+    """traces/docs/<name>/, made if missing, without the spans of an earlier
+    run (the exporter appends, so two runs would mix their steps)."""
     out = os.path.join(RUNS_DIR, name)
     os.makedirs(out, exist_ok=True)
     spans_path = os.path.join(out, "spans.jsonl")
     if os.path.exists(spans_path):
         os.remove(spans_path)
+    return out
+
+
+def _run_in_process(name: str, prompts: list[str], max_tokens: int, **engine_kwargs: Any) -> None:
+    """One process, every request added before the first step."""
+    from tracevllm import LLM, SamplingParams
+
+    out = fresh_run_dir(name)
     print(f"# {name}: {len(prompts)} prompts, {engine_kwargs}", flush=True)
     # ignore_eos: every request runs to max_tokens, so the steps are the same each run.
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

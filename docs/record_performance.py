@@ -59,11 +59,7 @@ def run() -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for run_name, n in RUNS.items():
-        out = os.path.join(assets.RUNS_DIR, f"{NAME}-{run_name}")
-        os.makedirs(out, exist_ok=True)
-        spans_path = os.path.join(out, "spans.jsonl")
-        if os.path.exists(spans_path):
-            os.remove(spans_path)
+        out = assets.fresh_run_dir(f"{NAME}-{run_name}")
         print(f"# {NAME}-{run_name}: {n} prompt(s), {MAX_TOKENS} tokens each", flush=True)
         with LLM(enable_multiprocessing=False, trace_detail="request", trace_dir=out) as llm:
             # Warm up untraced work (the first matmuls pay for thread pools).

@@ -45,11 +45,7 @@ UPDATE_SPAN = "Scheduler.update_from_output"
 def run() -> None:
     from tracevllm import LLM, SamplingParams
 
-    out = os.path.join(assets.RUNS_DIR, NAME)
-    os.makedirs(out, exist_ok=True)
-    spans_path = os.path.join(out, "spans.jsonl")
-    if os.path.exists(spans_path):
-        os.remove(spans_path)
+    out = assets.fresh_run_dir(NAME)
     print(f"# {NAME}: a copy prompt and a question, {SPEC}", flush=True)
     params = SamplingParams(temperature=0.0, max_tokens=64)
     with LLM(

@@ -45,11 +45,7 @@ def run() -> None:
     from tracevllm import LLM, SamplingParams
     from tracevllm.sampling_params import StructuredOutputsParams
 
-    out = os.path.join(assets.RUNS_DIR, NAME)
-    os.makedirs(out, exist_ok=True)
-    spans_path = os.path.join(out, "spans.jsonl")
-    if os.path.exists(spans_path):
-        os.remove(spans_path)
+    out = assets.fresh_run_dir(NAME)
     print(f"# {NAME}: a JSON schema and a plain prompt, {ENGINE}", flush=True)
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     params = [
