@@ -148,8 +148,13 @@ class StructuredOutputsParams(_TypeChecked, msgspec.Struct, omit_defaults=True):
                     "backends; tracevllm's xgrammar backend has no such option."
                 )
 
+    @property
+    def kind(self) -> str | None:
+        """The constraint set (``"json"``, ``"regex"`` ...), None if none is."""
+        return next((name for name in _CONSTRAINTS if getattr(self, name) is not None), None)
+
     def all_constraints_none(self) -> bool:
-        return all(getattr(self, name) is None for name in _CONSTRAINTS)
+        return self.kind is None
 
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")

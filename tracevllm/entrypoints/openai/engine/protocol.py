@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tracevllm.sampling_params import _CONSTRAINTS, StructuredOutputsParams
+from tracevllm.sampling_params import StructuredOutputsParams
 
 
 def random_uuid() -> str:
@@ -203,7 +203,7 @@ class GenerateRequest(OpenAIBaseModel):
         if so_params is None:
             return StructuredOutputsParams(**kwargs)
         (new_kind,) = kwargs
-        old_kind = next(k for k in _CONSTRAINTS if getattr(so_params, k) is not None)
+        old_kind = so_params.kind
         if old_kind != new_kind:
             raise ValueError(
                 "You can only use one kind of structured outputs constraint but multiple are "
