@@ -46,12 +46,15 @@ def _gather_kv(
     """Read the first ``num_blocks`` pages of each row into contiguous K and V."""
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     num_reqs = block_table.shape[0]
-    blocks = block_table[:, :num_blocks].long()  # [num_reqs, num_blocks]
-    key = kv_cache[:, 0][blocks]  # [num_reqs, num_blocks, block_size, num_kv_heads, head_size]
-    value = kv_cache[:, 1][blocks]  # [num_reqs, num_blocks, block_size, num_kv_heads, head_size]
+    blocks = block_table[:, :num_blocks].flatten().long()  # [num_reqs * num_blocks]
+    # Each page's K (and V) is one contiguous run of block_size * num_kv_heads *
+    # head_size numbers: index_select copies whole runs, a row per page.
+    pages = kv_cache.view(kv_cache.shape[0], 2, -1)  # [num_blocks, 2, page_numel]
     shape = (num_reqs, num_blocks * block_size, num_kv_heads, head_size)
+    key = pages[:, 0].index_select(0, blocks).view(shape)
+    value = pages[:, 1].index_select(0, blocks).view(shape)
     # -> [num_reqs, num_kv_heads, num_blocks * block_size, head_size]
-    return key.view(shape).transpose(1, 2), value.view(shape).transpose(1, 2)
+    return key.transpose(1, 2), value.transpose(1, 2)
 
 
 # --8<-- [start:unified_attention_torch]
@@ -84,17 +87,23 @@ def unified_attention_torch(
         # One padded gather and one SDPA call for every single-token query.
         num_decodes, num_heads, head_size = len(decodes), q.shape[1], q.shape[2]
         num_kv_heads = kv_cache.shape[3]
-        idx = torch.tensor(decodes, dtype=torch.long, device=q.device)  # [num_decodes]
+        tok: torch.Tensor | slice  # each decode's token
+        if num_decodes == num_reqs:
+            # A decode-only step (the common one): token r is request r's.
+            tok, decode_tables, decode_lens = slice(0, num_reqs), block_table, seq_lens
+        else:
+            idx = torch.tensor(decodes, dtype=torch.long, device=q.device)  # [num_decodes]
+            tok = query_start_loc.to(torch.long)[idx]  # [num_decodes]
+            decode_tables, decode_lens = block_table[idx], seq_lens[idx]
         max_len = max(lens[r] for r in decodes)
         num_blocks = -(-max_len // block_size)
-        key, value = _gather_kv(kv_cache, block_table[idx], num_blocks)
-        tok = query_start_loc.to(torch.long)[idx]  # [num_decodes]: each decode's token
+        key, value = _gather_kv(kv_cache, decode_tables, num_blocks)
         # GQA without copying K/V: the query heads that share a KV head become
         # that head's query rows. [num_decodes, num_heads, head_size] ->
         # [num_decodes, num_kv_heads, num_heads // num_kv_heads, head_size]
         query = q[tok].view(num_decodes, num_kv_heads, -1, head_size)
         key_pos = torch.arange(num_blocks * block_size, device=q.device)  # [max_kv_len]
-        padding = key_pos[None, :] >= seq_lens.to(torch.long)[idx][:, None]
+        padding = key_pos[None, :] >= decode_lens.to(torch.long)[:, None]
         # [num_decodes, 1, 1, max_kv_len]: -inf on the padding past each seq_len
         mask = torch.zeros(padding.shape, dtype=q.dtype, device=q.device)
         mask = mask.masked_fill_(padding, float("-inf"))[:, None, None, :]

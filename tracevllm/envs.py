@@ -51,8 +51,14 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # CPU matmuls through oneDNN on weights packed once at load, as vLLM's CPU
     # backend (0: plain F.linear, for comparing).
     "TRACEVLLM_CPU_ONEDNN_GEMM": _bool("TRACEVLLM_CPU_ONEDNN_GEMM", "1"),
-    # Torch intra-op threads in the engine process (0: torch's default).
+    # Torch intra-op threads in the engine (0: the allowed CPUs less the reserved).
     "TRACEVLLM_NUM_THREADS": lambda: int(os.environ.get("TRACEVLLM_NUM_THREADS", "0")),
+    # CPUs the engine's torch threads leave to other work, such as a busy
+    # frontend (vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU, whose default is 1; see
+    # platforms/cpu.py for why tracevllm's is 0). TRACEVLLM_NUM_THREADS wins.
+    "TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": lambda: int(
+        os.environ.get("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    ),
     # The most memory xgrammar's compiler keeps compiled grammars in, in MiB
     # (vLLM's VLLM_XGRAMMAR_CACHE_MB; least recently used dropped first).
     "TRACEVLLM_XGRAMMAR_CACHE_MB": lambda: int(
@@ -70,6 +76,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_LAB: str | None
     TRACEVLLM_LOGGING_LEVEL: str
     TRACEVLLM_NUM_THREADS: int
+    TRACEVLLM_CPU_NUM_OF_RESERVED_CPU: int
     TRACEVLLM_CPU_ONEDNN_GEMM: bool
     TRACEVLLM_XGRAMMAR_CACHE_MB: int
 

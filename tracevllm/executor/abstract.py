@@ -69,20 +69,22 @@ class UniProcExecutor(Executor):
         self.model_runner.load_model()
 
     def init_device(self) -> None:
-        """vLLM's Worker.init_device: threads, and the engine seed.
+        """vLLM's Worker.init_device: threads, the allocator, and the engine seed.
 
-        The seed makes requests without their own ``seed`` reproducible from
-        run to run (they draw from the global generator).
+        Threads and allocator: see platforms/cpu.py. The seed makes requests
+        without their own ``seed`` reproducible from run to run (they draw
+        from the global generator).
         """
         import random
 
         import numpy as np
         import torch
 
-        from tracevllm import envs
+        from tracevllm.platforms import cpu
 
-        if envs.TRACEVLLM_NUM_THREADS > 0:
-            torch.set_num_threads(envs.TRACEVLLM_NUM_THREADS)
+        if self.vllm_config.device_config.device == "cpu":
+            cpu.tune_malloc()
+            torch.set_num_threads(cpu.engine_num_threads())
         seed = self.vllm_config.model_config.seed
         random.seed(seed)
         np.random.seed(seed)
