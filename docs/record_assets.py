@@ -185,12 +185,20 @@ def rerecord_alone(
     committed benchmark results."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
+    if measured is not None:
+        parser.add_argument(
+            "--measured-only",
+            action="store_true",
+            help="only re-draw what comes from benchmarks/results/ (no recorded run needed)",
+        )
     args = parser.parse_args()
-    if not args.draw_only:
+    measured_only = getattr(args, "measured_only", False)
+    if not (args.draw_only or measured_only):
         run()
     with open(os.path.join(OUT_DIR, "facts.json")) as f:
         facts = json.load(f)
-    facts[name] = draw()
+    if not measured_only:
+        facts[name] = draw()
     if measured is not None:
         facts |= measured()
     write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")

@@ -3,7 +3,8 @@ and the profile breakdown.
 
 ``docs/record_assets.py`` calls ``run()`` and ``draw()`` with the book's other
 runs; ``python docs/record_performance.py`` re-records this one alone (and
-``--draw-only`` redraws it), updating the ``latency``, ``roofline`` and
+``--draw-only`` redraws it; ``--measured-only`` redraws only the roofline
+and profile from their JSON), updating the ``latency``, ``roofline`` and
 ``profile`` entries of ``facts.json`` and leaving the other recordings as
 they are.
 

@@ -32,6 +32,7 @@ from tracevllm import envs
 
 logger = logging.getLogger(__name__)
 
+# --8<-- [start:tune_malloc]
 # mallopt parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -54,6 +55,9 @@ def tune_malloc() -> bool:
         mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
         and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
+
+
+# --8<-- [end:tune_malloc]
 
 
 def allowed_cpus() -> int:
