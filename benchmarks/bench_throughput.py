@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--tracing-rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.tracing_rounds < 1:
+        parser.error("--tracing-rounds must be at least 1")
     from transformers import AutoTokenizer
 
     from tracevllm.model_executor.model_loader import resolve_model

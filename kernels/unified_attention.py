@@ -49,7 +49,9 @@ def _gather_kv(
     blocks = block_table[:, :num_blocks].flatten().long()  # [num_reqs * num_blocks]
     # Each page's K (and V) is one contiguous run of block_size * num_kv_heads *
     # head_size numbers: index_select copies whole runs, a row per page.
-    pages = kv_cache.view(kv_cache.shape[0], 2, -1)  # [num_blocks, 2, page_numel]
+    # [num_blocks, 2, page_numel]: a view of the engine's (contiguous) cache;
+    # a non-contiguous cache (a test's slice) is copied first.
+    pages = kv_cache.reshape(kv_cache.shape[0], 2, -1)
     shape = (num_reqs, num_blocks * block_size, num_kv_heads, head_size)
     key = pages[:, 0].index_select(0, blocks).view(shape)
     value = pages[:, 1].index_select(0, blocks).view(shape)

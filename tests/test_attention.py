@@ -144,3 +144,25 @@ def test_reshape_and_cache_flash_writes_exactly_the_slots() -> None:
     torch.testing.assert_close(cache, expected, atol=0, rtol=0)
     # Exactly four slots hold data.
     assert int((cache.abs().sum(dim=(1, 3, 4)) > 0).sum()) == 4
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_gather_kv_reads_each_page_of_each_row(contiguous: bool) -> None:
+    """``_gather_kv`` against an explicit loop over the block table, also on a
+    non-contiguous cache (a slice of a larger one), where it must copy, not fail."""
+    from kernels.unified_attention import _gather_kv
+
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_kv_heads, head_size = 9, 4, 2, 8
+    full = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size + 3, generator=gen)
+    cache = full[..., :head_size] if not contiguous else full[..., :head_size].contiguous()
+    assert cache.is_contiguous() == contiguous
+    table = torch.tensor([[3, 7, 1], [5, 0, 8]], dtype=torch.int32)
+    key, value = _gather_kv(cache, table, 2)
+    # [num_reqs, num_kv_heads, 2 * block_size, head_size]
+    for r in range(2):
+        for b in range(2):
+            page = cache[int(table[r, b])]  # [2, block_size, num_kv_heads, head_size]
+            rows = slice(b * block_size, (b + 1) * block_size)
+            assert torch.equal(key[r, :, rows], page[0].transpose(0, 1))
+            assert torch.equal(value[r, :, rows], page[1].transpose(0, 1))

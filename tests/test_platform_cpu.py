@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,11 +18,11 @@ from tracevllm.platforms import cpu
 
 
 @pytest.mark.parametrize(
-    ("reserved", "threads", "cpus", "expected"),
+    ("reserved", "threads", "torch_threads", "expected"),
     [
-        (None, None, 8, 8),  # every allowed CPU
+        (None, None, 8, None),  # nothing set: torch's own default stays
         ("1", None, 8, 7),  # TRACEVLLM_CPU_NUM_OF_RESERVED_CPU (vLLM's default is 1)
-        ("3", None, 2, 1),  # never fewer than one thread
+        ("0", None, 8, None),
         (None, "4", 2, 4),  # TRACEVLLM_NUM_THREADS wins
         ("1", "3", 8, 3),
     ],
@@ -28,10 +31,10 @@ def test_engine_num_threads(
     monkeypatch: pytest.MonkeyPatch,
     reserved: str | None,
     threads: str | None,
-    cpus: int,
-    expected: int,
+    torch_threads: int,
+    expected: int | None,
 ) -> None:
-    monkeypatch.setattr(cpu, "allowed_cpus", lambda: cpus)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
     for name, value in (
         ("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", reserved),
         ("TRACEVLLM_NUM_THREADS", threads),
@@ -43,8 +46,29 @@ def test_engine_num_threads(
     assert cpu.engine_num_threads() == expected
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "2", "leaves no thread for the engine"),
+        ("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "-1", "must be a whole number >= 0, got '-1'"),
+        ("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "abc", "must be a whole number >= 0, got 'abc'"),
+        ("TRACEVLLM_NUM_THREADS", "-2", "TRACEVLLM_NUM_THREADS must be a whole number"),
+        ("TRACEVLLM_NUM_THREADS", "1.5", "TRACEVLLM_NUM_THREADS must be a whole number"),
+    ],
+)
+def test_bad_thread_settings_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, message: str
+) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.delenv("TRACEVLLM_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cpu.engine_num_threads()
+
+
 def test_init_device_sets_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu, "allowed_cpus", lambda: 3)
+    monkeypatch.setattr(cpu, "tune_malloc", lambda: True)  # not this process's allocator
     monkeypatch.delenv("TRACEVLLM_NUM_THREADS", raising=False)
     monkeypatch.setenv("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     config = SimpleNamespace(
@@ -52,6 +76,7 @@ def test_init_device_sets_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     before = torch.get_num_threads()
     try:
+        torch.set_num_threads(3)
         UniProcExecutor.init_device(SimpleNamespace(vllm_config=config))  # type: ignore[arg-type]
         assert torch.get_num_threads() == 2
     finally:
@@ -83,7 +108,17 @@ _MMAPPED = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def _glibc_malloc_in_use() -> bool:
+    """glibc 2.33+ (mallinfo2), and no other allocator preloaded."""
+    if not sys.platform.startswith("linux"):
+        return False
+    preload = os.environ.get("LD_PRELOAD", "")
+    if any(name in preload for name in ("tcmalloc", "jemalloc", "mimalloc")):
+        return False
+    return hasattr(ctypes.CDLL(None), "mallinfo2")
+
+
+@pytest.mark.skipif(not _glibc_malloc_in_use(), reason="glibc's malloc (2.33+) not in use")
 def test_tune_malloc_keeps_step_sized_blocks_off_mmap() -> None:
     """A 16 MiB block is its own mmap by default; once tuned it comes from the
     heap, and the heap keeps it after it is freed, for the next step.

@@ -384,37 +384,3 @@ def test_span_ids_do_not_follow_the_engine_seed() -> None:
     finally:
         tracing.shutdown_tracer()
     assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policy")
-def test_exporter_thread_runs_at_idle_priority() -> None:
-    """The batch processor's own thread exports at SCHED_IDLE; the caller's is untouched."""
-    import threading
-    import time
-
-    from opentelemetry.sdk.trace import TracerProvider
-
-    from tracevllm.tracing import idle_batch_processor
-
-    policies: list[int] = []
-
-    class Recording(InMemorySpanExporter):
-        def export(self, spans: Any) -> Any:
-            if threading.current_thread() is not threading.main_thread():
-                policies.append(os.sched_getscheduler(0))
-            return super().export(spans)
-
-    inner = Recording()
-    provider = TracerProvider()
-    provider.add_span_processor(idle_batch_processor(inner))
-    tracer = provider.get_tracer("t")
-    for i in range(600):  # past the processor's batch size (512): its thread exports
-        tracer.start_span(f"s{i}").end()
-    deadline = time.monotonic() + 30
-    while not policies and time.monotonic() < deadline:
-        time.sleep(0.01)
-    provider.force_flush()  # the rest, from this thread
-    assert len(inner.get_finished_spans()) == 600
-    assert policies and set(policies) == {os.SCHED_IDLE}
-    assert os.sched_getscheduler(0) != os.SCHED_IDLE
-    provider.shutdown()

@@ -12,6 +12,22 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 
+def _count(name: str, default: str) -> Callable[[], int]:
+    """A whole number >= 0; anything else is an error that names the variable."""
+
+    def read() -> int:
+        raw = os.environ.get(name, default)
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise ValueError(f"{name} must be a whole number >= 0, got {raw!r}.")
+        return value
+
+    return read
+
+
 def _bool(name: str, default: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, default).strip().lower() in ("1", "true", "yes", "on")
 
@@ -51,14 +67,12 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # CPU matmuls through oneDNN on weights packed once at load, as vLLM's CPU
     # backend (0: plain F.linear, for comparing).
     "TRACEVLLM_CPU_ONEDNN_GEMM": _bool("TRACEVLLM_CPU_ONEDNN_GEMM", "1"),
-    # Torch intra-op threads in the engine (0: the allowed CPUs less the reserved).
-    "TRACEVLLM_NUM_THREADS": lambda: int(os.environ.get("TRACEVLLM_NUM_THREADS", "0")),
+    # Torch intra-op threads in the engine (0: torch's default, less the reserved).
+    "TRACEVLLM_NUM_THREADS": _count("TRACEVLLM_NUM_THREADS", "0"),
     # CPUs the engine's torch threads leave to other work, such as a busy
     # frontend (vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU, whose default is 1; see
     # platforms/cpu.py for why tracevllm's is 0). TRACEVLLM_NUM_THREADS wins.
-    "TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": lambda: int(
-        os.environ.get("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    ),
+    "TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": _count("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
     # The most memory xgrammar's compiler keeps compiled grammars in, in MiB
     # (vLLM's VLLM_XGRAMMAR_CACHE_MB; least recently used dropped first).
     "TRACEVLLM_XGRAMMAR_CACHE_MB": lambda: int(

@@ -84,7 +84,9 @@ class UniProcExecutor(Executor):
 
         if self.vllm_config.device_config.device == "cpu":
             cpu.tune_malloc()
-            torch.set_num_threads(cpu.engine_num_threads())
+        threads = cpu.engine_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
         seed = self.vllm_config.model_config.seed
         random.seed(seed)
         np.random.seed(seed)

@@ -1,24 +1,27 @@
 """Process settings for running the engine on CPUs: threads and the allocator.
 
-Mirrors two things vLLM's CPU backend does before its worker runs a step:
+Mirrors vllm/utils/ompmultiprocessing.py and vllm/v1/worker/cpu_worker.py:
+two things vLLM's CPU backend does before its worker runs a step.
 
 - vllm/utils/ompmultiprocessing.py (``OMPProcessManager.reserve_cpu_num``):
   vLLM's worker leaves one CPU to the frontend process and gives its
   OpenMP threads the rest (``VLLM_CPU_NUM_OF_RESERVED_CPU``, default 1).
   tracevllm reads ``TRACEVLLM_CPU_NUM_OF_RESERVED_CPU`` the same way but
-  reserves none by default: in an offline run the frontend sleeps while a
-  step runs, and on a 2-core machine the engine did 162-170 tok/s with both
-  cores against 109-133 with one (``make bench``'s workload, same hour). A
-  busy server frontend is the case for reserving one. vLLM also pins each
-  thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
-  placement to the OS.
-- vllm/platforms/cpu.py (``check_and_update_config``) preloads tcmalloc into
-  the worker. A decode step allocates and frees hundreds of tensors of
-  hundreds of KB to a few MB; glibc's malloc serves those with fresh
-  ``mmap``\\ s and hands them back on free, so every step pays page faults on
-  memory it had a moment ago. tracevllm keeps glibc and tells it, with
-  ``mallopt``, to serve blocks up to 32 MiB from its heap and to keep freed
-  memory: the same effect, no preloaded library.
+  reserves none by default, and then leaves torch's own thread count alone
+  (one per physical core, or ``OMP_NUM_THREADS``): in an offline run the
+  frontend sleeps while a step runs, and on a 2-core machine the engine did
+  162-170 tok/s with both cores against 109-133 with one (``make bench``'s
+  workload, same hour). A busy server frontend is the case for reserving
+  one. vLLM also pins each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``);
+  tracevllm leaves placement to the OS.
+- vllm/v1/worker/cpu_worker.py (``init_device``) warns when tcmalloc is not
+  in ``LD_PRELOAD``, and vLLM's CPU install guide preloads it. A decode step
+  allocates and frees hundreds of tensors of hundreds of KB to a few MB;
+  glibc's malloc serves those with fresh ``mmap``\\ s and hands them back on
+  free, so every step pays page faults on memory it had a moment ago.
+  tracevllm keeps glibc and tells it, with ``mallopt``, to serve blocks up to
+  32 MiB from its heap and to keep freed memory: the same effect, no
+  preloaded library.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+import torch
 
 from tracevllm import envs
 
@@ -50,27 +54,33 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         mallopt = None
     if mallopt is None:  # not glibc (macOS, musl): its allocator is left as it is
+        logger.debug("no glibc mallopt: the allocator is left as it is")
         return False
-    return bool(
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-    )
+    mmap_ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    trim_ok = bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    logger.debug("mallopt: mmap threshold %s, trim threshold %s", mmap_ok, trim_ok)
+    return mmap_ok and trim_ok
 
 
 # --8<-- [end:tune_malloc]
 
 
-def allowed_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, else the machine's)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+def engine_num_threads() -> int | None:
+    """Torch intra-op threads for the engine, or None to leave torch's default.
 
-
-def engine_num_threads() -> int:
-    """Torch intra-op threads for the engine: ``TRACEVLLM_NUM_THREADS`` when
-    set, else every allowed CPU less ``TRACEVLLM_CPU_NUM_OF_RESERVED_CPU``
-    (default none), and at least one."""
+    ``TRACEVLLM_NUM_THREADS`` when set; else, with
+    ``TRACEVLLM_CPU_NUM_OF_RESERVED_CPU`` set, torch's own count less the
+    reserved CPUs (vLLM's arithmetic); else None.
+    """
     if envs.TRACEVLLM_NUM_THREADS > 0:
         return envs.TRACEVLLM_NUM_THREADS
-    return max(1, allowed_cpus() - envs.TRACEVLLM_CPU_NUM_OF_RESERVED_CPU)
+    reserved = envs.TRACEVLLM_CPU_NUM_OF_RESERVED_CPU
+    if reserved == 0:
+        return None
+    available = torch.get_num_threads()
+    if reserved >= available:
+        raise ValueError(
+            f"TRACEVLLM_CPU_NUM_OF_RESERVED_CPU={reserved} leaves no thread for the engine: "
+            f"torch would use {available}. Reserve fewer, or set TRACEVLLM_NUM_THREADS."
+        )
+    return available - reserved

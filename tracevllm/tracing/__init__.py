@@ -20,7 +20,6 @@ import functools
 import inspect
 import os
 import secrets
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -29,7 +28,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Span, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -61,26 +60,6 @@ class _SystemRandomIdGenerator(RandomIdGenerator):
         while trace_id == trace.INVALID_TRACE_ID:
             trace_id = secrets.randbits(128)
         return trace_id
-
-
-def idle_batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
-    """A BatchSpanProcessor whose export thread runs only on CPU time nobody else wants.
-
-    The processor encodes and writes spans on a thread of its own. The
-    engine's OpenMP team uses every core, and a team stalls at each barrier
-    while one of its threads waits for a core, so an exporter at normal
-    priority costs the engine many times its own CPU time. At SCHED_IDLE
-    (Linux) it runs while the team waits or the engine is idle; elsewhere it
-    runs as it is. Only that thread is lowered: a ``force_flush`` still
-    exports at the caller's priority.
-    """
-    before = set(threading.enumerate())
-    processor = BatchSpanProcessor(exporter)
-    for thread in set(threading.enumerate()) - before:
-        if thread.native_id is not None and hasattr(os, "SCHED_IDLE"):
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(thread.native_id, os.SCHED_IDLE, os.sched_param(0))
-    return processor
 
 
 class _State:
@@ -122,11 +101,11 @@ def init_tracer(
         os.makedirs(trace_config.out_dir, exist_ok=True)
         path = os.path.join(trace_config.out_dir, SPANS_FILE)
         # Both processes append to the same file; each line is one whole batch.
-        provider.add_span_processor(idle_batch_processor(FileSpanExporter(path)))
+        provider.add_span_processor(BatchSpanProcessor(FileSpanExporter(path)))
     if endpoint:
         from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(idle_batch_processor(OTLPSpanExporter(endpoint=endpoint)))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     if trace_config.live_views:
         # Lazy: only `tracevllm trace` draws live; the engine never imports views.
         from tracevllm.views.report import RichViewProcessor
