@@ -197,6 +197,29 @@ def test_shutdown_stops_process_and_removes_sockets(tiny_model_dir: str) -> None
     assert _children() - before == set()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux threads")
+def test_idle_engine_exits_on_sigterm_that_lands_on_another_thread(tiny_model_dir: str) -> None:
+    """SIGTERM sent to the process may be delivered to any of its threads; the
+    idle engine core must still run its handler and exit (it used to sleep in
+    its queue until the frontend killed it)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_tgkill = 234  # x86_64
+    with LLM(model=tiny_model_dir, num_gpu_blocks_override=32, enable_multiprocessing=True) as llm:
+        client = llm.llm_engine.engine_core
+        llm.generate(["hi"], _greedy(2), use_tqdm=False)
+        pid = client.engine_pid
+        others = [int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid]
+        assert others, "the engine core runs I/O threads beside its main thread"
+        time.sleep(0.5)  # idle: the main thread waits on its input queue
+        assert libc.syscall(sys_tgkill, pid, others[0], signal.SIGTERM) == 0
+        deadline = time.monotonic() + 5
+        while pid in _children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pid not in _children(), "the engine core ignored SIGTERM while idle"
+
+
 def test_unsupported_architecture_lists_supported(tmp_path) -> None:
     import json
 

@@ -52,6 +52,8 @@ from tracevllm.structured_output import StructuredOutputManager
 from tracevllm.tracing import records
 
 logger = logging.getLogger(__name__)
+# How often an idle engine core wakes to let a signal's handler run (seconds).
+IDLE_WAKEUP_S = 0.2
 
 # Sent on the output socket when the engine dies of an error (vLLM's name).
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
@@ -332,7 +334,13 @@ class EngineCoreProc(EngineCore):
         Returns False when the engine should stop (the frontend is gone).
         """
         while not self.scheduler.has_requests():
-            req = self.input_queue.get()
+            try:
+                # A timeout, not a plain get(): SIGTERM's Python handler runs
+                # in this (the main) thread between two bytecodes, and the
+                # signal may land on another thread, which wakes nothing here.
+                req = self.input_queue.get(timeout=IDLE_WAKEUP_S)
+            except queue.Empty:
+                continue
             if not self._handle_client_request(*req):
                 return False
         while not self.input_queue.empty():
