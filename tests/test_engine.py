@@ -263,3 +263,16 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir: str) -
 
     assert run(0) == run(0)
     assert run(0) != run(1)
+
+
+def test_engine_core_freezes_its_startup_heap(tiny_model_dir: str) -> None:
+    """EngineCore leaves its startup heap out of the garbage collector's walks
+    (vLLM's freeze_gc_heap) and gives it back at shutdown."""
+    import gc
+
+    before = gc.get_freeze_count()  # another in-process engine may be alive
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False) as llm:
+        assert gc.get_freeze_count() > before
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.model_runner
+        assert not any(o is runner.__dict__ for o in gc.get_objects())  # frozen: not walked
+    assert gc.get_freeze_count() == 0

@@ -209,6 +209,65 @@ def test_full_detail_adds_every_layer(tiny_model_dir: str) -> None:
     layers = {s.attributes["tracevllm.layer"] for s in spans if s.name == "unified_attention"}
     assert layers == {0, 1}  # the tiny model has two layers
     assert any(s.name == "LlamaDecoderLayer.forward" for s in spans)
+    # The step's arrays are the same for every layer: only layer 0 carries them.
+    step_arrays = ("tracevllm.slot_mapping", "tracevllm.query_start_loc", "tracevllm.seq_lens")
+    for span in spans:
+        if span.name in ("reshape_and_cache_flash", "unified_attention"):
+            layer = span.attributes["tracevllm.layer"]
+            assert span.attributes["tracevllm.layer_name"] == f"model.layers.{layer}.self_attn.attn"
+            arrays = {k for k in step_arrays if k in span.attributes}
+            expected = {"reshape_and_cache_flash": {"tracevllm.slot_mapping"},
+                        "unified_attention": set(step_arrays[1:])}[span.name]  # fmt: skip
+            assert arrays == (expected if layer == 0 else set()), (span.name, layer)
+            if layer == 0 and span.name == "reshape_and_cache_flash":
+                assert len(span.attributes["tracevllm.slot_mapping"]) > 0
+
+
+def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:
+    """tracevllm's file exporter writes OTel's FileSpanExporter's bytes,
+    on spans with every kind of value, link, event, status and parent."""
+    import math
+
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.json.file import FileSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState
+
+    from tracevllm.tracing.exporters import OTLPJsonFileExporter
+
+    ours_path, otel_path = tmp_path / "ours.jsonl", tmp_path / "otel.jsonl"
+    provider = TracerProvider(resource=Resource.create({"service.name": "t", "process.pid": 7}))
+    for exporter in (OTLPJsonFileExporter(str(ours_path)), FileSpanExporter(otel_path)):
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("tracevllm")
+    other = provider.get_tracer("other", "1.2", schema_url="https://s", attributes={"a": 1})
+    remote = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1),
+                         trace_state=TraceState([("k", "v"), ("z", "1")]))  # fmt: skip
+    values = {
+        "float": 1.5, "zero": 0.0, "nan": math.nan, "inf": math.inf, "-inf": -math.inf,
+        "true": True, "false": False, "int0": 0, "neg": -7, "big": 2**62, "empty": "",
+        "text": 'é"\n', "ints": [1, 2], "none": [], "floats": [1.0, 2.5],
+        "bools": [True, False], "strs": ["a", ""], "with_none": [None, 1],
+    }  # fmt: skip
+    context = trace.set_span_in_context(trace.NonRecordingSpan(remote))
+    with tracer.start_as_current_span("root", context, SpanKind.SERVER, values) as root:
+        links = [Link(remote, {"x": "y"}), Link(root.get_span_context())]
+        with other.start_as_current_span("child", kind=SpanKind.CLIENT, links=links) as child:
+            child.add_event("event", {"n": 1})
+            child.add_event("bare")
+            child.set_status(trace.StatusCode.OK)
+        for kind in (SpanKind.PRODUCER, SpanKind.CONSUMER, SpanKind.INTERNAL):
+            tracer.start_span("kind", kind=kind).end()
+        with pytest.raises(ValueError), tracer.start_as_current_span("error"):
+            raise ValueError("boom")
+    provider.shutdown()
+    ours, otel = ours_path.read_text(), otel_path.read_text()
+    assert ours.count("\n") == 6  # one line per export (SimpleSpanProcessor: per span)
+    assert ours == otel
+    assert {s.name for s in read_spans_jsonl(str(ours_path))} == {
+        "root", "child", "kind", "error"
+    }  # fmt: skip
 
 
 def test_tracing_does_not_change_outputs(tiny_model_dir: str, tmp_path: Any) -> None:

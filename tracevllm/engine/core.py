@@ -13,6 +13,7 @@ addresses → READY).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -50,6 +51,7 @@ from tracevllm.request import Request, RequestStatus
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 from tracevllm.structured_output import StructuredOutputManager
 from tracevllm.tracing import records
+from tracevllm.utils.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 # How often an idle engine core wakes to let a signal's handler run (seconds).
@@ -103,6 +105,10 @@ class EngineCore:
             hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
             init_none_hash(hash_fn)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, hash_fn)
+
+        # The startup heap (torch, the model, the tokenizer) stays alive until
+        # shutdown: leave it out of the garbage collector's walks.
+        freeze_gc_heap()
 
     # --8<-- [start:initialize_kv_caches]
     def _initialize_kv_caches(self, vllm_config: VllmConfig) -> int:
@@ -227,6 +233,8 @@ class EngineCore:
         self.structured_output_manager.clear_backend()
         self.model_executor.shutdown()
         self.scheduler.shutdown()
+        # Undo freeze_gc_heap, so that an engine dropped in-process can be collected.
+        gc.unfreeze()
 
 
 class EngineCoreProc(EngineCore):

@@ -96,12 +96,12 @@ def init_tracer(
     )
     provider = TracerProvider(resource=resource, id_generator=_SystemRandomIdGenerator())
     if trace_config.out_dir:
-        from opentelemetry.exporter.otlp.json.file import FileSpanExporter
+        from tracevllm.tracing.exporters import OTLPJsonFileExporter
 
         os.makedirs(trace_config.out_dir, exist_ok=True)
         path = os.path.join(trace_config.out_dir, SPANS_FILE)
         # Both processes append to the same file; each line is one whole batch.
-        provider.add_span_processor(BatchSpanProcessor(FileSpanExporter(path)))
+        provider.add_span_processor(BatchSpanProcessor(OTLPJsonFileExporter(path)))
     if endpoint:
         from opentelemetry.exporter.otlp.json.http.trace_exporter import OTLPSpanExporter
 

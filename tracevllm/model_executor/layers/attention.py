@@ -77,35 +77,35 @@ class Attention(nn.Module):
     def _forward_traced(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor
     ) -> None:
-        """The same two calls, each in a span that shows what crossed into the kernel."""
+        """The same two calls, each in a span that shows what crossed into the kernel.
+
+        The step's arrays (slot mapping, query starts, sequence lengths) are
+        the same for every layer: they go on layer 0's spans only, and the
+        other layers' spans (``--detail full``) carry what is their own.
+        """
         tracer = tracing.get_tracer()
         attn_metadata, _, kv_cache, slot_mapping = get_attention_context(self.layer_name)
         layer: dict[str, Any] = {
             "tracevllm.layer": self.layer_index,
             "tracevllm.layer_name": self.layer_name,
         }
-        with tracer.start_as_current_span(
-            "reshape_and_cache_flash",
-            attributes={
-                **_WRITE_CODE,
-                **layer,
-                "tracevllm.kv_cache_shape": list(kv_cache.shape),
-                "tracevllm.slot_mapping": slot_mapping.tolist() if slot_mapping is not None else [],
-            },
-        ):
+        write = {**_WRITE_CODE, **layer, "tracevllm.kv_cache_shape": list(kv_cache.shape)}
+        read = {
+            **_READ_CODE,
+            **layer,
+            "tracevllm.block_table_shape": list(attn_metadata.block_table.shape),
+            "tracevllm.backend": self.attn_backend.get_name(),
+            "tracevllm.attention.launch": self.impl.launch_name(attn_metadata),
+        }
+        if self.layer_index == 0:
+            write["tracevllm.slot_mapping"] = (
+                slot_mapping.tolist() if slot_mapping is not None else []
+            )
+            read["tracevllm.query_start_loc"] = attn_metadata.query_start_loc.tolist()
+            read["tracevllm.seq_lens"] = attn_metadata.seq_lens.tolist()
+        with tracer.start_as_current_span("reshape_and_cache_flash", attributes=write):
             unified_kv_cache_update(key, value, self.layer_name)
-        with tracer.start_as_current_span(
-            "unified_attention",
-            attributes={
-                **_READ_CODE,
-                **layer,
-                "tracevllm.query_start_loc": attn_metadata.query_start_loc.tolist(),
-                "tracevllm.seq_lens": attn_metadata.seq_lens.tolist(),
-                "tracevllm.block_table_shape": list(attn_metadata.block_table.shape),
-                "tracevllm.backend": self.attn_backend.get_name(),
-                "tracevllm.attention.launch": self.impl.launch_name(attn_metadata),
-            },
-        ):
+        with tracer.start_as_current_span("unified_attention", attributes=read):
             unified_attention_with_output(query, key, value, output, self.layer_name)
 
 
