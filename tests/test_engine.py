@@ -274,5 +274,7 @@ def test_engine_core_freezes_its_startup_heap(tiny_model_dir: str) -> None:
     with LLM(model=tiny_model_dir, enable_multiprocessing=False) as llm:
         assert gc.get_freeze_count() > before
         runner = llm.llm_engine.engine_core.engine_core.model_executor.model_runner
-        assert not any(o is runner.__dict__ for o in gc.get_objects())  # frozen: not walked
+        attributes = runner.__dict__
+        assert gc.is_tracked(attributes)
+        assert not any(o is attributes for o in gc.get_objects())  # frozen: not walked
     assert gc.get_freeze_count() == 0

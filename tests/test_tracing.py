@@ -224,21 +224,27 @@ def test_full_detail_adds_every_layer(tiny_model_dir: str) -> None:
 
 
 def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:
-    """tracevllm's file exporter writes OTel's FileSpanExporter's bytes,
-    on spans with every kind of value, link, event, status and parent."""
+    """tracevllm's file exporter writes OTel's FileSpanExporter's bytes, on
+    spans with every kind of value, link, event, status, parent and limit,
+    one span per line and all of them in one batch (grouped by scope)."""
     import math
 
     from opentelemetry import trace
+    from opentelemetry.exporter.otlp.json.common.trace_encoder import encode_spans as otel_encode
     from opentelemetry.exporter.otlp.json.file import FileSpanExporter
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState
 
-    from tracevllm.tracing.exporters import OTLPJsonFileExporter
+    from tracevllm.tracing.exporters import OTLPJsonFileExporter, encode_spans
 
     ours_path, otel_path = tmp_path / "ours.jsonl", tmp_path / "otel.jsonl"
-    provider = TracerProvider(resource=Resource.create({"service.name": "t", "process.pid": 7}))
-    for exporter in (OTLPJsonFileExporter(str(ours_path)), FileSpanExporter(otel_path)):
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": "t", "process.pid": 7}, "https://r"),
+        span_limits=SpanLimits(max_span_attributes=24, max_events=2, max_links=3),
+    )
+    memory = InMemorySpanExporter()
+    for exporter in (OTLPJsonFileExporter(str(ours_path)), FileSpanExporter(otel_path), memory):
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("tracevllm")
     other = provider.get_tracer("other", "1.2", schema_url="https://s", attributes={"a": 1})
@@ -248,25 +254,44 @@ def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:
         "float": 1.5, "zero": 0.0, "nan": math.nan, "inf": math.inf, "-inf": -math.inf,
         "true": True, "false": False, "int0": 0, "neg": -7, "big": 2**62, "empty": "",
         "text": 'é"\n', "ints": [1, 2], "none": [], "floats": [1.0, 2.5],
-        "bools": [True, False], "strs": ["a", ""], "with_none": [None, 1],
+        "bools": [True, False], "strs": ["a", ""], "with_none": [None, 1], "bytes": b"\x00\xff",
+        "mapping": {"k": 1, "nested": {"x": [1, "y"]}},
     }  # fmt: skip
     context = trace.set_span_in_context(trace.NonRecordingSpan(remote))
     with tracer.start_as_current_span("root", context, SpanKind.SERVER, values) as root:
-        links = [Link(remote, {"x": "y"}), Link(root.get_span_context())]
+        links = [
+            Link(remote, {"x": "y"}),
+            Link(root.get_span_context()),
+            # Kept by the SDK for its attributes: written with zero ids.
+            Link(trace.INVALID_SPAN_CONTEXT, {"gen_ai.request.id": "0"}),
+        ]
         with other.start_as_current_span("child", kind=SpanKind.CLIENT, links=links) as child:
             child.add_event("event", {"n": 1})
             child.add_event("bare")
             child.set_status(trace.StatusCode.OK)
         for kind in (SpanKind.PRODUCER, SpanKind.CONSUMER, SpanKind.INTERNAL):
             tracer.start_span("kind", kind=kind).end()
+        # Over the limits: dropped attributes, events and links are counted.
+        with tracer.start_as_current_span(
+            "dropped", attributes={f"a{i}": i for i in range(30)}, links=links * 2
+        ) as span:
+            for i in range(4):
+                span.add_event(f"e{i}")
         with pytest.raises(ValueError), tracer.start_as_current_span("error"):
             raise ValueError("boom")
     provider.shutdown()
     ours, otel = ours_path.read_text(), otel_path.read_text()
-    assert ours.count("\n") == 6  # one line per export (SimpleSpanProcessor: per span)
+    assert ours.count("\n") == 7  # one line per export (SimpleSpanProcessor: per span)
     assert ours == otel
+    spans = memory.get_finished_spans()
+    assert {s.name for s in spans} == {"root", "child", "kind", "dropped", "error"}
+    dropped = next(s for s in spans if s.name == "dropped")
+    assert (dropped.dropped_attributes, dropped.dropped_events, dropped.dropped_links) == (6, 2, 3)
+    # All in one batch: two scopes under one resource, in the order OTel writes.
+    assert json.dumps(encode_spans(spans)) == json.dumps(otel_encode(spans).to_dict())
+    assert len(encode_spans(spans)["resourceSpans"][0]["scopeSpans"]) == 2
     assert {s.name for s in read_spans_jsonl(str(ours_path))} == {
-        "root", "child", "kind", "error"
+        "root", "child", "kind", "dropped", "error"
     }  # fmt: skip
 
 

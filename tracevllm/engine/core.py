@@ -106,8 +106,8 @@ class EngineCore:
             init_none_hash(hash_fn)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, hash_fn)
 
-        # The startup heap (torch, the model, the tokenizer) stays alive until
-        # shutdown: leave it out of the garbage collector's walks.
+        # The startup heap (torch, the model, the KV cache's bookkeeping) stays
+        # alive until shutdown: leave it out of the garbage collector's walks.
         freeze_gc_heap()
 
     # --8<-- [start:initialize_kv_caches]
@@ -230,11 +230,15 @@ class EngineCore:
         return {"total": total, "free": free, "used": total - free}
 
     def shutdown(self) -> None:
-        self.structured_output_manager.clear_backend()
-        self.model_executor.shutdown()
-        self.scheduler.shutdown()
-        # Undo freeze_gc_heap, so that an engine dropped in-process can be collected.
-        gc.unfreeze()
+        try:
+            self.structured_output_manager.clear_backend()
+            self.model_executor.shutdown()
+            self.scheduler.shutdown()
+        finally:
+            # Undo freeze_gc_heap, so that an engine dropped in-process can be
+            # collected. Process-wide, as vLLM's: it unfreezes any other
+            # in-process engine's heap too (which then costs walks, not memory).
+            gc.unfreeze()
 
 
 class EngineCoreProc(EngineCore):

@@ -27,31 +27,33 @@ from opentelemetry.trace import SpanContext
 logger = logging.getLogger(__name__)
 
 
-# --8<-- [start:file_exporter]
 class OTLPJsonFileExporter(SpanExporter):
     """Appends each batch of spans to a file as one line of OTLP JSON.
 
     The line is what OTel's own ``FileSpanExporter``
     (opentelemetry-exporter-otlp-json-file) writes, byte for byte
     (tests/test_tracing.py compares them), but made from plain dicts: that
-    exporter builds a message object for every attribute value, which cost 2-3
-    times the CPU per span, taken from the cores the model runs on (each
-    ``--detail full`` step makes about 90 spans). Each line is handed to one
-    ``write(2)`` on an ``O_APPEND`` file, which a regular file takes whole, so
-    the two processes' lines never interleave.
+    exporter builds a message object for every attribute value, which costs
+    1.7 times the CPU on the 90 spans of a ``--detail full`` decode step
+    (``python benchmarks/bench_span_export.py``), CPU taken from the cores the
+    model runs on. Each line is handed whole to
+    ``write(2)`` on an ``O_APPEND`` file, which a regular file takes in one
+    piece, so the two processes' lines do not interleave.
     """
 
     def __init__(self, path: str) -> None:
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._fd is None:
+            logger.warning("spans exported after the exporter was shut down were dropped")
+            return SpanExportResult.FAILURE
         if not spans:
             return SpanExportResult.SUCCESS
         data = (json.dumps(encode_spans(spans), separators=(",", ":")) + "\n").encode()
         with self._lock:
-            if self._fd is None:
-                logger.warning("spans exported after the exporter was shut down were dropped")
+            if self._fd is None:  # shut down while this batch was encoded
                 return SpanExportResult.FAILURE
             try:
                 while data:
@@ -114,7 +116,7 @@ def _span(span: ReadableSpan) -> dict[str, Any]:
         "traceId": _trace_id(context),
         "spanId": _span_id(context),
         "traceState": _trace_state(context),
-        "parentSpanId": _span_id(parent),
+        "parentSpanId": _span_id(parent) if parent is not None else "",
         "flags": _flags(parent),
         "name": span.name,
         "kind": span.kind.value + 1,  # OTLP counts from SPAN_KIND_UNSPECIFIED = 0
@@ -161,11 +163,12 @@ def _drop_empty(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _trace_id(context: SpanContext | None) -> str:
-    return f"{context.trace_id:032x}" if context and context.trace_id else ""
+    # All zeros for an invalid context, as OTel writes it (16 zero bytes).
+    return f"{context.trace_id if context else 0:032x}"
 
 
 def _span_id(context: SpanContext | None) -> str:
-    return f"{context.span_id:016x}" if context and context.span_id else ""
+    return f"{context.span_id if context else 0:016x}"
 
 
 def _trace_state(context: SpanContext | None) -> str:
@@ -184,6 +187,11 @@ def _encode_attributes(attributes: Mapping[str, Any] | None) -> list[dict[str, A
 
 def _encode_value(value: Any) -> dict[str, Any]:
     """An OTLP AnyValue (ints as strings: JSON cannot carry all of int64)."""
+    kind = type(value)  # the common cases first, by exact type (bool is an int)
+    if kind is str:
+        return {"stringValue": value}
+    if kind is int:
+        return {"intValue": str(value)}
     if value is None:
         return {}
     if isinstance(value, bool):
@@ -205,9 +213,6 @@ def _encode_value(value: Any) -> dict[str, Any]:
         values = [{"key": str(k), "value": _encode_value(v)} for k, v in value.items()]
         return {"kvlistValue": _drop_empty({"values": values})}
     raise TypeError(f"an attribute value cannot be a {type(value).__name__}: {value!r}")
-
-
-# --8<-- [end:file_exporter]
 
 
 @dataclass(slots=True)

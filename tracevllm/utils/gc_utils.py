@@ -4,10 +4,11 @@ Mirrors vllm/utils/gc_utils.py (``freeze_gc_heap``); vLLM's GC debug
 callback (``VLLM_GC_DEBUG``) is left out.
 
 Python's collector walks every tracked object of the generations it
-collects. After startup the heap holds hundreds of thousands of them (torch,
-tokenizers, the model's modules), and a full collection walks them all: on
-the 2-core machine of the performance chapter, one took about 0.25 s, in the
-middle of a step. Frozen objects are left out of every collection.
+collects. After startup the heap holds hundreds of thousands of them (torch's
+Python side, transformers, the model's modules), and a full collection walks
+them all: on the 2-core machine of the performance chapter, one took 0.1 to
+0.25 s, in the middle of a step. Frozen objects are left out of every
+collection.
 """
 
 from __future__ import annotations
