@@ -187,11 +187,6 @@ def _encode_attributes(attributes: Mapping[str, Any] | None) -> list[dict[str, A
 
 def _encode_value(value: Any) -> dict[str, Any]:
     """An OTLP AnyValue (ints as strings: JSON cannot carry all of int64)."""
-    kind = type(value)  # the common cases first, by exact type (bool is an int)
-    if kind is str:
-        return {"stringValue": value}
-    if kind is int:
-        return {"intValue": str(value)}
     if value is None:
         return {}
     if isinstance(value, bool):
