@@ -350,31 +350,46 @@ def test_plugged_labs_serve_the_same_output(tiny_model_dir: str, tmp_path: Path)
 
 
 def test_a_plugged_lab_says_so(tiny_model_dir: str, tmp_path: Path) -> None:
-    """TRACEVLLM_LAB=03 prints one line naming the lab's file when the engine
-    loads it, tags the spans its function ran under (``tracevllm.labs``), and
-    the live view prints the slot mapping it computed."""
-    folder = tmp_path / "03-slot-mapping"
-    folder.mkdir()
-    (folder / "lab.py").write_text(PASS_THROUGH_LAB.format(name="compute_slot_mapping"))
+    """TRACEVLLM_LAB=03,04 prints one line naming each lab's file when the
+    engine loads it, tags the spans its function ran under (``tracevllm.labs``;
+    lab 04's are spans inside the model's forward, made after it), and the live
+    view prints the slot mapping lab 03 computed."""
+    folders = []
+    for folder, function in (
+        (tmp_path / "03-slot-mapping", "compute_slot_mapping"),
+        (tmp_path / "04-paged-attention", "unified_attention_torch"),
+    ):
+        folder.mkdir()
+        (folder / "lab.py").write_text(PASS_THROUGH_LAB.format(name=function))
+        folders.append(str(folder))
     code = textwrap.dedent(
         """
         import sys
         from tracevllm import LLM, SamplingParams
 
-        llm = LLM(model=sys.argv[1], enable_multiprocessing=False, trace_detail="request",
+        llm = LLM(model=sys.argv[1], enable_multiprocessing=False, trace_detail="full",
                   trace_dir=sys.argv[2], trace_live_views=True)
         llm.generate(["Hello, world!"], SamplingParams(max_tokens=2, temperature=0))
         llm.shutdown()
         """
     )
-    proc = _python(code, str(folder), tiny_model_dir, str(tmp_path / "trace"))
-    named = f"03: compute_slot_mapping from {folder / 'lab.py'}"
-    assert proc.stderr.count(f"lab {named}") == 1, proc.stderr[-2000:]
+    proc = _python(code, ",".join(folders), tiny_model_dir, str(tmp_path / "trace"))
+    named = f"03: compute_slot_mapping from {tmp_path / '03-slot-mapping' / 'lab.py'}"
+    attention = f"04: unified_attention_torch from {tmp_path / '04-paged-attention' / 'lab.py'}"
+    for lab in (named, attention):
+        assert proc.stderr.count(f"lab {lab}") == 1, proc.stderr[-2000:]
     from tracevllm.tracing.exporters import read_spans_jsonl
 
     spans = read_spans_jsonl(str(tmp_path / "trace" / "spans.jsonl"))
     tagged = {s.name for s in spans if s.attributes.get("tracevllm.labs") == [named]}
     assert tagged == {"ModelRunner._prepare_inputs"}
+    reads = [s for s in spans if s.name == "unified_attention"]
+    assert {s.attributes["tracevllm.layer"] for s in reads} == {0, 1}  # every layer's read
+    assert all(s.attributes.get("tracevllm.labs") == [attention] for s in reads)
+    assert {s.name for s in spans if "tracevllm.labs" in s.attributes} == {
+        "ModelRunner._prepare_inputs",
+        "unified_attention",
+    }
     prepared = [s for s in spans if s.name == "ModelRunner._prepare_inputs"]
     first = " ".join(str(slot) for slot in prepared[0].attributes["tracevllm.slot_mapping"])
     assert f"slot_mapping [{first}]" in " ".join(proc.stdout.split())

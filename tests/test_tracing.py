@@ -221,6 +221,80 @@ def test_full_detail_adds_every_layer(tiny_model_dir: str) -> None:
             assert arrays == (expected if layer == 0 else set()), (span.name, layer)
             if layer == 0 and span.name == "reshape_and_cache_flash":
                 assert len(span.attributes["tracevllm.slot_mapping"]) > 0
+    # Made after the forward from records (tracing.forward_spans), the spans
+    # still nest as the code does and carry the times the code ran.
+    by_id = {s.context.span_id: s for s in spans}
+
+    def children(span: Any) -> list[Any]:
+        inside = [s for s in spans if s.parent and s.parent.span_id == span.context.span_id]
+        return sorted(inside, key=lambda s: s.start_time)
+
+    for forward in (s for s in spans if s.name == "LlamaForCausalLM.forward"):
+        layers = [s for s in children(forward) if s.name == "LlamaDecoderLayer.forward"]
+        assert [s.attributes["tracevllm.layer"] for s in layers] == [0, 1]
+        assert forward.start_time <= layers[0].start_time
+        assert layers[0].end_time <= layers[1].start_time and layers[1].end_time <= forward.end_time
+        for layer in layers:
+            inside = children(layer)
+            write, read = inside
+            assert (write.name, read.name) == ("reshape_and_cache_flash", "unified_attention")
+            assert {s.attributes["tracevllm.layer"] for s in inside} == {
+                layer.attributes["tracevllm.layer"]
+            }
+            assert layer.start_time <= write.start_time <= write.end_time <= read.start_time
+            assert read.start_time < read.end_time <= layer.end_time
+            assert by_id[layer.parent.span_id] is forward
+            assert write.context.trace_id == forward.context.trace_id
+
+
+def test_forward_spans_are_made_as_the_forward_ends() -> None:
+    """Inside ``forward_spans`` a span is only timed; the spans appear when the
+    forward ends, nested, in the order they ended, and an exception is on the
+    span it went through as ``start_as_current_span`` would put it."""
+    from opentelemetry.trace import StatusCode
+
+    from tracevllm import tracing
+    from tracevllm.config import TraceConfig
+
+    exporter = InMemorySpanExporter()
+    provider = tracing.init_tracer(
+        "engine_core", TraceConfig(detail="full"), span_processors=[SimpleSpanProcessor(exporter)]
+    )
+    try:
+        tracer = tracing.get_tracer()
+        with tracer.start_as_current_span("forward") as forward:
+            with pytest.raises(ValueError), tracing.forward_spans():
+                with tracing.span("layer", {"n": 0}):
+                    with tracing.span("write", {"n": 0}):
+                        pass
+                    with tracing.span("read", {"n": 0}):
+                        assert exporter.get_finished_spans() == ()  # not made yet
+                with tracing.span("layer", {"n": 1}), tracing.span("read", {"n": 1}):
+                    raise ValueError("boom")
+            with tracing.span("after", {}):  # outside the forward: made at once
+                pass
+            assert exporter.get_finished_spans()[-1].name == "after"
+    finally:
+        tracing.shutdown_tracer()
+    assert provider is not None
+    spans = exporter.get_finished_spans()
+    assert [(s.name, s.attributes.get("n")) for s in spans] == [
+        ("write", 0), ("read", 0), ("layer", 0), ("read", 1), ("layer", 1), ("after", None),
+        ("forward", None),
+    ]  # fmt: skip
+    by_id = {s.context.span_id: s for s in spans}
+    parent = {(s.name, s.attributes.get("n")): by_id[s.parent.span_id].name for s in spans[:-1]}
+    assert parent == {
+        ("write", 0): "layer", ("read", 0): "layer", ("layer", 0): "forward",
+        ("read", 1): "layer", ("layer", 1): "forward", ("after", None): "forward",
+    }  # fmt: skip
+    assert by_id[spans[3].parent.span_id] is spans[4]  # layer 1's read is in layer 1
+    assert all(s.context.trace_id == forward.get_span_context().trace_id for s in spans)
+    for s in spans[:5]:
+        failed = s.attributes.get("n") == 1
+        assert (s.status.status_code == StatusCode.ERROR) == failed, s.name
+        assert [e.name for e in s.events] == (["exception"] if failed else [])
+    assert spans[3].status.description == "ValueError: boom"
 
 
 def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:

@@ -41,9 +41,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
 
-from opentelemetry import trace
-
-from tracevllm import envs
+from tracevllm import envs, tracing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -280,7 +278,7 @@ def _tagged(function: F, named: str) -> F:
 
     @functools.wraps(function)
     def served(*args: Any, **kwargs: Any) -> Any:
-        span = trace.get_current_span()
+        span = tracing.current_span()
         if span.is_recording():
             current = dict(getattr(span, "attributes", None) or {}).get(LABS_ATTRIBUTE, ())
             if named not in current:

@@ -20,6 +20,7 @@ import functools
 import inspect
 import os
 import secrets
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -30,7 +31,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.trace import Span, Tracer
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tracevllm.config import ObservabilityConfig, TraceConfig
@@ -68,6 +69,8 @@ class _State:
     provider: TracerProvider | None = None
     tracer: Tracer = _NOOP_TRACER
     detail: str = "off"
+    # The model forward now running, if its spans are being timed (forward_spans).
+    forward: _ForwardSpans | None = None
 
 
 _state = _State()
@@ -281,8 +284,100 @@ def _instrument_async_generator(
 # --8<-- [end:instrument]
 
 
-def current_span() -> Span:
-    """The active span (a non-recording one when tracing is off)."""
+# --8<-- [start:forward_spans]
+class _ForwardSpans:
+    """The spans of one model forward: timed while it runs, made once it ends.
+
+    A span made between two kernels costs several times what the same span
+    costs in a loop: the matmuls in between have pushed OTel's code and data
+    out of the CPU's caches. So inside the forward a span is only a
+    ``_TimedSpan`` (name, attributes, parent and two ``time.time_ns()``
+    stamps, OTel's own clock), and ``end`` makes the OTel spans in one go,
+    with those times. The spans are the same; only the work moves.
+    """
+
+    __slots__ = ("timed", "open")
+
+    def __init__(self) -> None:
+        self.timed: list[_TimedSpan] = []  # in the order they started
+        self.open: list[_TimedSpan] = []  # the current one last
+
+    def end(self, tracer: Tracer) -> None:
+        """Make the spans; the outermost ones are children of the current span."""
+        made: dict[_TimedSpan, Span] = {}
+        for t in self.timed:  # a parent before its children
+            context = None if t.parent is None else trace.set_span_in_context(made[t.parent])
+            span = tracer.start_span(t.name, context, attributes=t.attributes, start_time=t.start)
+            if t.error is not None:  # what start_as_current_span records
+                span.record_exception(t.error)
+                span.set_status(Status(StatusCode.ERROR, f"{type(t.error).__name__}: {t.error}"))
+            made[t] = span
+        for t in sorted(self.timed, key=lambda t: t.end):  # in the order they ended
+            made[t].end(end_time=t.end)
+
+
+class _TimedSpan:
+    """One span inside a forward, as a record: entered, it is the current one."""
+
+    __slots__ = ("forward", "name", "attributes", "parent", "start", "end", "error")
+
+    def __init__(self, forward: _ForwardSpans, name: str, attributes: Mapping[str, Any]) -> None:
+        self.forward, self.name, self.attributes = forward, name, attributes
+        self.parent: _TimedSpan | None = None
+        self.start = self.end = 0
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> None:
+        open_ = self.forward.open
+        self.parent = open_[-1] if open_ else None
+        self.forward.timed.append(self)
+        open_.append(self)
+        self.start = time.time_ns()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.end = time.time_ns()
+        self.error = exc
+        self.forward.open.pop()
+
+    # What a caller of current_span() may do with the span open now.
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes = {**self.attributes, key: value}  # the caller's dict stays as it was
+
+
+@contextlib.contextmanager
+def forward_spans() -> Any:
+    """Around a model's forward: ``span()`` inside it only times (see _ForwardSpans)."""
+    if _state.provider is None:
+        yield
+        return
+    forward, outer = _ForwardSpans(), _state.forward
+    _state.forward = forward
+    try:
+        yield
+    finally:
+        _state.forward = outer
+        forward.end(_state.tracer)
+
+
+def span(name: str, attributes: Mapping[str, Any]) -> Any:
+    """A span around a block: timed now and made at the end of the forward
+    when inside ``forward_spans``, else an OTel span made now."""
+    if _state.forward is not None:
+        return _TimedSpan(_state.forward, name, attributes)
+    return _state.tracer.start_as_current_span(name, attributes=attributes)
+
+
+# --8<-- [end:forward_spans]
+
+
+def current_span() -> Span | _TimedSpan:
+    """The span open now: inside a forward, the timed one (forward_spans);
+    else OTel's current span (a non-recording one when tracing is off)."""
+    if _state.forward is not None and _state.forward.open:
+        return _state.forward.open[-1]
     return trace.get_current_span()
 
 

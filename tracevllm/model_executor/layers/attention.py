@@ -83,7 +83,6 @@ class Attention(nn.Module):
         the same for every layer: they go on layer 0's spans only, and the
         other layers' spans (``--detail full``) carry what is their own.
         """
-        tracer = tracing.get_tracer()
         attn_metadata, _, kv_cache, slot_mapping = get_attention_context(self.layer_name)
         layer: dict[str, Any] = {
             "tracevllm.layer": self.layer_index,
@@ -103,9 +102,9 @@ class Attention(nn.Module):
             )
             read["tracevllm.query_start_loc"] = attn_metadata.query_start_loc.tolist()
             read["tracevllm.seq_lens"] = attn_metadata.seq_lens.tolist()
-        with tracer.start_as_current_span("reshape_and_cache_flash", attributes=write):
+        with tracing.span("reshape_and_cache_flash", write):
             unified_kv_cache_update(key, value, self.layer_name)
-        with tracer.start_as_current_span("unified_attention", attributes=read):
+        with tracing.span("unified_attention", read):
             unified_attention_with_output(query, key, value, output, self.layer_name)
 
 

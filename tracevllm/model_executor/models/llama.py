@@ -153,17 +153,17 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         residual = None
-        if tracing.is_full_detail():
-            # One span per decoder layer: only at detail "full" (30 per step).
-            tracer = tracing.get_tracer()
-            for i, layer in enumerate(self.layers):
-                with tracer.start_as_current_span(
-                    "LlamaDecoderLayer.forward", attributes={**_LAYER_CODE, "tracevllm.layer": i}
-                ):
+        # Spans inside the forward are timed as it runs and made as it ends.
+        with tracing.forward_spans():
+            if tracing.is_full_detail():
+                # One span per decoder layer: only at detail "full" (30 per step).
+                for i, layer in enumerate(self.layers):
+                    attributes = {**_LAYER_CODE, "tracevllm.layer": i}
+                    with tracing.span("LlamaDecoderLayer.forward", attributes):
+                        hidden_states, residual = layer(positions, hidden_states, residual)
+            else:
+                for layer in self.layers:
                     hidden_states, residual = layer(positions, hidden_states, residual)
-        else:
-            for layer in self.layers:
-                hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states  # [num_tokens, hidden_size]
 
