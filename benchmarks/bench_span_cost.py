@@ -3,19 +3,21 @@
 Runs 16 chat prompts (greedy, at most ``--max-tokens`` each) through the
 default model in one process at ``--detail full``, alternating two ways of
 making the spans inside ``LlamaModel.forward`` (each layer's
-``LlamaDecoderLayer.forward``, KV write and read; 90 a step):
+``LlamaDecoderLayer.forward``, KV write and read; 90 a step), the first
+one rotating round by round:
 
 - **in place**: ``tracing.forward_spans`` switched off, so each is an OTel
   span made between two kernels (how tracevllm made them before);
 - **timed**: as the engine runs, each only timed and the OTel spans made
   when the forward ends (``tracing.forward_spans``).
 
-It times the spans' own code (made, entered and left, plus the making at
-the forward's end) and prints, per round and as medians, the microseconds a
-span costs and the seconds a generate spends on them. A span made in a loop
-costs what ``benchmarks/bench_span_export.py`` prints: the difference is the
-caches the kernels between two spans have emptied. The timer around each
-call adds about a microsecond to both.
+It times the spans' own code in the engine's thread (made, entered and
+left, plus the making at the forward's end) and prints, as medians, the
+microseconds a span costs, the seconds a generate spends on them and the
+generate's wall time. Then it makes the same spans again in a loop, one
+after another with nothing between them: what a span costs with the caches
+warm. The exporter's thread is not timed here. The timer around each call
+adds about a microsecond to every row.
 
     python benchmarks/bench_span_cost.py [--rounds 3] [--max-tokens 48]
 """
@@ -37,16 +39,18 @@ from tracevllm.benchmarks.datasets import chat_samples
 
 
 class _Clock:
-    """Nanoseconds spent in the spans' own code, and how many spans."""
+    """Nanoseconds spent in the spans' own code, how many spans, and which."""
 
     def __init__(self) -> None:
         self.ns = 0
         self.spans = 0
+        self.seen: list[tuple[str, Any]] = []
 
 
-def _timed_calls(clock: _Clock) -> None:
+def _timed_calls(clock: _Clock) -> Any:
     """Wrap tracing.span (as llama.py and attention.py call it) and
-    _ForwardSpans.end so that the time in them goes on ``clock``."""
+    _ForwardSpans.end so that the time in them goes on ``clock``; returns
+    a function that puts them back."""
     span, end = tracing.span, tracing._ForwardSpans.end
 
     class Timed:
@@ -72,6 +76,7 @@ def _timed_calls(clock: _Clock) -> None:
         block = Timed(span(name, attributes))
         clock.ns += time.perf_counter_ns() - t
         clock.spans += 1
+        clock.seen.append((name, attributes))
         return block
 
     def timed_end(self: Any, tracer: Any) -> None:
@@ -81,6 +86,12 @@ def _timed_calls(clock: _Clock) -> None:
 
     tracing.span = timed_span  # type: ignore[assignment]
     tracing._ForwardSpans.end = timed_end  # type: ignore[method-assign]
+
+    def restore() -> None:
+        tracing.span = span
+        tracing._ForwardSpans.end = end  # type: ignore[method-assign]
+
+    return restore
 
 
 def main() -> None:
@@ -93,46 +104,65 @@ def main() -> None:
     forward_spans = tracing.forward_spans
     ways = {"in place": contextlib.nullcontext, "timed": forward_spans}
     clock = _Clock()
-    _timed_calls(clock)
-    with (
-        tempfile.TemporaryDirectory() as d,
-        LLM(enable_multiprocessing=False, trace_detail="full", trace_dir=d) as llm,
-    ):
-        samples = chat_samples(llm.get_tokenizer(), 16, seed=1)
-        prompts = [{"prompt_token_ids": s.prompt_token_ids} for s in samples]
-        params = [
-            SamplingParams(
-                temperature=0.0, max_tokens=min(s.expected_output_len, args.max_tokens),
-                ignore_eos=True,
-            )
-            for s in samples
-        ]  # fmt: skip
-        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
-        results: dict[str, list[tuple[float, float, int]]] = {way: [] for way in ways}
-        for round_ in range(args.rounds):
-            for way, scope in ways.items():
-                tracing.forward_spans = scope  # type: ignore[assignment]
-                clock.ns = clock.spans = 0
-                start = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
-                wall = time.perf_counter() - start
-                results[way].append((clock.ns / clock.spans / 1e3, clock.ns / 1e9, clock.spans))
-                console.print(
-                    f"round {round_ + 1}, {way}: {clock.spans} spans in forwards, "
-                    f"{clock.ns / clock.spans / 1e3:.1f} µs a span, "
-                    f"{clock.ns / 1e9:.2f} s of the generate's {wall:.2f} s"
+    restore = _timed_calls(clock)
+    results: dict[str, list[tuple[float, float, float, int]]] = {way: [] for way in ways}
+    try:
+        with (
+            tempfile.TemporaryDirectory() as d,
+            LLM(enable_multiprocessing=False, trace_detail="full", trace_dir=d) as llm,
+        ):
+            samples = chat_samples(llm.get_tokenizer(), 16, seed=1)
+            prompts = [{"prompt_token_ids": s.prompt_token_ids} for s in samples]
+            params = [
+                SamplingParams(
+                    temperature=0.0, max_tokens=min(s.expected_output_len, args.max_tokens),
+                    ignore_eos=True,
                 )
+                for s in samples
+            ]  # fmt: skip
+            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+            order = list(ways)
+            for round_ in range(args.rounds):
+                for way in order[round_ % 2 :] + order[: round_ % 2]:
+                    tracing.forward_spans = ways[way]  # type: ignore[assignment]
+                    clock.ns = clock.spans = 0
+                    clock.seen.clear()
+                    start = time.perf_counter()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    wall = time.perf_counter() - start
+                    if clock.spans == 0:
+                        raise SystemExit("no span was made in the forward: is tracing on?")
+                    per_span = clock.ns / clock.spans / 1e3
+                    results[way].append((per_span, clock.ns / 1e9, wall, clock.spans))
+                    console.print(
+                        f"round {round_ + 1}, {way}: {clock.spans} spans in forwards, "
+                        f"{per_span:.1f} µs a span, {clock.ns / 1e9:.2f} s of the "
+                        f"generate's {wall:.2f} s"
+                    )
+            # The same spans again, one after another, nothing between them.
+            tracing.forward_spans = contextlib.nullcontext  # type: ignore[assignment]
+            spans = clock.seen[: 3 * 90]
+            clock.ns = clock.spans = 0
+            for _ in range(4):  # within the exporter's queue (2048)
+                for name, attributes in spans:
+                    with tracing.span(name, attributes):
+                        pass
+            loop = clock.ns / clock.spans / 1e3
+    finally:
         tracing.forward_spans = forward_spans
+        restore()
     table = Table(title=f"Spans inside the forward, {args.rounds} rounds (medians)")
-    for col in ("made", "spans a generate", "µs a span", "s a generate"):
+    for col in ("made", "spans a generate", "µs a span", "s a generate", "generate s"):
         table.add_column(col, justify="left" if col == "made" else "right")
     for way, runs in results.items():
         table.add_row(
             way,
-            str(runs[0][2]),
+            str(runs[0][3]),
             f"{statistics.median(r[0] for r in runs):.1f}",
             f"{statistics.median(r[1] for r in runs):.2f}",
+            f"{statistics.median(r[2] for r in runs):.2f}",
         )
+    table.add_row("in a loop", "", f"{loop:.1f}", "", "")
     console.print(table)
 
 

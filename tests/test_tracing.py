@@ -250,16 +250,30 @@ def test_full_detail_adds_every_layer(tiny_model_dir: str) -> None:
 def test_forward_spans_are_made_as_the_forward_ends() -> None:
     """Inside ``forward_spans`` a span is only timed; the spans appear when the
     forward ends, nested, in the order they ended, and an exception is on the
-    span it went through as ``start_as_current_span`` would put it."""
+    spans it went through as ``start_as_current_span`` would put it (not a
+    KeyboardInterrupt). A forward inside one joins it; another thread's spans
+    are its own; with tracing off nothing is timed."""
+    import threading
+
     from opentelemetry.trace import StatusCode
 
     from tracevllm import tracing
     from tracevllm.config import TraceConfig
 
+    assert not tracing.is_enabled()
+    with tracing.forward_spans(), tracing.span("off", {}):
+        assert not tracing.current_span().is_recording()
     exporter = InMemorySpanExporter()
-    provider = tracing.init_tracer(
+    tracing.init_tracer(
         "engine_core", TraceConfig(detail="full"), span_processors=[SimpleSpanProcessor(exporter)]
     )
+    elsewhere: list[Any] = []
+
+    def other_thread() -> None:
+        with tracing.span("other thread", {}):
+            elsewhere.append(tracing.current_span())
+
+    caller_attributes = {"n": 1}
     try:
         tracer = tracing.get_tracer()
         with tracer.start_as_current_span("forward") as forward:
@@ -269,32 +283,51 @@ def test_forward_spans_are_made_as_the_forward_ends() -> None:
                         pass
                     with tracing.span("read", {"n": 0}):
                         assert exporter.get_finished_spans() == ()  # not made yet
-                with tracing.span("layer", {"n": 1}), tracing.span("read", {"n": 1}):
+                        thread = threading.Thread(target=other_thread)
+                        thread.start()
+                        thread.join()
+                        with tracing.forward_spans(), tracing.span("inner", {}):  # joins
+                            pass
+                with tracing.span("layer", {"n": 1}), tracing.span("read", caller_attributes):
+                    tracing.current_span().set_attribute("tag", "x")
                     raise ValueError("boom")
+            with (
+                pytest.raises(KeyboardInterrupt),
+                tracing.forward_spans(),
+                tracing.span("interrupted", {}),
+            ):
+                raise KeyboardInterrupt
             with tracing.span("after", {}):  # outside the forward: made at once
                 pass
             assert exporter.get_finished_spans()[-1].name == "after"
     finally:
         tracing.shutdown_tracer()
-    assert provider is not None
     spans = exporter.get_finished_spans()
     assert [(s.name, s.attributes.get("n")) for s in spans] == [
-        ("write", 0), ("read", 0), ("layer", 0), ("read", 1), ("layer", 1), ("after", None),
-        ("forward", None),
+        ("other thread", None), ("write", 0), ("inner", None), ("read", 0), ("layer", 0),
+        ("read", 1), ("layer", 1), ("interrupted", None), ("after", None), ("forward", None),
     ]  # fmt: skip
+    assert elsewhere[0] is not None and elsewhere[0].get_span_context().is_valid
     by_id = {s.context.span_id: s for s in spans}
-    parent = {(s.name, s.attributes.get("n")): by_id[s.parent.span_id].name for s in spans[:-1]}
+    parent = {(s.name, s.attributes.get("n")): by_id[s.parent.span_id].name for s in spans[1:-1]}
     assert parent == {
-        ("write", 0): "layer", ("read", 0): "layer", ("layer", 0): "forward",
-        ("read", 1): "layer", ("layer", 1): "forward", ("after", None): "forward",
+        ("write", 0): "layer", ("inner", None): "read", ("read", 0): "layer",
+        ("layer", 0): "forward", ("read", 1): "layer", ("layer", 1): "forward",
+        ("interrupted", None): "forward", ("after", None): "forward",
     }  # fmt: skip
-    assert by_id[spans[3].parent.span_id] is spans[4]  # layer 1's read is in layer 1
-    assert all(s.context.trace_id == forward.get_span_context().trace_id for s in spans)
-    for s in spans[:5]:
+    assert by_id[spans[5].parent.span_id] is spans[6]  # layer 1's read is in layer 1
+    assert by_id[spans[2].parent.span_id] is spans[3]  # the inner forward's span, in read 0
+    assert all(s.context.trace_id == forward.get_span_context().trace_id for s in spans[1:])
+    assert spans[5].attributes["tag"] == "x" and caller_attributes == {"n": 1}
+    for s in spans[1:8]:
         failed = s.attributes.get("n") == 1
         assert (s.status.status_code == StatusCode.ERROR) == failed, s.name
         assert [e.name for e in s.events] == (["exception"] if failed else [])
-    assert spans[3].status.description == "ValueError: boom"
+        for event in s.events:  # stamped inside the span, traced from where it was raised
+            assert s.start_time <= event.timestamp <= s.end_time
+            assert "raise ValueError" in event.attributes["exception.stacktrace"]
+            assert "in forward_spans\n" not in event.attributes["exception.stacktrace"]
+    assert spans[5].status.description == "ValueError: boom"
 
 
 def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:

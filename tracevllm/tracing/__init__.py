@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import os
 import secrets
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -69,8 +71,6 @@ class _State:
     provider: TracerProvider | None = None
     tracer: Tracer = _NOOP_TRACER
     detail: str = "off"
-    # The model forward now running, if its spans are being timed (forward_spans).
-    forward: _ForwardSpans | None = None
 
 
 _state = _State()
@@ -288,7 +288,7 @@ def _instrument_async_generator(
 class _ForwardSpans:
     """The spans of one model forward: timed while it runs, made once it ends.
 
-    A span made between two kernels costs several times what the same span
+    A span made between two kernels costs more than twice what the same span
     costs in a loop: the matmuls in between have pushed OTel's code and data
     out of the CPU's caches. So inside the forward a span is only a
     ``_TimedSpan`` (name, attributes, parent and two ``time.time_ns()``
@@ -296,11 +296,12 @@ class _ForwardSpans:
     with those times. The spans are the same; only the work moves.
     """
 
-    __slots__ = ("timed", "open")
+    __slots__ = ("timed", "open", "ended")
 
     def __init__(self) -> None:
         self.timed: list[_TimedSpan] = []  # in the order they started
         self.open: list[_TimedSpan] = []  # the current one last
+        self.ended: list[_TimedSpan] = []  # in the order they ended
 
     def end(self, tracer: Tracer) -> None:
         """Make the spans; the outermost ones are children of the current span."""
@@ -309,37 +310,45 @@ class _ForwardSpans:
             context = None if t.parent is None else trace.set_span_in_context(made[t.parent])
             span = tracer.start_span(t.name, context, attributes=t.attributes, start_time=t.start)
             if t.error is not None:  # what start_as_current_span records
-                span.record_exception(t.error)
+                stacktrace = {"exception.stacktrace": t.stacktrace}
+                span.record_exception(t.error, stacktrace, timestamp=t.end)
                 span.set_status(Status(StatusCode.ERROR, f"{type(t.error).__name__}: {t.error}"))
             made[t] = span
-        for t in sorted(self.timed, key=lambda t: t.end):  # in the order they ended
+        for t in self.ended:
             made[t].end(end_time=t.end)
 
 
 class _TimedSpan:
-    """One span inside a forward, as a record: entered, it is the current one."""
+    """One span inside a forward, as a record. Entered, it is the current one
+    (``current_span``), and takes ``set_attribute`` as a span does."""
 
-    __slots__ = ("forward", "name", "attributes", "parent", "start", "end", "error")
+    __slots__ = ("forward", "name", "attributes", "parent", "start", "end", "error", "stacktrace")
 
     def __init__(self, forward: _ForwardSpans, name: str, attributes: Mapping[str, Any]) -> None:
         self.forward, self.name, self.attributes = forward, name, attributes
         self.parent: _TimedSpan | None = None
         self.start = self.end = 0
-        self.error: BaseException | None = None
+        self.error: Exception | None = None
+        self.stacktrace = ""
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _TimedSpan:
         open_ = self.forward.open
         self.parent = open_[-1] if open_ else None
         self.forward.timed.append(self)
         open_.append(self)
         self.start = time.time_ns()
+        return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self.end = time.time_ns()
-        self.error = exc
         self.forward.open.pop()
+        self.forward.ended.append(self)
+        # As OTel's use_span: an Exception is an error, a KeyboardInterrupt or
+        # SystemExit (Ctrl-C, SIGTERM) is not. Its trace as it is here.
+        if isinstance(exc, Exception):
+            self.error = exc
+            self.stacktrace = "".join(traceback.format_exception(exc))
 
-    # What a caller of current_span() may do with the span open now.
     def is_recording(self) -> bool:
         return True
 
@@ -347,26 +356,36 @@ class _TimedSpan:
         self.attributes = {**self.attributes, key: value}  # the caller's dict stays as it was
 
 
+# The forward running in this thread (or task), if its spans are being timed.
+_forward: contextvars.ContextVar[_ForwardSpans | None] = contextvars.ContextVar(
+    "tracevllm_forward", default=None
+)
+
+
 @contextlib.contextmanager
 def forward_spans() -> Any:
-    """Around a model's forward: ``span()`` inside it only times (see _ForwardSpans)."""
-    if _state.provider is None:
+    """Around a model's forward: ``span()`` inside it only times (see
+    _ForwardSpans). A forward inside another one joins the outer's records.
+    OTel spans made inside a forward (an ``instrument``-ed method) are
+    children of the span current outside it: the timed ones are not OTel's."""
+    if _state.provider is None or _forward.get() is not None:
         yield
         return
-    forward, outer = _ForwardSpans(), _state.forward
-    _state.forward = forward
+    forward = _ForwardSpans()
+    token = _forward.set(forward)
     try:
         yield
     finally:
-        _state.forward = outer
+        _forward.reset(token)
         forward.end(_state.tracer)
 
 
 def span(name: str, attributes: Mapping[str, Any]) -> Any:
     """A span around a block: timed now and made at the end of the forward
     when inside ``forward_spans``, else an OTel span made now."""
-    if _state.forward is not None:
-        return _TimedSpan(_state.forward, name, attributes)
+    forward = _forward.get()
+    if forward is not None:
+        return _TimedSpan(forward, name, attributes)
     return _state.tracer.start_as_current_span(name, attributes=attributes)
 
 
@@ -376,8 +395,9 @@ def span(name: str, attributes: Mapping[str, Any]) -> Any:
 def current_span() -> Span | _TimedSpan:
     """The span open now: inside a forward, the timed one (forward_spans);
     else OTel's current span (a non-recording one when tracing is off)."""
-    if _state.forward is not None and _state.forward.open:
-        return _state.forward.open[-1]
+    forward = _forward.get()
+    if forward is not None and forward.open:
+        return forward.open[-1]
     return trace.get_current_span()
 
 
