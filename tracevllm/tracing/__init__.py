@@ -344,7 +344,8 @@ class _TimedSpan:
         self.forward.open.pop()
         self.forward.ended.append(self)
         # As OTel's use_span: an Exception is an error, a KeyboardInterrupt or
-        # SystemExit (Ctrl-C, SIGTERM) is not. Its trace as it is here.
+        # SystemExit (Ctrl-C, SIGTERM) is not. The traceback is taken here,
+        # where it leaves the span, not where the forward ends.
         if isinstance(exc, Exception):
             self.error = exc
             self.stacktrace = "".join(traceback.format_exception(exc))
