@@ -263,6 +263,10 @@ def test_the_compiled_grammar_cache_is_bounded(
 
     monkeypatch.delenv("TRACEVLLM_XGRAMMAR_CACHE_MB", raising=False)
     assert XgrammarBackend(tokenizer, 49152).compiler.cache_limit_bytes == 512 * 1024 * 1024
+    for bad in ("-1", "1.5", "lots", "True"):  # named, and what it takes, before xgrammar
+        monkeypatch.setenv("TRACEVLLM_XGRAMMAR_CACHE_MB", bad)
+        with pytest.raises(ValueError, match="TRACEVLLM_XGRAMMAR_CACHE_MB must be a whole number"):
+            XgrammarBackend(tokenizer, 49152)
     monkeypatch.setenv("TRACEVLLM_XGRAMMAR_CACHE_MB", "1")
     backend = XgrammarBackend(tokenizer, 49152)
     assert backend.compiler.cache_limit_bytes == 1024 * 1024

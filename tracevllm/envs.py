@@ -74,10 +74,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # platforms/cpu.py for why tracevllm's is 0). TRACEVLLM_NUM_THREADS wins.
     "TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": _count("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
     # The most memory xgrammar's compiler keeps compiled grammars in, in MiB
-    # (vLLM's VLLM_XGRAMMAR_CACHE_MB; least recently used dropped first).
-    "TRACEVLLM_XGRAMMAR_CACHE_MB": lambda: int(
-        os.environ.get("TRACEVLLM_XGRAMMAR_CACHE_MB", "512")
-    ),
+    # (vLLM's VLLM_XGRAMMAR_CACHE_MB; least recently used dropped first). A
+    # whole number >= 0: vLLM passes a negative one on, which xgrammar reads
+    # as no limit at all.
+    "TRACEVLLM_XGRAMMAR_CACHE_MB": _count("TRACEVLLM_XGRAMMAR_CACHE_MB", "512"),
 }
 
 if TYPE_CHECKING:  # the names above, as module attributes
