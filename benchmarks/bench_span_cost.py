@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -34,8 +35,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tracevllm import LLM, SamplingParams, tracing
+from tracevllm import LLM, tracing
 from tracevllm.benchmarks.datasets import chat_samples
+from tracevllm.benchmarks.throughput import run_tracevllm
 
 
 class _Clock:
@@ -111,25 +113,20 @@ def main() -> None:
             tempfile.TemporaryDirectory() as d,
             LLM(enable_multiprocessing=False, trace_detail="full", trace_dir=d) as llm,
         ):
-            samples = chat_samples(llm.get_tokenizer(), 16, seed=1)
-            prompts = [{"prompt_token_ids": s.prompt_token_ids} for s in samples]
-            params = [
-                SamplingParams(
-                    temperature=0.0, max_tokens=min(s.expected_output_len, args.max_tokens),
-                    ignore_eos=True,
+            samples = [
+                dataclasses.replace(
+                    s, expected_output_len=min(s.expected_output_len, args.max_tokens)
                 )
-                for s in samples
-            ]  # fmt: skip
-            llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+                for s in chat_samples(llm.get_tokenizer(), 16, seed=1)
+            ]
+            run_tracevllm(llm, samples[:2], num_warmups=0, use_tqdm=False)  # warm-up
             order = list(ways)
             for round_ in range(args.rounds):
                 for way in order[round_ % 2 :] + order[: round_ % 2]:
                     tracing.forward_spans = ways[way]  # type: ignore[assignment]
                     clock.ns = clock.spans = 0
                     clock.seen.clear()
-                    start = time.perf_counter()
-                    llm.generate(prompts, params, use_tqdm=False)
-                    wall = time.perf_counter() - start
+                    wall, _ = run_tracevllm(llm, samples, num_warmups=0, use_tqdm=False)
                     if clock.spans == 0:
                         raise SystemExit("no span was made in the forward: is tracing on?")
                     per_span = clock.ns / clock.spans / 1e3
