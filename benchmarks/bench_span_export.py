@@ -76,9 +76,9 @@ def main() -> None:
 
     codes = (llama._LAYER_CODE, attention._WRITE_CODE, attention._READ_CODE)
     memory = InMemorySpanExporter()
-    provider = TracerProvider(id_generator=tracing._SystemRandomIdGenerator())
+    provider = TracerProvider(id_generator=tracing._IdGenerator())
     tracer = provider.get_tracer("tracevllm")
-    bare = TracerProvider(id_generator=tracing._SystemRandomIdGenerator()).get_tracer("t")
+    bare = TracerProvider(id_generator=tracing._IdGenerator()).get_tracer("t")
     spans_per_step = 3 * NUM_LAYERS
 
     made = []
@@ -92,20 +92,21 @@ def main() -> None:
     step_spans = memory.get_finished_spans()
     assert len(step_spans) == spans_per_step
 
-    def encoded(encode: Any) -> str:
-        return json.dumps(encode(step_spans), separators=(",", ":"))
-
-    assert encoded(encode_spans) == encoded(_encode_spans_to_dict), "the lines differ"
-    written: dict[str, float] = {}
-    for name, encode in (("OTel FileSpanExporter", _encode_spans_to_dict),
-                         ("tracevllm OTLPJsonFileExporter", encode_spans)):  # fmt: skip
-        best = float("inf")
-        for _ in range(args.repeats):
+    lines = {
+        "OTel FileSpanExporter": lambda: json.dumps(
+            _encode_spans_to_dict(step_spans), separators=(",", ":")
+        ),
+        "tracevllm OTLPJsonFileExporter": lambda: encode_spans(step_spans),
+    }
+    assert len({line() for line in lines.values()}) == 1, "the lines differ"
+    written = dict.fromkeys(lines, float("inf"))
+    for _ in range(args.repeats):  # the two in turn, so both see the same machine
+        for name, line in lines.items():
             start = time.perf_counter()
             for _ in range(args.steps):
-                encoded(encode)
-            best = min(best, (time.perf_counter() - start) / (args.steps * spans_per_step))
-        written[name] = best
+                line()
+            seconds = (time.perf_counter() - start) / (args.steps * spans_per_step)
+            written[name] = min(written[name], seconds)
     load = os.getloadavg()[0]
     print(f"# {spans_per_step} spans per decode step at --detail full (batch {BATCH}), "
           f"best of {args.repeats} x {args.steps} steps, load {load:.2f}")  # fmt: skip

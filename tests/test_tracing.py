@@ -330,10 +330,14 @@ def test_forward_spans_are_made_as_the_forward_ends() -> None:
     assert spans[5].status.description == "ValueError: boom"
 
 
-def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:
+@pytest.mark.parametrize("max_cached", [4096, 3])
+def test_trace_file_is_what_otels_file_exporter_writes(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, max_cached: int
+) -> None:
     """tracevllm's file exporter writes OTel's FileSpanExporter's bytes, on
     spans with every kind of value, link, event, status, parent and limit,
-    one span per line and all of them in one batch (grouped by scope)."""
+    one span per line and all of them in one batch (grouped by scope); with
+    its cache of encoded attributes roomy, and small enough to be emptied."""
     import math
 
     from opentelemetry import trace
@@ -343,8 +347,11 @@ def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:
     from opentelemetry.sdk.trace import SpanLimits, TracerProvider
     from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags, TraceState
 
+    from tracevllm.tracing import exporters
     from tracevllm.tracing.exporters import OTLPJsonFileExporter, encode_spans
 
+    monkeypatch.setattr(exporters, "_cached", {})
+    monkeypatch.setattr(exporters, "_MAX_CACHED", max_cached)
     ours_path, otel_path = tmp_path / "ours.jsonl", tmp_path / "otel.jsonl"
     provider = TracerProvider(
         resource=Resource.create({"service.name": "t", "process.pid": 7}, "https://r"),
@@ -386,19 +393,25 @@ def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:
                 span.add_event(f"e{i}")
         with pytest.raises(ValueError), tracer.start_as_current_span("error"):
             raise ValueError("boom")
+        # Values equal as Python keys but written apart: the cache of encoded
+        # attributes must not mix them up.
+        for value in (1, True, "1", 1.0, 0.0, -0.0, (1, 2), (True, 2), (1.0, 2), (1, 2)):
+            tracer.start_span("same key", attributes={"v": value, "code.line.number": 7}).end()
     provider.shutdown()
     ours, otel = ours_path.read_text(), otel_path.read_text()
-    assert ours.count("\n") == 7  # one line per export (SimpleSpanProcessor: per span)
+    assert ours.count("\n") == 17  # one line per export (SimpleSpanProcessor: per span)
     assert ours == otel
+    assert 0 < len(exporters._cached) <= max_cached
     spans = memory.get_finished_spans()
-    assert {s.name for s in spans} == {"root", "child", "kind", "dropped", "error"}
+    assert {s.name for s in spans} == {"root", "child", "kind", "dropped", "error", "same key"}
     dropped = next(s for s in spans if s.name == "dropped")
     assert (dropped.dropped_attributes, dropped.dropped_events, dropped.dropped_links) == (6, 2, 3)
     # All in one batch: two scopes under one resource, in the order OTel writes.
-    assert json.dumps(encode_spans(spans)) == json.dumps(otel_encode(spans).to_dict())
-    assert len(encode_spans(spans)["resourceSpans"][0]["scopeSpans"]) == 2
+    line = encode_spans(spans)
+    assert line == json.dumps(otel_encode(spans).to_dict(), separators=(",", ":"))
+    assert len(json.loads(line)["resourceSpans"][0]["scopeSpans"]) == 2
     assert {s.name for s in read_spans_jsonl(str(ours_path))} == {
-        "root", "child", "kind", "dropped", "error"
+        "root", "child", "kind", "dropped", "error", "same key"
     }  # fmt: skip
 
 

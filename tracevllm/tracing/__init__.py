@@ -20,7 +20,7 @@ import contextvars
 import functools
 import inspect
 import os
-import secrets
+import random
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -44,24 +44,30 @@ _propagator = TraceContextTextMapPropagator()
 _NOOP_TRACER = trace.NoOpTracer()
 
 
-class _SystemRandomIdGenerator(RandomIdGenerator):
-    """Trace and span ids from the OS, not from Python's ``random``.
+class _IdGenerator(RandomIdGenerator):
+    """Trace and span ids from a generator of this process's own, seeded by
+    the OS when the process's provider is made.
 
-    The engine seeds ``random`` (as vLLM's workers do) so that sampling is
-    reproducible; OTel's default generator draws from that same module, and
-    two processes seeded alike would then mint the same span ids.
+    Not Python's global ``random``, as OTel's default generator: the engine
+    seeds it (as vLLM's workers do) so that sampling is reproducible, and two
+    processes seeded alike would mint the same ids. Nor the OS for every id:
+    that is a system call per span, which lets go of the GIL, and taking it
+    back from the exporter's thread can wait a whole switch interval (5 ms).
     """
+
+    def __init__(self) -> None:
+        self._random = random.Random(os.urandom(32))
 
     def generate_span_id(self) -> int:
         span_id = trace.INVALID_SPAN_ID
         while span_id == trace.INVALID_SPAN_ID:
-            span_id = secrets.randbits(64)
+            span_id = self._random.getrandbits(64)
         return span_id
 
     def generate_trace_id(self) -> int:
         trace_id = trace.INVALID_TRACE_ID
         while trace_id == trace.INVALID_TRACE_ID:
-            trace_id = secrets.randbits(128)
+            trace_id = self._random.getrandbits(128)
         return trace_id
 
 
@@ -97,7 +103,7 @@ def init_tracer(
             SpanAttributes.PROCESS_KIND: process_kind,
         }
     )
-    provider = TracerProvider(resource=resource, id_generator=_SystemRandomIdGenerator())
+    provider = TracerProvider(resource=resource, id_generator=_IdGenerator())
     if trace_config.out_dir:
         from tracevllm.tracing.exporters import OTLPJsonFileExporter
 
