@@ -13,15 +13,16 @@ with a fixed seed, greedy, ignore_eos; only requested tokens count):
 tracevllm runs first and again after the others, so the table shows how far
 the machine moved in between (on a shared 2-core machine, runs of the same
 engine differ by 10-20 %); each row's ratio is the mean of the two tracevllm
-runs / that row. Then the cost of each tracing level on a smaller workload:
-off, request and full back to back in each of ``--tracing-rounds`` rounds
-(default 3, the first level rotating), each level against the same round's
-off, the median of those ratios printed. The workload and the tracevllm
+runs / that row. Then the cost of each tracing level on the same workload
+(``--tracing-prompts`` of it, default all 64): off, request and full back to
+back in each of ``--tracing-rounds`` rounds (default 3, the first level
+rotating), each level against the same round's off, the median of those
+ratios printed. The workload and the tracevllm
 and HF runs are ``tracevllm bench throughput``'s (tracevllm/benchmarks/).
 
 Run: ``make bench`` or ``VLLM_VENV=.vllm-venv make bench`` (or ``python
 benchmarks/bench_throughput.py [--skip-hf] [--skip-tracing] [--num-prompts N]
-[--tracing-rounds N]``).
+[--tracing-prompts N] [--tracing-rounds N]``).
 """
 
 from __future__ import annotations
@@ -75,10 +76,12 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-tracing", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--tracing-prompts", type=int, default=64)
     parser.add_argument("--tracing-rounds", type=int, default=3)
     args = parser.parse_args()
-    if args.tracing_rounds < 1:
-        parser.error("--tracing-rounds must be at least 1")
+    for flag in ("num_prompts", "tracing_prompts", "tracing_rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     from transformers import AutoTokenizer
 
     from tracevllm.model_executor.model_loader import resolve_model
@@ -118,12 +121,12 @@ def main() -> None:
 
     if args.skip_tracing:
         return
-    # Tracing cost: a smaller workload, each level in a fresh LLM. The three
+    # Tracing cost: each level in a fresh LLM. The three
     # levels run back to back in each round, the first one rotating round by
     # round; each level is compared with tracing off *of the same round*, and
     # the median of those ratios is printed: a change in the machine's speed
     # between rounds (10-20 % here) then cancels out.
-    samples = chat_samples(tokenizer, 16, seed=1)
+    samples = chat_samples(tokenizer, args.tracing_prompts)
     details = ["off", "request", "full"]
     rates: dict[str, list[float]] = {detail: [] for detail in details}
     for round_ in range(args.tracing_rounds):
@@ -135,7 +138,7 @@ def main() -> None:
                 )
             rates[detail].append(n / t)
     cost = Table(
-        title=f"Tracing cost (16 prompts, {args.tracing_rounds} rounds, "
+        title=f"Tracing cost ({len(samples)} prompts, {args.tracing_rounds} rounds, "
         "vs off: median of each round's ratio)"
     )
     for col in ("detail", "median tok/s", "runs", "vs off"):

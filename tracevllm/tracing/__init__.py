@@ -50,9 +50,8 @@ class _IdGenerator(RandomIdGenerator):
 
     Not Python's global ``random``, as OTel's default generator: the engine
     seeds it (as vLLM's workers do) so that sampling is reproducible, and two
-    processes seeded alike would mint the same ids. Nor the OS for every id:
-    that is a system call per span, which lets go of the GIL, and taking it
-    back from the exporter's thread can wait a whole switch interval (5 ms).
+    processes seeded alike would mint the same ids. Nor the OS for every id
+    (``secrets``): a system call per span, 1.3 µs against 0.26 here.
     """
 
     def __init__(self) -> None:
