@@ -16,8 +16,10 @@ left, plus the making at the forward's end) and prints, as medians, the
 microseconds a span costs, the seconds a generate spends on them and the
 generate's wall time. Then it makes the same spans again in a loop, one
 after another with nothing between them: what a span costs with the caches
-warm. The exporter's thread is not timed here. The timer around each call
-adds about a microsecond to every row.
+warm. The last column is the CPU the exporter's thread spent writing the
+generate's spans, all of them (the request's and steps' too), measured on
+that thread. The timer around each call adds about a microsecond to every
+row.
 
     python benchmarks/bench_span_cost.py [--rounds 3] [--max-tokens 48]
 """
@@ -38,6 +40,7 @@ from rich.table import Table
 from tracevllm import LLM, tracing
 from tracevllm.benchmarks.datasets import chat_samples
 from tracevllm.benchmarks.throughput import run_tracevllm
+from tracevllm.tracing.exporters import OTLPJsonFileExporter
 
 
 class _Clock:
@@ -47,13 +50,15 @@ class _Clock:
         self.ns = 0
         self.spans = 0
         self.seen: list[tuple[str, Any]] = []
+        self.export_ns = 0  # CPU of the exporter's thread, every span of the generate
 
 
 def _timed_calls(clock: _Clock) -> Any:
     """Wrap tracing.span (as llama.py and attention.py call it) and
-    _ForwardSpans.end so that the time in them goes on ``clock``; returns
-    a function that puts them back."""
-    span, end = tracing.span, tracing._ForwardSpans.end
+    _ForwardSpans.end so that the time in them goes on ``clock``, and the
+    file exporter so that its thread's CPU does; returns a function that puts
+    them back."""
+    span, end, export = tracing.span, tracing._ForwardSpans.end, OTLPJsonFileExporter.export
 
     class Timed:
         def __init__(self, block: Any) -> None:
@@ -86,12 +91,21 @@ def _timed_calls(clock: _Clock) -> Any:
         end(self, tracer)
         clock.ns += time.perf_counter_ns() - t
 
+    def timed_export(self: Any, spans: Any) -> Any:
+        t = time.thread_time_ns()
+        try:
+            return export(self, spans)
+        finally:
+            clock.export_ns += time.thread_time_ns() - t
+
     tracing.span = timed_span  # type: ignore[assignment]
     tracing._ForwardSpans.end = timed_end  # type: ignore[method-assign]
+    OTLPJsonFileExporter.export = timed_export  # type: ignore[method-assign]
 
     def restore() -> None:
         tracing.span = span
         tracing._ForwardSpans.end = end  # type: ignore[method-assign]
+        OTLPJsonFileExporter.export = export  # type: ignore[method-assign]
 
     return restore
 
@@ -107,7 +121,7 @@ def main() -> None:
     ways = {"in place": contextlib.nullcontext, "timed": forward_spans}
     clock = _Clock()
     restore = _timed_calls(clock)
-    results: dict[str, list[tuple[float, float, float, int]]] = {way: [] for way in ways}
+    results: dict[str, list[tuple[float, float, float, int, float]]] = {way: [] for way in ways}
     try:
         with (
             tempfile.TemporaryDirectory() as d,
@@ -124,17 +138,20 @@ def main() -> None:
             for round_ in range(args.rounds):
                 for way in order[round_ % 2 :] + order[: round_ % 2]:
                     tracing.forward_spans = ways[way]  # type: ignore[assignment]
-                    clock.ns = clock.spans = 0
+                    tracing.get_provider().force_flush()  # type: ignore[union-attr]
+                    clock.ns = clock.spans = clock.export_ns = 0
                     clock.seen.clear()
                     wall, _ = run_tracevllm(llm, samples, num_warmups=0, use_tqdm=False)
+                    tracing.get_provider().force_flush()  # type: ignore[union-attr]
+                    exported = clock.export_ns / 1e9
                     if clock.spans == 0:
                         raise SystemExit("no span was made in the forward: is tracing on?")
                     per_span = clock.ns / clock.spans / 1e3
-                    results[way].append((per_span, clock.ns / 1e9, wall, clock.spans))
+                    results[way].append((per_span, clock.ns / 1e9, wall, clock.spans, exported))
                     console.print(
                         f"round {round_ + 1}, {way}: {clock.spans} spans in forwards, "
                         f"{per_span:.1f} µs a span, {clock.ns / 1e9:.2f} s of the "
-                        f"generate's {wall:.2f} s"
+                        f"generate's {wall:.2f} s; the exporter {exported:.2f} s of CPU"
                     )
             # The same spans again, one after another, nothing between them.
             tracing.forward_spans = contextlib.nullcontext  # type: ignore[assignment]
@@ -149,7 +166,8 @@ def main() -> None:
         tracing.forward_spans = forward_spans
         restore()
     table = Table(title=f"Spans inside the forward, {args.rounds} rounds (medians)")
-    for col in ("made", "spans a generate", "µs a span", "s a generate", "generate s"):
+    columns = ("made", "spans a generate", "µs a span", "s a generate", "generate s", "exporter s")
+    for col in columns:
         table.add_column(col, justify="left" if col == "made" else "right")
     for way, runs in results.items():
         table.add_row(
@@ -158,8 +176,9 @@ def main() -> None:
             f"{statistics.median(r[0] for r in runs):.1f}",
             f"{statistics.median(r[1] for r in runs):.2f}",
             f"{statistics.median(r[2] for r in runs):.2f}",
+            f"{statistics.median(r[4] for r in runs):.2f}",
         )
-    table.add_row("in a loop", "", f"{loop:.1f}", "", "")
+    table.add_row("in a loop", "", f"{loop:.1f}", "", "", "")
     console.print(table)
 
 
