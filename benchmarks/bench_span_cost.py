@@ -16,9 +16,10 @@ left, plus the making at the forward's end) and prints, as medians, the
 microseconds a span costs, the seconds a generate spends on them and the
 generate's wall time. Then it makes the same spans again in a loop, one
 after another with nothing between them: what a span costs with the caches
-warm. The last column is the CPU the exporter's thread spent writing the
-generate's spans, all of them (the request's and steps' too), measured on
-that thread. The timer around each call adds about a microsecond to every
+warm. The last column is the CPU spent in the file exporter's ``export``
+on the generate's spans, all of them (the request's and steps' too), on
+whichever thread ran it (the batch processor's, or this one for what is
+left at the flush after the generate). The timer around each call adds about a microsecond to every
 row.
 
     python benchmarks/bench_span_cost.py [--rounds 3] [--max-tokens 48]
@@ -138,11 +139,14 @@ def main() -> None:
             for round_ in range(args.rounds):
                 for way in order[round_ % 2 :] + order[: round_ % 2]:
                     tracing.forward_spans = ways[way]  # type: ignore[assignment]
-                    tracing.get_provider().force_flush()  # type: ignore[union-attr]
+                    provider = tracing.get_provider()
+                    if provider is None:
+                        raise SystemExit("tracing is off: no span to time")
+                    provider.force_flush()
                     clock.ns = clock.spans = clock.export_ns = 0
                     clock.seen.clear()
                     wall, _ = run_tracevllm(llm, samples, num_warmups=0, use_tqdm=False)
-                    tracing.get_provider().force_flush()  # type: ignore[union-attr]
+                    provider.force_flush()
                     exported = clock.export_ns / 1e9
                     if clock.spans == 0:
                         raise SystemExit("no span was made in the forward: is tracing on?")

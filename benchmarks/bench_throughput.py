@@ -14,7 +14,7 @@ tracevllm runs first and again after the others, so the table shows how far
 the machine moved in between (on a shared 2-core machine, runs of the same
 engine differ by 10-20 %); each row's ratio is the mean of the two tracevllm
 runs / that row. Then the cost of each tracing level on the same workload
-(``--tracing-prompts`` of it, default all 64): off, request and full back to
+(or ``--tracing-prompts N`` of its kind): off, request and full back to
 back in each of ``--tracing-rounds`` rounds (default 3, the first level
 rotating), each level against the same round's off, the median of those
 ratios printed. The workload and the tracevllm
@@ -76,9 +76,11 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-tracing", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--tracing-prompts", type=int, default=64)
+    parser.add_argument("--tracing-prompts", type=int, help="default: --num-prompts")
     parser.add_argument("--tracing-rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.tracing_prompts is None:
+        args.tracing_prompts = args.num_prompts
     for flag in ("num_prompts", "tracing_prompts", "tracing_rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -121,11 +123,11 @@ def main() -> None:
 
     if args.skip_tracing:
         return
-    # Tracing cost: each level in a fresh LLM. The three
-    # levels run back to back in each round, the first one rotating round by
-    # round; each level is compared with tracing off *of the same round*, and
-    # the median of those ratios is printed: a change in the machine's speed
-    # between rounds (10-20 % here) then cancels out.
+    # Tracing cost: each level in a fresh LLM. The three levels run back to
+    # back in each round, the first one rotating round by round; each level
+    # is compared with tracing off *of the same round*, and the median of
+    # those ratios is printed: a change in the machine's speed between rounds
+    # (10-20 % here) then cancels out.
     samples = chat_samples(tokenizer, args.tracing_prompts)
     details = ["off", "request", "full"]
     rates: dict[str, list[float]] = {detail: [] for detail in details}

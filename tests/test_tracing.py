@@ -395,13 +395,15 @@ def test_trace_file_is_what_otels_file_exporter_writes(
             raise ValueError("boom")
         # Values equal as Python keys but written apart: the cache of encoded
         # attributes must not mix them up.
-        for value in (1, True, "1", 1.0, 0.0, -0.0, (1, 2), (True, 2), (1.0, 2), (1, 2)):
+        long = "é" * (exporters._MAX_CACHED_STR + 1)  # seldom repeats: not kept
+        for value in (1, True, "1", 1.0, 0.0, -0.0, (1, 2), (True, 2), (1.0, 2), (1, 2), long):
             tracer.start_span("same key", attributes={"v": value, "code.line.number": 7}).end()
     provider.shutdown()
     ours, otel = ours_path.read_text(), otel_path.read_text()
-    assert ours.count("\n") == 17  # one line per export (SimpleSpanProcessor: per span)
+    assert ours.count("\n") == 18  # one line per export (SimpleSpanProcessor: per span)
     assert ours == otel
     assert 0 < len(exporters._cached) <= max_cached
+    assert long not in {value for _, _, value in exporters._cached}
     spans = memory.get_finished_spans()
     assert {s.name for s in spans} == {"root", "child", "kind", "dropped", "error", "same key"}
     dropped = next(s for s in spans if s.name == "dropped")
@@ -568,6 +570,24 @@ def test_otlp_endpoint_receives_spans(tiny_model_dir: str) -> None:
                 names.update(s["name"] for s in ss["spans"])
     assert {"llm_request", "EngineCore.step"} <= names
     assert kinds == {"frontend", "engine_core"}
+
+
+def test_span_ids_differ_in_a_forked_child() -> None:
+    """A child forked with the parent's id generator must not mint the
+    parent's next ids (the generator is seeded again after a fork)."""
+    from tracevllm import tracing
+
+    generator = tracing._IdGenerator()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: send one id, leave at once
+        os.write(write, generator.generate_span_id().to_bytes(8, "big"))
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = int.from_bytes(os.read(read, 8), "big")
+    os.close(read)
+    assert child != generator.generate_span_id()
 
 
 def test_span_ids_do_not_follow_the_engine_seed() -> None:
