@@ -19,8 +19,8 @@ after another with nothing between them: what a span costs with the caches
 warm. The last column is the CPU spent in the file exporter's ``export``
 on the generate's spans, all of them (the request's and steps' too), on
 whichever thread ran it (the batch processor's, or this one for what is
-left at the flush after the generate). The timer around each call adds about a microsecond to every
-row.
+left at the flush after the generate). The timer around each call adds
+about a microsecond to every row.
 
     python benchmarks/bench_span_cost.py [--rounds 3] [--max-tokens 48]
 """
@@ -51,14 +51,14 @@ class _Clock:
         self.ns = 0
         self.spans = 0
         self.seen: list[tuple[str, Any]] = []
-        self.export_ns = 0  # CPU of the exporter's thread, every span of the generate
+        self.export_ns = 0  # CPU in the file exporter's export(), every span
 
 
 def _timed_calls(clock: _Clock) -> Any:
     """Wrap tracing.span (as llama.py and attention.py call it) and
     _ForwardSpans.end so that the time in them goes on ``clock``, and the
-    file exporter so that its thread's CPU does; returns a function that puts
-    them back."""
+    file exporter's export so that the CPU in it does; returns a function
+    that puts them back."""
     span, end, export = tracing.span, tracing._ForwardSpans.end, OTLPJsonFileExporter.export
 
     class Timed:
