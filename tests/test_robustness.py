@@ -185,7 +185,10 @@ def test_chat_takes_text_parts(engine: tuple[LLM, list[int]]) -> None:
 
 # --- interrupted and failed steps -----------------------------------------------
 def _interrupt_after(seconds: float) -> threading.Timer:
-    """Ctrl-C, as the main thread sees it, after a while."""
+    """Ctrl-C, as the main thread sees it, after a while. Python's own
+    handler first: a shell that starts a job in the background (``&``) starts
+    it with SIGINT ignored, and then Python installs none."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(seconds, _thread.interrupt_main)
     timer.start()
     return timer
