@@ -127,6 +127,8 @@ def _span(span: ReadableSpan) -> str:
     Written field by field rather than through ``_object``, as the rarer
     events and links are: a busy step writes thousands of spans."""
     context, parent, status = span.context, span.parent, span.status
+    # Read once: each of these properties makes a new tuple or read-only view.
+    attributes, events, links = span.attributes, span.events, span.links
     text = f'{{"traceId":{_trace_id(context)},"spanId":{_span_id(context)}'
     if context is not None and context.trace_state:
         text += f',"traceState":{_trace_state(context)}'
@@ -141,16 +143,16 @@ def _span(span: ReadableSpan) -> str:
         text += f',"startTimeUnixNano":"{span.start_time}"'
     if span.end_time:
         text += f',"endTimeUnixNano":"{span.end_time}"'
-    if span.attributes:
-        text += f',"attributes":{_attribute_list(span.attributes)}'
+    if attributes:
+        text += f',"attributes":{_attribute_list(attributes)}'
     if span.dropped_attributes:
         text += f',"droppedAttributesCount":{span.dropped_attributes}'
-    if span.events:
-        text += f',"events":{_array([_event(event) for event in span.events])}'
+    if events:
+        text += f',"events":{_array([_event(event) for event in events])}'
     if span.dropped_events:
         text += f',"droppedEventsCount":{span.dropped_events}'
-    if span.links:
-        text += f',"links":{_array([_link(link) for link in span.links])}'
+    if links:
+        text += f',"links":{_array([_link(link) for link in links])}'
     if span.dropped_links:
         text += f',"droppedLinksCount":{span.dropped_links}'
     status_json = _object(
