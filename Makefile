@@ -10,7 +10,7 @@ PROMPT ?= What is the capital of France?
 TRACE_DIR ?= traces/latest
 MAX_TOKENS ?= 48
 
-.PHONY: setup generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline clean
+.PHONY: setup generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing clean
 
 setup: $(STAMP)
 
@@ -66,6 +66,13 @@ test: lint docs-check labs-check unit
 # eager and compiled, with VLLM_VENV=...), then the cost of tracing.
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
+
+# What each tracing level costs on make bench's workload, counted by py-spy
+# (a sampling profiler, outside the engine) rather than timed: the share of
+# the engine thread, and of every thread, spent in tracing code. A few minutes.
+bench-tracing: setup
+	$(PY) -m pip install -q py-spy==0.4.3
+	$(PY) benchmarks/bench_tracing_cost.py $(ARGS)
 
 # 32 streams x 64 tokens against tracevllm serve (and vLLM's server with VLLM_VENV=...).
 bench-serve: setup

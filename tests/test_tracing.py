@@ -355,7 +355,9 @@ def test_trace_file_is_what_otels_file_exporter_writes(
     ours_path, otel_path = tmp_path / "ours.jsonl", tmp_path / "otel.jsonl"
     provider = TracerProvider(
         resource=Resource.create({"service.name": "t", "process.pid": 7}, "https://r"),
-        span_limits=SpanLimits(max_span_attributes=24, max_events=2, max_links=3),
+        span_limits=SpanLimits(
+            max_span_attributes=32, max_events=2, max_links=3, max_link_attributes=1
+        ),
     )
     memory = InMemorySpanExporter()
     for exporter in (OTLPJsonFileExporter(str(ours_path)), FileSpanExporter(otel_path), memory):
@@ -370,11 +372,14 @@ def test_trace_file_is_what_otels_file_exporter_writes(
         "text": 'é"\n', "ints": [1, 2], "none": [], "floats": [1.0, 2.5],
         "bools": [True, False], "strs": ["a", ""], "with_none": [None, 1], "bytes": b"\x00\xff",
         "mapping": {"k": 1, "nested": {"x": [1, "y"]}},
+        # The engine's lists, joined as text: long (not cached), signed, escaped.
+        "token_ids": [*range(-3, 20), 2**62], "req_ids": ["0", 'é"\n\t\x00🙂', ""],
+        "one_int": [5], "one_str": ["x"], "ints_bool": [1, True],
     }  # fmt: skip
     context = trace.set_span_in_context(trace.NonRecordingSpan(remote))
     with tracer.start_as_current_span("root", context, SpanKind.SERVER, values) as root:
         links = [
-            Link(remote, {"x": "y"}),
+            Link(remote, {"x": "y", "over": 1}),  # one attribute dropped
             Link(root.get_span_context()),
             # Kept by the SDK for its attributes: written with zero ids.
             Link(trace.INVALID_SPAN_CONTEXT, {"gen_ai.request.id": "0"}),
@@ -387,7 +392,7 @@ def test_trace_file_is_what_otels_file_exporter_writes(
             tracer.start_span("kind", kind=kind).end()
         # Over the limits: dropped attributes, events and links are counted.
         with tracer.start_as_current_span(
-            "dropped", attributes={f"a{i}": i for i in range(30)}, links=links * 2
+            "dropped", attributes={f"a{i}": i for i in range(40)}, links=links * 2
         ) as span:
             for i in range(4):
                 span.add_event(f"e{i}")
@@ -402,12 +407,14 @@ def test_trace_file_is_what_otels_file_exporter_writes(
     ours, otel = ours_path.read_text(), otel_path.read_text()
     assert ours.count("\n") == 18  # one line per export (SimpleSpanProcessor: per span)
     assert ours == otel
+    root_line = next(line for line in ours.splitlines() if '"name":"root"' in line)
+    assert all(f'"key":"{key}"' in root_line for key in values)  # none dropped
     assert 0 < len(exporters._cached) <= max_cached
     assert long not in {value for _, _, value in exporters._cached}
     spans = memory.get_finished_spans()
     assert {s.name for s in spans} == {"root", "child", "kind", "dropped", "error", "same key"}
     dropped = next(s for s in spans if s.name == "dropped")
-    assert (dropped.dropped_attributes, dropped.dropped_events, dropped.dropped_links) == (6, 2, 3)
+    assert (dropped.dropped_attributes, dropped.dropped_events, dropped.dropped_links) == (8, 2, 3)
     # All in one batch: two scopes under one resource, in the order OTel writes.
     line = encode_spans(spans)
     assert line == json.dumps(otel_encode(spans).to_dict(), separators=(",", ":"))
@@ -608,3 +615,99 @@ def test_span_ids_do_not_follow_the_engine_seed() -> None:
     finally:
         tracing.shutdown_tracer()
     assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]
+
+
+def test_trace_headers_are_parsed_once_and_read_as_otel_reads_them() -> None:
+    """A request's trace headers give the context OTel's propagator reads
+    from them (tracestate included, a malformed traceparent ignored), and
+    are parsed once however many steps read them."""
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from tracevllm import tracing
+
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    carriers: list[dict[str, str]] = [
+        {"traceparent": traceparent},
+        {"traceparent": traceparent, "tracestate": "k=v"},
+        {"traceparent": traceparent, "tracestate": "k=w"},
+        {"traceparent": traceparent.replace("-01", "-00")},
+        {"traceparent": "not a traceparent"},
+        {"tracestate": "k=v"},
+    ]
+    assert tracing.extract_trace_context({}) is None
+    tracing._extract.cache_clear()
+    for carrier in carriers:
+        ours = trace.get_current_span(tracing.extract_trace_context(carrier)).get_span_context()
+        otel = TraceContextTextMapPropagator().extract(carrier)
+        assert ours == trace.get_current_span(otel).get_span_context()
+        assert ours.trace_state == trace.get_current_span(otel).get_span_context().trace_state
+    parsed = tracing._extract.cache_info().misses
+    for _ in range(3):  # later steps: no parse
+        for carrier in carriers:
+            tracing.extract_trace_context(carrier)
+    assert tracing._extract.cache_info().misses == parsed == len(carriers) - 1
+
+
+def test_tracing_cost_bench_counts_only_tracing_code(tmp_path: Any) -> None:
+    """benchmarks/bench_tracing_cost.py's reading of py-spy's samples: a
+    sample is tracing when its innermost tracevllm/OTel frame is tracing
+    code, and each is put on the thread it was taken on."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import bench_tracing_cost as bench
+    finally:
+        sys.path.pop(0)
+    (package, otel, *_), _ = bench._roots()
+    torch_frame = "Module._call_impl (/venv/torch/nn/modules/module.py:1)"
+    wrapper = f"wrapper ({package}tracing/__init__.py:225)"
+    loop = f"EngineCoreProc.run_busy_loop ({package}engine/core.py:300)"
+    engine = ['process 1:"python bench"', 'process 2:"python -c spawn_main"',
+              "thread (2): MainThread", loop, wrapper,
+              f"EngineCore.step ({package}engine/core.py:190)"]  # fmt: skip
+    attention = f"Attention._forward_traced ({package}model_executor/layers/attention.py:80)"
+    stacks = {
+        # The engine's method inside instrument's wrapper, in torch: not tracing.
+        (*engine, torch_frame): ("engine core", None),
+        (*engine, "Span.__init__ (/x/y.py:1)"): ("engine core", None),  # not OTel's file
+        # Making the span, its record: tracing.
+        (*engine, f"Tracer.start_span ({otel}sdk/trace/__init__.py:1200)"): ("engine core", 1),
+        (*engine, f"step ({package}tracing/records.py:150)", torch_frame): ("engine core", 1),
+        (*engine, attention): ("engine core", 1),  # the attention spans' .tolist()s
+        (*engine, attention, f"unified_attention ({package}attention/ops.py:9)"): (
+            "engine core",
+            None,
+        ),
+        (
+            'process 1:"python bench"',
+            "thread (1): MainThread",
+            f"LLM.generate ({package}entrypoints/llm.py:90)",
+        ): ("frontend", None),  # fmt: skip
+        (
+            'process 1:"python bench"',
+            "thread (3): OtelBatchSpanRecordProcessor",
+            "Thread.run (/usr/lib/threading.py:1)",
+            f"BatchProcessor.worker ({otel}sdk/_shared_internal/__init__.py:1)",
+            "JSONEncoder.iterencode (/usr/lib/json/encoder.py:1)",
+        ): ("exporter", 1),  # fmt: skip
+        (
+            'process 1:"python bench"',
+            'process 2:"python -c spawn_main"',
+            "thread (4): EngineCoreOutputThread",
+            "run (/usr/lib/threading.py:1)",
+        ): ("other", None),  # fmt: skip
+    }
+    raw = tmp_path / "samples.txt"
+    raw.write_text("".join(f"{';'.join(stack)} {i + 1}\n" for i, stack in enumerate(stacks)))
+    count = bench.Count()
+    bench.read_samples(str(raw), count)
+    samples: Counter[str] = Counter()
+    tracing: Counter[str] = Counter()
+    for i, (kind, traced) in enumerate(stacks.values()):
+        samples[kind] += i + 1
+        tracing[kind] += (i + 1) * (traced or 0)
+    assert count.samples == samples
+    assert +count.tracing == +tracing
+    # Where: the innermost tracing frame (json's is not ours).
+    assert set(count.where) == {"Tracer.start_span", "step", "Attention._forward_traced",
+                                "BatchProcessor.worker"}  # fmt: skip

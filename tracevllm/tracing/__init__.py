@@ -422,6 +422,22 @@ def extract_trace_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 def extract_trace_context(headers: Mapping[str, str] | None) -> Context | None:
+    """The context a request's trace headers carry (None without headers).
+
+    A request's headers are read at each step that serves it (the step span
+    links to it): they are parsed once, and the (immutable) Context shared.
+    """
     if not headers:
         return None
+    traceparent, tracestate = headers.get("traceparent"), headers.get("tracestate")
+    if isinstance(traceparent, str) and isinstance(tracestate, (str, type(None))):
+        return _extract(traceparent, tracestate)
     return _propagator.extract(dict(headers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _extract(traceparent: str, tracestate: str | None) -> Context:
+    carrier = {"traceparent": traceparent}
+    if tracestate is not None:
+        carrier["tracestate"] = tracestate
+    return _propagator.extract(carrier)

@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from opentelemetry.sdk.trace import Event, ReadableSpan
@@ -172,13 +173,14 @@ def _event(event: Event) -> str:
 
 
 def _link(link: Link) -> str:
-    return _object(
-        ("traceId", _trace_id(link.context)),
-        ("spanId", _span_id(link.context)),
-        ("attributes", _attribute_list(link.attributes)),
-        ("droppedAttributesCount", str(link.dropped_attributes)),
-        ("flags", _flags(link.context)),
-    )
+    """Field by field, as _span: a step links to every request it served."""
+    context, attributes = link.context, link.attributes
+    text = f'{{"traceId":{_trace_id(context)},"spanId":{_span_id(context)}'
+    if attributes:
+        text += f',"attributes":{_attribute_list(attributes)}'
+    if link.dropped_attributes:
+        text += f',"droppedAttributesCount":{link.dropped_attributes}'
+    return f'{text},"flags":{_flags(context)}}}'
 
 
 # The JSON of a field at its default, which proto3 JSON leaves out.
@@ -201,9 +203,8 @@ def _array(items: list[str]) -> str:
     return "[" + ",".join(items) + "]"
 
 
-def _string(text: str) -> str:
-    return json.dumps(text)
-
+# What json.dumps does to a str (ensure_ascii), without its wrapper.
+_string = encode_basestring_ascii
 
 # What is not a plain string, encoded as OTel's file exporter does: no spaces.
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -246,14 +247,35 @@ def _attribute_list(attributes: Mapping[str, Any] | None) -> str:
 
 def _attribute(key: str, value: Any) -> str:
     if not _cacheable(value):
-        return _dumps({"key": key, "value": _encode_value(value)})
+        return _key_value(key, value)
     cache_key = (key, type(value), value)
     text = _cached.get(cache_key)
     if text is None:
         if len(_cached) >= _MAX_CACHED:
             _cached.clear()
-        text = _cached[cache_key] = _dumps({"key": key, "value": _encode_value(value)})
+        text = _cached[cache_key] = _key_value(key, value)
     return text
+
+
+def _key_value(key: str, value: Any) -> str:
+    """One OTLP KeyValue. The engine's lists (token ids, positions, request
+    ids) are joined as text, without a dict per element; anything else goes
+    through _encode_value."""
+    if type(value) is str:  # a step's view is a long one
+        value_json = f'{{"stringValue":{_string(value)}}}'
+    elif type(value) is tuple and value:  # OTel keeps a list attribute as a tuple
+        kinds = set(map(type, value))
+        if kinds == {int}:  # exactly int: a bool is written apart
+            items = '"},{"intValue":"'.join(map(str, value))
+            value_json = f'{{"arrayValue":{{"values":[{{"intValue":"{items}"}}]}}}}'
+        elif kinds == {str}:
+            items = '},{"stringValue":'.join(map(_string, value))
+            value_json = f'{{"arrayValue":{{"values":[{{"stringValue":{items}}}]}}}}'
+        else:
+            value_json = _dumps(_encode_value(value))
+    else:
+        value_json = _dumps(_encode_value(value))
+    return f'{{"key":{_string(key)},"value":{value_json}}}'
 
 
 def _cacheable(value: Any) -> bool:

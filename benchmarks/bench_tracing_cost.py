@@ -1,0 +1,268 @@
+"""What tracing costs on the ``make bench`` workload, counted by a sampling profiler.
+
+On a shared 2-core machine two runs of the same engine can differ by 20 %,
+so a throughput difference of a few percent between tracing levels cannot
+be seen in wall time (``bench_throughput.py``'s tracing rows). This script
+counts instead: it runs the workload (64 chat prompts, max_tokens 16-128,
+greedy, ignore_eos; the engine core in its own process, as ``make bench``)
+at each detail level in a fresh ``LLM``, and while the timed ``generate``
+runs, py-spy samples every Python thread of both processes from outside
+(``--nonblocking``: the engine is never paused), each thread only while it
+is on a CPU or waiting for one.
+
+A sample is *tracing* when the innermost frame of tracevllm or
+OpenTelemetry in its stack is tracing code: ``tracevllm/tracing/``,
+``opentelemetry/``, or ``Attention._forward_traced`` (the attention
+spans' own work). So an engine method inside ``tracing.instrument``'s
+wrapper counts as engine, and the wrapper's own work around it as tracing;
+the batch span processor's thread, exporting, is all tracing.
+
+Printed for each level, against the engine core's main thread (the
+critical path: it schedules, runs the forward's Python and is one of the
+two compute threads):
+
+- **engine thread**: the share of its samples that are tracing, the cost
+  that lands on the critical path directly;
+- **all threads**: every tracing sample of both processes (the frontend's
+  request spans, both exporters' threads) over the engine thread's
+  samples. With both cores computing, a millisecond of CPU that tracing
+  takes anywhere holds the forward up by at most about a millisecond, so
+  this is what tracing can cost the throughput at most; what it can cost
+  is less where it runs beside the engine on a core the engine leaves idle.
+
+Then where the tracing samples fell (the innermost tracing frame), and the
+wall-clock throughput of each run for reference. Tracing off is run as a
+control: its tracing share must be about zero.
+
+    make bench-tracing
+    python benchmarks/bench_tracing_cost.py [--num-prompts 64] [--rate 250] [--rounds 1]
+
+Needs py-spy (``make bench-tracing`` installs it; pip install py-spy==0.4.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+DETAILS = ("off", "request", "full")
+# Functions outside tracevllm/tracing/ whose own work is tracing.
+TRACING_FUNCTIONS = ("Attention._forward_traced ",)
+
+
+def _roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(tracevllm's and OTel's source directories, the tracing ones among them)."""
+    import opentelemetry
+
+    import tracevllm
+
+    package = os.path.dirname(os.path.abspath(tracevllm.__file__)) + os.sep
+    otel = tuple(os.path.abspath(p) + os.sep for p in opentelemetry.__path__)
+    return (package, *otel), (os.path.join(package, "tracing") + os.sep, *otel)
+
+
+# --- the worker: one LLM at one detail level, timed generate on cue -----------
+def worker(detail: str, num_prompts: int) -> None:
+    """Load, warm up, say "ready", wait for "go", generate, say "done ..."."""
+    from transformers import AutoTokenizer
+
+    from tracevllm import LLM
+    from tracevllm.benchmarks.datasets import chat_samples
+    from tracevllm.benchmarks.throughput import run_tracevllm
+    from tracevllm.model_executor.model_loader import resolve_model
+
+    samples = chat_samples(AutoTokenizer.from_pretrained(resolve_model(None)), num_prompts)
+    with (
+        tempfile.TemporaryDirectory() as d,
+        LLM(trace_detail=detail, trace_dir=None if detail == "off" else d) as llm,
+    ):
+        run_tracevllm(llm, samples[:2], num_warmups=0, use_tqdm=False)  # warm-up
+        print("ready", flush=True)
+        sys.stdin.readline()
+        seconds, outputs = run_tracevllm(llm, samples, num_warmups=0, use_tqdm=False)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        print(f"done {seconds} {tokens}", flush=True)
+        sys.stdin.readline()
+
+
+# --- reading py-spy's samples -------------------------------------------------
+@dataclass
+class Count:
+    """One level's samples: per thread kind, how many, how many tracing."""
+
+    seconds: float = 0.0
+    tokens: int = 0
+    samples: collections.Counter[str] = field(default_factory=collections.Counter)
+    tracing: collections.Counter[str] = field(default_factory=collections.Counter)
+    where: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+def thread_kind(frames: list[str]) -> str:
+    """Which thread a stack was sampled on. py-spy puts a frame for each
+    process (``process PID:"cmdline"``, the worker's, then the engine core's
+    under it) and one for the thread (``thread (TID): name``) first."""
+    processes = sum(frame.startswith("process ") for frame in frames)
+    name = next((f.partition("): ")[2] for f in frames if f.startswith("thread (")), "")
+    if name == "OtelBatchSpanRecordProcessor":  # the BatchSpanProcessor's thread
+        return "exporter"
+    if name == "MainThread":
+        return "engine core" if processes > 1 else "frontend"
+    return "other"
+
+
+def tracing_frame(frames: list[str], ours: tuple[str, ...], tracing: tuple[str, ...]) -> str | None:
+    """The innermost frame in tracevllm or OTel (``ours``, by file) when it is
+    tracing code (``tracing``, or one of TRACING_FUNCTIONS), else None. A
+    frame reads ``function (full/path.py:line)``."""
+    for frame in reversed(frames):
+        path = frame.rpartition(" (")[2]
+        if path.startswith(ours):
+            if path.startswith(tracing) or frame.startswith(TRACING_FUNCTIONS):
+                return frame
+            return None
+    return None
+
+
+def read_samples(path: str, count: Count) -> None:
+    """py-spy's raw format: one line per distinct stack, frames separated by ';'
+    (outermost first, after the process and thread), then the sample count."""
+    roots = _roots()
+    with open(path) as f:
+        for line in f:
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            frames = stack.split(";")
+            kind = thread_kind(frames)
+            count.samples[kind] += int(n)
+            frame = tracing_frame(frames, *roots)
+            if frame is not None:
+                count.tracing[kind] += int(n)
+                count.where[frame.split(" (")[0]] += int(n)
+
+
+# --- one level under py-spy -----------------------------------------------------
+def measure(detail: str, round_: int, args: argparse.Namespace, py_spy: str, count: Count) -> None:
+    cmd = [sys.executable, __file__, "--worker", detail, "--num-prompts", str(args.num_prompts)]
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        line = child.stdout.readline()
+        if line.strip() != "ready":
+            raise SystemExit(f"the {detail} worker did not start: {line!r}")
+        with tempfile.TemporaryDirectory() as d:
+            raw = os.path.join(d, "samples.txt")
+            spy = subprocess.Popen(
+                [py_spy, "record", "--pid", str(child.pid), "--subprocesses", "--threads",
+                 "--nonblocking", "--full-filenames", "--rate", str(args.rate),
+                 "--format", "raw", "--output", raw],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            time.sleep(2.0)  # py-spy attaches to both processes
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            line = child.stdout.readline()
+            spy.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
+            _, err = spy.communicate(timeout=120)
+            if not line.startswith("done") or not os.path.exists(raw):
+                raise SystemExit(f"the {detail} run failed: {line!r} / py-spy: {err[-500:]}")
+            _, seconds, tokens = line.split()
+            count.seconds += float(seconds)
+            count.tokens += int(tokens)
+            read_samples(raw, count)
+            if args.samples_dir:  # py-spy's raw format: flamegraph.pl or speedscope read it
+                os.makedirs(args.samples_dir, exist_ok=True)
+                shutil.copy(raw, os.path.join(args.samples_dir, f"{detail}-{round_}.txt"))
+        child.stdin.write("exit\n")
+        child.stdin.flush()
+        child.wait(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples a second")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each level, summed")
+    parser.add_argument("--samples-dir", help="keep py-spy's samples here (raw format)")
+    parser.add_argument("--details", nargs="+", choices=DETAILS, default=list(DETAILS))
+    parser.add_argument("--worker", choices=DETAILS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.num_prompts)
+        return
+    for flag in ("num_prompts", "rate", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    if py_spy is None:
+        raise SystemExit(
+            "py-spy is not installed: pip install py-spy==0.4.3 (or make bench-tracing)"
+        )
+
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    counts = {detail: Count() for detail in args.details}
+    for round_ in range(args.rounds):
+        for detail in args.details:
+            console.print(f"round {round_ + 1}/{args.rounds}: tracing {detail} ...")
+            measure(detail, round_, args, py_spy, counts[detail])
+
+    table = Table(
+        title=f"What tracing costs, counted ({args.num_prompts} prompts, py-spy at "
+        f"{args.rate}/s, {args.rounds} round(s))"
+    )
+    columns = ("detail", "tok/s", "engine samples", "engine thread", "all threads",
+               "frontend", "exporters")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col == "detail" else "right")
+    results = {}
+    for detail, c in counts.items():
+        engine = c.samples["engine core"] or 1
+        shares = {
+            "engine thread": c.tracing["engine core"] / engine,
+            "all threads": sum(c.tracing.values()) / engine,
+            "frontend": c.tracing["frontend"] / engine,
+            "exporters": c.tracing["exporter"] / engine,
+        }
+        results[detail] = {
+            "tok_s": c.tokens / c.seconds,
+            **shares,
+            "samples": dict(c.samples),
+            "tracing": dict(c.tracing),
+            "where": c.where.most_common(15),
+        }
+        table.add_row(
+            detail,
+            f"{c.tokens / c.seconds:.1f}",
+            str(c.samples["engine core"]),
+            *(f"{share * 100:.2f} %" for share in shares.values()),
+        )
+    console.print(table)
+    for detail in set(args.details) - {"off"}:
+        where = Table(title=f"Where {detail}'s tracing samples fall (innermost tracing frame)")
+        where.add_column("function")
+        where.add_column("samples", justify="right")
+        for function, n in counts[detail].where.most_common(10):
+            where.add_row(function, str(n))
+        console.print(where)
+    os.makedirs("bench-results", exist_ok=True)
+    with open(os.path.join("bench-results", "tracing_cost.json"), "w") as f:
+        json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
