@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 DETAILS = ("off", "request", "full")
 # Functions outside tracevllm/tracing/ whose own work is tracing.
 TRACING_FUNCTIONS = ("Attention._forward_traced ",)
+WRAPPER = "instrument.<locals>.decorator.<locals>.wrapper "  # tracing.instrument's
 
 
 def _roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -122,13 +123,22 @@ def thread_kind(frames: list[str]) -> str:
 def tracing_frame(frames: list[str], ours: tuple[str, ...], tracing: tuple[str, ...]) -> str | None:
     """The innermost frame in tracevllm or OTel (``ours``, by file) when it is
     tracing code (``tracing``, or one of TRACING_FUNCTIONS), else None. A
-    frame reads ``function (full/path.py:line)``."""
-    for frame in reversed(frames):
+    frame reads ``function (full/path.py:line)``.
+
+    One exception: below ``instrument``'s wrapper, a frame of neither is the
+    wrapped method's own decorator (torch's ``inference_mode``), engine
+    time, unless it is contextlib's (the span's ``with``)."""
+    for i in range(len(frames) - 1, -1, -1):
+        frame = frames[i]
         path = frame.rpartition(" (")[2]
         if path.startswith(ours):
-            if path.startswith(tracing) or frame.startswith(TRACING_FUNCTIONS):
-                return frame
-            return None
+            if not (path.startswith(tracing) or frame.startswith(TRACING_FUNCTIONS)):
+                return None
+            if frame.startswith(WRAPPER) and i + 1 < len(frames):
+                below = frames[i + 1].rpartition(" (")[2]
+                if os.path.basename(below.partition(":")[0]) != "contextlib.py":
+                    return None
+            return frame
     return None
 
 

@@ -660,7 +660,7 @@ def test_tracing_cost_bench_counts_only_tracing_code(tmp_path: Any) -> None:
         sys.path.pop(0)
     (package, otel, *_), _ = bench._roots()
     torch_frame = "Module._call_impl (/venv/torch/nn/modules/module.py:1)"
-    wrapper = f"wrapper ({package}tracing/__init__.py:225)"
+    wrapper = f"{bench.WRAPPER}({package}tracing/__init__.py:225)"
     loop = f"EngineCoreProc.run_busy_loop ({package}engine/core.py:300)"
     engine = ['process 1:"python bench"', 'process 2:"python -c spawn_main"',
               "thread (2): MainThread", loop, wrapper,
@@ -674,6 +674,16 @@ def test_tracing_cost_bench_counts_only_tracing_code(tmp_path: Any) -> None:
         (*engine, f"Tracer.start_span ({otel}sdk/trace/__init__.py:1200)"): ("engine core", 1),
         (*engine, f"step ({package}tracing/records.py:150)", torch_frame): ("engine core", 1),
         (*engine, attention): ("engine core", 1),  # the attention spans' .tolist()s
+        # Below instrument's wrapper: the method's own decorator is the engine's,
+        # the span's with (contextlib) is tracing.
+        (*engine, wrapper, "decorate_context (/venv/torch/utils/_contextlib.py:1)"): (
+            "engine core",
+            None,
+        ),
+        (*engine, wrapper, "_GeneratorContextManager.__exit__ (/usr/lib/contextlib.py:1)"): (
+            "engine core",
+            1,
+        ),
         (*engine, attention, f"unified_attention ({package}attention/ops.py:9)"): (
             "engine core",
             None,
@@ -710,4 +720,4 @@ def test_tracing_cost_bench_counts_only_tracing_code(tmp_path: Any) -> None:
     assert +count.tracing == +tracing
     # Where: the innermost tracing frame (json's is not ours).
     assert set(count.where) == {"Tracer.start_span", "step", "Attention._forward_traced",
-                                "BatchProcessor.worker"}  # fmt: skip
+                                "BatchProcessor.worker", bench.WRAPPER.strip()}  # fmt: skip
