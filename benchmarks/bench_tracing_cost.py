@@ -55,20 +55,29 @@ import time
 from dataclasses import dataclass, field
 
 DETAILS = ("off", "request", "full")
-# Functions outside tracevllm/tracing/ whose own work is tracing.
-TRACING_FUNCTIONS = ("Attention._forward_traced ",)
-WRAPPER = "instrument.<locals>.decorator.<locals>.wrapper "  # tracing.instrument's
+# py-spy writes a frame as "function (path:line)"; a prefix ending in a space
+# matches one function's name and no longer one.
+TRACING_FUNCTIONS = ("Attention._forward_traced ",)  # outside tracing/, the spans' own work
+# Where tracing code hands back to the engine: the method a tracing wrapper
+# wraps (the frame below the wrapper), and the kernels the attention spans
+# are around.
+WRAPPERS = ("instrument.<locals>.decorator.<locals>.wrapper ",
+            "instrument.<locals>.decorator.<locals>.async_wrapper ",
+            "_instrument_async_generator.<locals>.wrapper ")  # fmt: skip
+KERNELS = ("unified_kv_cache_update ", "unified_attention_with_output ")
+# Below a wrapper, the span's own ``with`` (contextlib), not the method.
+SPAN_WITH = ("_GeneratorContextManager.__enter__ ", "_GeneratorContextManager.__exit__ ")
 
 
-def _roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(tracevllm's and OTel's source directories, the tracing ones among them)."""
+def _tracing_dirs() -> tuple[str, ...]:
+    """The source directories of tracing code: tracevllm/tracing/ and OpenTelemetry's."""
     import opentelemetry
 
     import tracevllm
 
-    package = os.path.dirname(os.path.abspath(tracevllm.__file__)) + os.sep
+    package = os.path.dirname(os.path.abspath(tracevllm.__file__))
     otel = tuple(os.path.abspath(p) + os.sep for p in opentelemetry.__path__)
-    return (package, *otel), (os.path.join(package, "tracing") + os.sep, *otel)
+    return (os.path.join(package, "tracing") + os.sep, *otel)
 
 
 # --- the worker: one LLM at one detail level, timed generate on cue -----------
@@ -120,32 +129,41 @@ def thread_kind(frames: list[str]) -> str:
     return "other"
 
 
-def tracing_frame(frames: list[str], ours: tuple[str, ...], tracing: tuple[str, ...]) -> str | None:
-    """The innermost frame in tracevllm or OTel (``ours``, by file) when it is
-    tracing code (``tracing``, or one of TRACING_FUNCTIONS), else None. A
-    frame reads ``function (full/path.py:line)``.
+def tracing_frame(frames: list[str], tracing: tuple[str, ...]) -> str | None:
+    """The innermost tracing frame of a sample that is tracing's, else None.
 
-    One exception: below ``instrument``'s wrapper, a frame of neither is the
-    wrapped method's own decorator (torch's ``inference_mode``), engine
-    time, unless it is contextlib's (the span's ``with``)."""
-    for i in range(len(frames) - 1, -1, -1):
-        frame = frames[i]
-        path = frame.rpartition(" (")[2]
-        if path.startswith(ours):
-            if not (path.startswith(tracing) or frame.startswith(TRACING_FUNCTIONS)):
-                return None
-            if frame.startswith(WRAPPER) and i + 1 < len(frames):
-                below = frames[i + 1].rpartition(" (")[2]
-                if os.path.basename(below.partition(":")[0]) != "contextlib.py":
-                    return None
-            return frame
-    return None
+    ``tracing``: the source directories of tracing code (_tracing_dirs).
+    Read from the outermost frame in: a sample becomes
+    tracing's at the first frame of tracing code (or of TRACING_FUNCTIONS),
+    and everything it calls stays tracing's (an engine helper a ``record``
+    reads, json, contextlib) until it hands back to the engine: the method a
+    wrapper of ``tracing.instrument`` runs (or that method's own decorator,
+    torch's ``inference_mode``), or a kernel call inside
+    ``Attention._forward_traced``.
+    """
+    where = None
+    for i, frame in enumerate(frames):
+        if where is None:
+            path = frame.rpartition(" (")[2]
+            if path.startswith(tracing) or frame.startswith(TRACING_FUNCTIONS):
+                where = frame
+            continue
+        above = frames[i - 1]
+        handed_back = (
+            above.startswith(WRAPPERS) and not frame.startswith(SPAN_WITH)
+            and not frame.rpartition(" (")[2].startswith(tracing)
+        ) or (above.startswith(TRACING_FUNCTIONS) and frame.startswith(KERNELS))  # fmt: skip
+        if handed_back:
+            where = None
+        elif frame.rpartition(" (")[2].startswith(tracing) or frame.startswith(TRACING_FUNCTIONS):
+            where = frame
+    return where
 
 
 def read_samples(path: str, count: Count) -> None:
     """py-spy's raw format: one line per distinct stack, frames separated by ';'
     (outermost first, after the process and thread), then the sample count."""
-    roots = _roots()
+    tracing = _tracing_dirs()
     with open(path) as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
@@ -154,7 +172,7 @@ def read_samples(path: str, count: Count) -> None:
             frames = stack.split(";")
             kind = thread_kind(frames)
             count.samples[kind] += int(n)
-            frame = tracing_frame(frames, *roots)
+            frame = tracing_frame(frames, tracing)
             if frame is not None:
                 count.tracing[kind] += int(n)
                 count.where[frame.split(" (")[0]] += int(n)
@@ -165,6 +183,7 @@ def measure(detail: str, round_: int, args: argparse.Namespace, py_spy: str, cou
     cmd = [sys.executable, __file__, "--worker", detail, "--num-prompts", str(args.num_prompts)]
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
+    spy: subprocess.Popen[str] | None = None
     try:
         line = child.stdout.readline()
         if line.strip() != "ready":
@@ -178,6 +197,13 @@ def measure(detail: str, round_: int, args: argparse.Namespace, py_spy: str, cou
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
             time.sleep(2.0)  # py-spy attaches to both processes
+            if spy.poll() is not None:
+                raise SystemExit(
+                    f"py-spy could not attach to the worker: {spy.communicate()[1][-500:]}\n"
+                    "It reads another process's memory: on Linux with Yama's ptrace_scope at 1 "
+                    "(Ubuntu's default) that takes root, or "
+                    "`sudo sysctl kernel.yama.ptrace_scope=0`."
+                )
             child.stdin.write("go\n")
             child.stdin.flush()
             line = child.stdout.readline()
@@ -196,14 +222,15 @@ def measure(detail: str, round_: int, args: argparse.Namespace, py_spy: str, cou
         child.stdin.flush()
         child.wait(timeout=120)
     finally:
-        if child.poll() is None:
-            child.kill()
+        for process in (spy, child):
+            if process is not None and process.poll() is None:
+                process.kill()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--rate", type=int, default=250, help="py-spy samples a second")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples a second")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each level, summed")
     parser.add_argument("--samples-dir", help="keep py-spy's samples here (raw format)")
     parser.add_argument("--details", nargs="+", choices=DETAILS, default=list(DETAILS))
@@ -233,9 +260,9 @@ def main() -> None:
 
     table = Table(
         title=f"What tracing costs, counted ({args.num_prompts} prompts, py-spy at "
-        f"{args.rate}/s, {args.rounds} round(s))"
+        f"{args.rate}/s, {args.rounds} round(s)): tracing samples over the engine thread's"
     )
-    columns = ("detail", "tok/s", "engine samples", "engine thread", "all threads",
+    columns = ("detail", "tok/s", "engine samples", "engine thread", "all tracing",
                "frontend", "exporters")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="left" if col == "detail" else "right")
@@ -244,7 +271,7 @@ def main() -> None:
         engine = c.samples["engine core"] or 1
         shares = {
             "engine thread": c.tracing["engine core"] / engine,
-            "all threads": sum(c.tracing.values()) / engine,
+            "all tracing": sum(c.tracing.values()) / engine,
             "frontend": c.tracing["frontend"] / engine,
             "exporters": c.tracing["exporter"] / engine,
         }

@@ -426,13 +426,23 @@ def extract_trace_context(headers: Mapping[str, str] | None) -> Context | None:
 
     A request's headers are read at each step that serves it (the step span
     links to it): they are parsed once, and the (immutable) Context shared.
+    Only headers of a valid size are kept (a client sends them).
     """
     if not headers:
         return None
     traceparent, tracestate = headers.get("traceparent"), headers.get("tracestate")
-    if isinstance(traceparent, str) and isinstance(tracestate, (str, type(None))):
+    if (
+        isinstance(traceparent, str)
+        and len(traceparent) <= _MAX_KEPT
+        and (tracestate is None or (isinstance(tracestate, str) and len(tracestate) <= _MAX_KEPT))
+    ):
         return _extract(traceparent, tracestate)
     return _propagator.extract(dict(headers))
+
+
+# OTel ignores a longer traceparent; W3C asks that a tracestate be kept to
+# 512 characters. So the cache holds at most 4096 x 1 KiB.
+_MAX_KEPT = 512
 
 
 @functools.lru_cache(maxsize=4096)

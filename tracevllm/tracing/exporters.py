@@ -265,6 +265,8 @@ def _key_value(key: str, value: Any) -> str:
         value_json = f'{{"stringValue":{_string(value)}}}'
     elif type(value) is tuple and value:  # OTel keeps a list attribute as a tuple
         kinds = set(map(type, value))
+        # (1, 2) -> {"arrayValue":{"values":[{"intValue":"1"},{"intValue":"2"}]}}:
+        # the items joined by what lies between two of them.
         if kinds == {int}:  # exactly int: a bool is written apart
             items = '"},{"intValue":"'.join(map(str, value))
             value_json = f'{{"arrayValue":{{"values":[{{"intValue":"{items}"}}]}}}}'
