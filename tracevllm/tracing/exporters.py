@@ -35,7 +35,7 @@ class OTLPJsonFileExporter(SpanExporter):
     (opentelemetry-exporter-otlp-json-file) writes, byte for byte
     (tests/test_tracing.py compares them), but written as text by
     ``encode_spans``: that exporter builds a message object for every
-    attribute value, which costs 2.8 times the CPU on the 90 spans of a
+    attribute value, which costs 3.1 times the CPU on the 90 spans of a
     ``--detail full`` decode step (``python benchmarks/bench_span_export.py``),
     CPU taken from the cores the model runs on. Each line is handed whole to
     ``write(2)`` on an ``O_APPEND`` file, which a regular file takes in one
