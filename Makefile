@@ -68,8 +68,8 @@ bench: setup
 	$(PY) benchmarks/bench_throughput.py
 
 # What each tracing level costs on make bench's workload, counted by py-spy
-# (a sampling profiler, outside the engine) rather than timed: the share of
-# the engine thread, and of every thread, spent in tracing code. A few minutes.
+# (a sampling profiler, outside the engine) rather than timed: tracing's share
+# of the engine thread, and all tracing samples against it. About 10 minutes.
 bench-tracing: setup
 	$(PY) -m pip install -q py-spy==0.4.3
 	$(PY) benchmarks/bench_tracing_cost.py $(ARGS)

@@ -10,12 +10,14 @@ runs, py-spy samples every Python thread of both processes from outside
 (``--nonblocking``: the engine is never paused), each thread only while it
 is on a CPU or waiting for one.
 
-A sample is *tracing* when the innermost frame of tracevllm or
-OpenTelemetry in its stack is tracing code: ``tracevllm/tracing/``,
-``opentelemetry/``, or ``Attention._forward_traced`` (the attention
-spans' own work). So an engine method inside ``tracing.instrument``'s
-wrapper counts as engine, and the wrapper's own work around it as tracing;
-the batch span processor's thread, exporting, is all tracing.
+A sample is tracing's from the first frame of tracing code in its stack
+(``tracevllm/tracing/``, ``opentelemetry/``, or ``Attention._forward_traced``,
+the attention spans' own work), with everything that code calls, until it
+hands back to the engine: the method a ``tracing.instrument`` wrapper runs
+inside its span, or a kernel inside the attention spans (``tracing_frame``).
+So an engine method inside a span counts as the engine, the wrapper's own
+work around it (making the span, its ``record``) as tracing; the batch span
+processor's thread, exporting, is all tracing.
 
 Printed for each level, against the engine core's main thread (the
 critical path: it schedules, runs the forward's Python and is one of the
@@ -23,20 +25,25 @@ two compute threads):
 
 - **engine thread**: the share of its samples that are tracing, the cost
   that lands on the critical path directly;
-- **all threads**: every tracing sample of both processes (the frontend's
+- **all tracing**: every tracing sample of both processes (the frontend's
   request spans, both exporters' threads) over the engine thread's
   samples. With both cores computing, a millisecond of CPU that tracing
-  takes anywhere holds the forward up by at most about a millisecond, so
-  this is what tracing can cost the throughput at most; what it can cost
-  is less where it runs beside the engine on a core the engine leaves idle.
+  takes anywhere holds the forward up by about a millisecond, so this is
+  about what tracing costs the throughput; less where it runs beside the
+  engine on a core the engine leaves idle. What no sampler sees: a garbage
+  collection the spans' allocations bring forward (it counts as whatever
+  code ran then), and the model's code slowed by caches the spans evicted.
 
 Then where the tracing samples fell (the innermost tracing frame), and the
 wall-clock throughput of each run for reference. Tracing off is run as a
 control: its tracing share must be about zero.
 
     make bench-tracing
-    python benchmarks/bench_tracing_cost.py [--num-prompts 64] [--rate 250] [--rounds 1]
+    python benchmarks/bench_tracing_cost.py [--num-prompts 64] [--rate 100] [--rounds 1]
+        [--details off request full] [--samples-dir DIR]
 
+py-spy attaches to the running worker: on Linux with Yama's ptrace_scope
+at 1 (Ubuntu's default) that takes root.
 Needs py-spy (``make bench-tracing`` installs it; pip install py-spy==0.4.3).
 """
 
