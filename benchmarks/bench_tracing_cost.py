@@ -42,9 +42,9 @@ control: its tracing share must be about zero.
     python benchmarks/bench_tracing_cost.py [--num-prompts 64] [--rate 100] [--rounds 1]
         [--details off request full] [--samples-dir DIR]
 
-py-spy attaches to the running worker: on Linux with Yama's ptrace_scope
-at 1 (Ubuntu's default) that takes root.
-Needs py-spy (``make bench-tracing`` installs it; pip install py-spy==0.4.3).
+Needs py-spy (``make bench-tracing`` installs it; pip install py-spy==0.4.3),
+which attaches to the running worker: on Linux with Yama's ptrace_scope at 1
+(Ubuntu's default) that takes root.
 """
 
 from __future__ import annotations
