@@ -258,26 +258,27 @@ def _attribute(key: str, value: Any) -> str:
 
 
 def _key_value(key: str, value: Any) -> str:
-    """One OTLP KeyValue. The engine's lists (token ids, positions, request
-    ids) are joined as text, without a dict per element; anything else goes
-    through _encode_value."""
+    """One OTLP KeyValue."""
+    return f'{{"key":{_string(key)},"value":{_any_value_json(value)}}}'
+
+
+def _any_value_json(value: Any) -> str:
+    """An OTLP AnyValue as JSON. The engine's lists (token ids, positions,
+    request ids) are joined as text, without a dict per element; anything
+    else goes through _encode_value."""
     if type(value) is str:  # a step's view is a long one
-        value_json = f'{{"stringValue":{_string(value)}}}'
-    elif type(value) is tuple and value:  # OTel keeps a list attribute as a tuple
+        return f'{{"stringValue":{_string(value)}}}'
+    if type(value) is tuple and value:  # OTel keeps a list attribute as a tuple
         kinds = set(map(type, value))
         # (1, 2) -> {"arrayValue":{"values":[{"intValue":"1"},{"intValue":"2"}]}}:
         # the items joined by what lies between two of them.
         if kinds == {int}:  # exactly int: a bool is written apart
             items = '"},{"intValue":"'.join(map(str, value))
-            value_json = f'{{"arrayValue":{{"values":[{{"intValue":"{items}"}}]}}}}'
-        elif kinds == {str}:
+            return f'{{"arrayValue":{{"values":[{{"intValue":"{items}"}}]}}}}'
+        if kinds == {str}:
             items = '},{"stringValue":'.join(map(_string, value))
-            value_json = f'{{"arrayValue":{{"values":[{{"stringValue":{items}}}]}}}}'
-        else:
-            value_json = _dumps(_encode_value(value))
-    else:
-        value_json = _dumps(_encode_value(value))
-    return f'{{"key":{_string(key)},"value":{value_json}}}'
+            return f'{{"arrayValue":{{"values":[{{"stringValue":{items}}}]}}}}'
+    return _dumps(_encode_value(value))
 
 
 def _cacheable(value: Any) -> bool:
