@@ -150,19 +150,17 @@ def tracing_frame(frames: list[str], tracing: tuple[str, ...]) -> str | None:
     """
     where = None
     for i, frame in enumerate(frames):
-        if where is None:
-            path = frame.rpartition(" (")[2]
-            if path.startswith(tracing) or frame.startswith(TRACING_FUNCTIONS):
-                where = frame
-            continue
-        above = frames[i - 1]
-        handed_back = (
-            above.startswith(WRAPPERS) and not frame.startswith(SPAN_WITH)
-            and not frame.rpartition(" (")[2].startswith(tracing)
-        ) or (above.startswith(TRACING_FUNCTIONS) and frame.startswith(KERNELS))  # fmt: skip
-        if handed_back:
-            where = None
-        elif frame.rpartition(" (")[2].startswith(tracing) or frame.startswith(TRACING_FUNCTIONS):
+        is_tracing = frame.rpartition(" (")[2].startswith(tracing) or frame.startswith(
+            TRACING_FUNCTIONS
+        )
+        if where is not None:  # inside tracing code: does this frame hand back?
+            above = frames[i - 1]
+            if (
+                above.startswith(WRAPPERS) and not is_tracing and not frame.startswith(SPAN_WITH)
+            ) or (above.startswith(TRACING_FUNCTIONS) and frame.startswith(KERNELS)):
+                where = None
+                continue
+        if is_tracing:
             where = frame
     return where
 
