@@ -11,6 +11,7 @@ encode/embed/score, LoRA, multimodal prompts.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +26,15 @@ from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
+
+
+def _as_list(value: Any, name: str, allowed: str) -> list[Any]:
+    """A list (any sequence) argument as a list; anything else is refused,
+    naming the argument: a str or bytes, whose characters would pass for
+    items, a dict, a generator."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes, bytearray)):
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__}.")
+    return list(value)
 
 
 class LLM:
@@ -72,6 +82,9 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self.request_counter = itertools.count()
         self.default_sampling_params: dict[str, Any] | None = None
+        # One engine loop at a time (see the class docstring): generate()
+        # steps the engine until *every* unfinished request is done.
+        self._engine_lock = threading.Lock()
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -93,47 +106,47 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions for the prompts, in the order given.
 
-        A bad prompt raises ``ValueError`` or ``TypeError`` (naming the
-        field); the requests of the batch already sent are aborted, so the
-        engine is left clean. So are the unfinished ones when ``generate``
-        is interrupted (Ctrl-C), so the next call sees only its own.
+        A bad prompt or argument raises ``ValueError`` or ``TypeError``
+        (naming it); the requests of the batch already sent are aborted, so
+        the engine is left clean. So are the unfinished ones when
+        ``generate`` is interrupted (Ctrl-C), so the next call sees only its
+        own. Calls from several threads run one after another (see ``LLM``).
         """
-        self.llm_engine._check_not_shut_down()
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
-        if not isinstance(prompts, Sequence):
-            raise TypeError(
-                "prompts must be a str, a {'prompt': ...} / {'prompt_token_ids': ...} dict, "
-                f"or a list of them, got {type(prompts).__name__}."
-            )
-        prompts = list(prompts)
+        prompts = _as_list(prompts, "prompts", "a str, a {'prompt': ...} / "
+                           "{'prompt_token_ids': ...} dict, or a list of them")  # fmt: skip
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = _as_list(
+                sampling_params, "sampling_params", "SamplingParams or a list of them"
+            )
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"sampling_params must be one SamplingParams or a list of the same "
                     f"length as prompts ({len(prompts)}), got {len(params_list)}."
                 )
-        if priority is not None and (
-            not isinstance(priority, Sequence) or len(priority) != len(prompts)
-        ):
-            raise ValueError(
-                f"priority must be a list of one int per prompt ({len(prompts)}), got "
-                f"{len(priority) if isinstance(priority, Sequence) else type(priority).__name__}."
-            )
-        request_ids = self._validate_and_add_requests(prompts, params_list, priority)
-        try:
-            return self._run_engine(use_tqdm=use_tqdm)
-        except BaseException:
-            # Interrupted or failed: withdraw this call's unfinished requests.
-            # (vLLM 0.22's _run_engine leaves them to the next call.)
-            if not self.llm_engine.is_shut_down:
-                self.llm_engine.abort_request(request_ids, internal=True)
-            raise
+        if priority is not None:
+            priority = _as_list(priority, "priority", "a list of one int per prompt")
+            if len(priority) != len(prompts):
+                raise ValueError(
+                    f"priority must be a list of one int per prompt ({len(prompts)}), "
+                    f"got {len(priority)}."
+                )
+        with self._engine_lock:
+            self.llm_engine._check_not_shut_down()
+            request_ids = self._validate_and_add_requests(prompts, params_list, priority)
+            try:
+                return self._run_engine(use_tqdm=use_tqdm)
+            except BaseException:
+                # Interrupted or failed: withdraw this call's unfinished requests.
+                # (vLLM 0.22's _run_engine leaves them to the next call.)
+                if not self.llm_engine.is_shut_down:
+                    self.llm_engine.abort_request(request_ids, internal=True)
+                raise
 
     # --8<-- [end:generate]
 
@@ -230,7 +243,8 @@ class LLM:
     # --8<-- [end:run_engine]
 
     def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+        with self._engine_lock:  # not while another thread's generate drives the sockets
+            return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine process and release its sockets."""
