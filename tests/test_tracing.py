@@ -330,6 +330,136 @@ def test_forward_spans_are_made_as_the_forward_ends() -> None:
     assert spans[5].status.description == "ValueError: boom"
 
 
+def test_a_record_or_parent_that_raises_is_logged_once_and_dropped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A span's ``record`` or ``parent`` that raises costs the span its
+    attributes (all of them: none is left half-written) or its parent, and
+    one warning per function; the traced method's result is returned, and
+    the method's own exception still reaches its caller."""
+    from opentelemetry import trace
+
+    from tracevllm import tracing
+    from tracevllm.config import TraceConfig
+    from tracevllm.tracing.attributes import SpanAttributes
+
+    def half_then_raise(span: Any, result: Any, value: int) -> None:
+        span.set_attribute("first", value)
+        span.add_link(trace.INVALID_SPAN_CONTEXT, {"x": 1})
+        raise KeyError("missing")
+
+    def bad_parent(value: int) -> Any:
+        raise RuntimeError("no parent")
+
+    def good(span: Any, result: Any, value: int) -> None:
+        span.set_attributes({"value": value, "result": result})
+
+    @tracing.instrument("T.fails", parent=bad_parent, record=half_then_raise)
+    def fails(value: int) -> int:
+        return value + 1
+
+    @tracing.instrument("T.raises", record=half_then_raise)
+    def raises(value: int) -> int:
+        raise ValueError("the method's own")
+
+    @tracing.instrument("T.good", record=good)
+    def fine(value: int) -> int:
+        return value * 2
+
+    exporter = InMemorySpanExporter()
+    tracing.init_tracer(
+        "engine_core",
+        TraceConfig(detail="request"),
+        span_processors=[SimpleSpanProcessor(exporter)],
+    )
+    try:
+        with (
+            caplog.at_level("WARNING", logger="tracevllm.tracing"),
+            tracing.get_tracer().start_as_current_span("outer"),
+        ):
+            assert [fails(i) for i in range(3)] == [1, 2, 3]
+            assert fine(4) == 8
+            with pytest.raises(ValueError, match="the method's own"):
+                raises(5)
+    finally:
+        tracing.shutdown_tracer()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    failed = [s for s in exporter.get_finished_spans() if s.name == "T.fails"]
+    assert len(failed) == 3
+    for span in failed:
+        assert "first" not in span.attributes and not span.links
+        assert span.attributes[SpanAttributes.RECORD_ERROR] == "KeyError: 'missing'"
+        assert span.parent.span_id == spans["outer"].context.span_id  # the current span
+        assert span.status.is_ok
+    assert spans["T.good"].attributes["value"] == 4 and spans["T.good"].attributes["result"] == 8
+    assert spans["T.raises"].status.description == "ValueError: the method's own"
+    assert SpanAttributes.RECORD_ERROR not in spans["T.raises"].attributes  # never recorded
+    messages = [r.getMessage() for r in caplog.records if r.name == "tracevllm.tracing"]
+    assert len(messages) == 2, messages  # once for the record, once for the parent
+    assert any("half_then_raise of span T.fails raised KeyError" in m for m in messages)
+    assert any("bad_parent of span T.fails raised RuntimeError" in m for m in messages)
+
+
+# A record function with a bug, in a real engine core process: the decorator
+# holds the function object, so its code is replaced (at the top of the
+# script, so that a spawned engine process, which imports it again, has it too).
+BROKEN_RECORD = """
+import sys
+from tracevllm.tracing import step_view
+
+def record_schedule(span, so, scheduler):
+    raise RuntimeError("a bug in a record function")
+
+step_view.record_schedule.__code__ = record_schedule.__code__
+
+if __name__ == "__main__":
+    from tracevllm import LLM, SamplingParams
+
+    with LLM(model=sys.argv[1], enable_multiprocessing=True, trace_detail="request",
+             trace_dir=sys.argv[2]) as llm:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        outputs = llm.generate(["Hello there", "The capital of"], params, use_tqdm=False)
+        print("ENGINE", llm.llm_engine.engine_core.engine_pid)
+    print("TOKENS", [len(o.outputs[0].token_ids) for o in outputs])
+"""
+
+
+def test_a_record_that_raises_does_not_kill_the_engine_core(
+    tiny_model_dir: str, tmp_path: Any
+) -> None:
+    """The broken record of ``Scheduler.schedule`` runs at every step of a
+    real engine core process: generation completes, one warning says so, and
+    every Scheduler.schedule span is kept with the error in place of its
+    attributes (the other spans keep theirs)."""
+    script = tmp_path / "broken_record.py"
+    script.write_text(BROKEN_RECORD)
+    result = subprocess.run(
+        [sys.executable, str(script), tiny_model_dir, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TOKENS [6, 6]" in result.stdout
+    assert result.stderr.count("Tracing: record_schedule of span Scheduler.schedule raised") == 1
+    engine_pid = int(re.search(r"ENGINE (\d+)", result.stdout).group(1))  # type: ignore[union-attr]
+    spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
+    schedules = [s for s in spans if s.name == "Scheduler.schedule"]
+    assert len(schedules) >= 6 and all(s.pid == engine_pid for s in schedules)
+    for span in schedules:
+        assert span.attributes["tracevllm.record_error"] == (
+            "RuntimeError: a bug in a record function"
+        )
+        assert "tracevllm.view.step" not in span.attributes
+    steps = [
+        s
+        for s in spans
+        if s.name == "EngineCore.step" and s.attributes.get("tracevllm.request_ids")
+    ]
+    assert steps and all("tracevllm.record_error" not in s.attributes for s in steps)
+
+
 @pytest.mark.parametrize("max_cached", [4096, 3])
 def test_trace_file_is_what_otels_file_exporter_writes(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, max_cached: int

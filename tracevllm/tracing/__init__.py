@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 import os
 import random
 import time
@@ -38,6 +39,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from tracevllm.config import ObservabilityConfig, TraceConfig
 from tracevllm.tracing.attributes import SpanAttributes
+
+logger = logging.getLogger(__name__)
 
 SPANS_FILE = "spans.jsonl"
 _propagator = TraceContextTextMapPropagator()
@@ -173,6 +176,57 @@ def _relative_path(path: str) -> str:
     return path
 
 
+# The parent and record functions that have raised, each logged once only:
+# one that fails fails at every step.
+_failed: set[Callable[..., Any]] = set()
+
+
+def _tracing_failed(func: Callable[..., Any], span_name: str, error: Exception) -> None:
+    if func in _failed:
+        return
+    _failed.add(func)
+    logger.warning(
+        "Tracing: %s of span %s raised %s: %s; the span is kept without it, and further "
+        "errors of %s are not logged.",
+        func.__qualname__,
+        span_name,
+        type(error).__name__,
+        error,
+        func.__qualname__,
+        exc_info=error,
+    )
+
+
+class _Recorded:
+    """What a ``record`` function puts on a span, held until it has returned."""
+
+    __slots__ = ("attributes", "links")
+
+    def __init__(self) -> None:
+        self.attributes: dict[str, Any] = {}
+        self.links: list[tuple[trace.SpanContext, Mapping[str, Any] | None]] = []
+
+    def is_recording(self) -> bool:
+        return True
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self.attributes.update(attributes)
+
+    def add_link(
+        self, context: trace.SpanContext, attributes: Mapping[str, Any] | None = None
+    ) -> None:
+        self.links.append((context, attributes))
+
+    def apply(self, span: Span) -> None:
+        if self.attributes:
+            span.set_attributes(self.attributes)
+        for context, attributes in self.links:
+            span.add_link(context, attributes)
+
+
 # --8<-- [start:instrument]
 def instrument(
     span_name: str | None = None,
@@ -188,6 +242,11 @@ def instrument(
     methods hold no tracing code: what a span shows is written in
     tracing/records.py. With tracing off, the wrapper costs one attribute
     check per call.
+
+    Tracing never takes the engine down: a ``parent`` or ``record`` that
+    raises is logged once (``_tracing_failed``) and the span goes on without
+    it (the current span as parent; none of the record's attributes). The
+    method's own exceptions pass through untouched.
     """
 
     def decorator(func: F) -> F:
@@ -195,12 +254,26 @@ def instrument(
         attributes = code_attributes(func)
 
         def start(*args: Any, **kwargs: Any) -> Any:
-            context = parent(*args, **kwargs) if parent is not None else None
+            context = None
+            if parent is not None:
+                try:
+                    context = parent(*args, **kwargs)
+                except Exception as e:
+                    _tracing_failed(parent, name, e)
             return _state.tracer.start_as_current_span(name, context=context, attributes=attributes)
 
         def finish(span: Span, result: Any, *args: Any, **kwargs: Any) -> None:
             if record is not None and span.is_recording():
-                record(span, result, *args, **kwargs)
+                # Into a buffer first, so that a record that raises halfway
+                # leaves none of its attributes (nor links) on the span.
+                recorded = _Recorded()
+                try:
+                    record(recorded, result, *args, **kwargs)
+                except Exception as e:
+                    _tracing_failed(record, name, e)
+                    span.set_attribute(SpanAttributes.RECORD_ERROR, f"{type(e).__name__}: {e}")
+                    return
+                recorded.apply(span)
 
         if inspect.isasyncgenfunction(func):
             return _instrument_async_generator(func, name, attributes, parent)  # type: ignore[return-value]
@@ -253,7 +326,12 @@ def _instrument_async_generator(
                 async for item in agen:
                     yield item
             return
-        context = parent(*args, **kwargs) if parent is not None else None
+        context = None
+        if parent is not None:
+            try:
+                context = parent(*args, **kwargs)
+            except Exception as e:
+                _tracing_failed(parent, name, e)
         span = _state.tracer.start_span(name, context=context, attributes=attributes)
         span_context = trace.set_span_in_context(span, context)
         agen = func(*args, **kwargs)

@@ -48,6 +48,8 @@ class SpanAttributes:
     NUM_CACHED_TOKENS = "tracevllm.num_cached_tokens"
     COMPLETION_TEXT = "tracevllm.completion.text"
     INTER_TOKEN_MS = "tracevllm.latency.inter_token_ms"
+    # A span whose record function raised: the error, in place of what it records.
+    RECORD_ERROR = "tracevllm.record_error"
     # Speculative decoding, per request: steps with drafts, drafts, accepted.
     SPEC_DECODE_NUM_DRAFTS = "tracevllm.spec_decode.num_drafts"
     SPEC_DECODE_NUM_DRAFT_TOKENS = "tracevllm.spec_decode.num_draft_tokens"

@@ -6,7 +6,9 @@ vLLM's: a method carries one decorator line, and this file says what its span
 records. A ``record(span, result, *args)`` function runs after the method
 returned, only when the span records, and is given the method's own
 arguments (``self`` first). These functions read the engine's objects but
-never import them: tracing never imports the core.
+never import them: tracing never imports the core. One that raises never
+reaches the engine: ``instrument`` logs it once and keeps the span without
+what it records.
 """
 
 from __future__ import annotations
