@@ -195,6 +195,85 @@ def test_stops_in_the_middle_of_a_run_match_plain_decoding(
     assert checker.max_emitted > 1
 
 
+def _stop_params(tokenizer: Any, tokens: list[int]) -> list[SamplingParams]:
+    """Stop strings that end at each of the first cut points of a greedy
+    output (the text of its tokens 2 to 2 + j: the output soon repeats one
+    token, which n-gram drafts keep), and one kept in the output. With runs
+    of up to k + 1 tokens a step, most stops land mid-run."""
+    stops = [tokenizer.decode(tokens[2 : 2 + j]) for j in range(1, 13)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, stop=[s], logprobs=1) for s in stops]
+    params.append(SamplingParams(temperature=0.0, max_tokens=40, stop=[stops[6]],
+                                 include_stop_str_in_output=True))  # fmt: skip
+    return params
+
+
+def test_a_stop_string_mid_run_cuts_ids_and_usage_as_plain_decoding(
+    tied_dir: str, baseline: Any
+) -> None:
+    """The tokens accepted after the one that completes a stop string are not
+    output: token ids, logprobs and the token counts are those of decoding
+    one token a step, not only the text."""
+    results, tokenizer = [], None
+    for spec in (None, NGRAM):
+        with _llm(tied_dir, speculative_config=spec) as llm:
+            tokenizer = llm.get_tokenizer()
+            checker = StepChecker(_engine_core(llm))
+            params = _stop_params(tokenizer, baseline[0])
+            results.append(llm.generate([PROMPTS[0]] * len(params), params, use_tqdm=False))
+    assert checker.accepted > 0 and checker.max_emitted > 1
+    plain, spec_out = results
+    for a, b in zip(plain, spec_out):
+        x, y = a.outputs[0], b.outputs[0]
+        assert x.finish_reason == "stop" and isinstance(x.stop_reason, str)
+        assert (y.token_ids, y.text, y.finish_reason, y.stop_reason) == (
+            x.token_ids, x.text, x.finish_reason, x.stop_reason
+        )  # fmt: skip
+        assert len(y.token_ids) <= 14  # cut mid-output, not at max_tokens
+        if x.logprobs is not None:
+            assert y.logprobs is not None and len(y.logprobs) == len(y.token_ids)
+        assert a.metrics is not None and b.metrics is not None
+        assert (
+            b.metrics.num_generation_tokens == a.metrics.num_generation_tokens == len(x.token_ids)
+        )
+
+
+def test_a_stop_string_mid_run_through_async_llm_streamed(tied_dir: str, baseline: Any) -> None:
+    """The same through AsyncLLM (the server's engine), streamed as deltas:
+    the deltas add up to plain decoding's token ids, and usage is their count."""
+    import asyncio
+
+    from tracevllm.engine.arg_utils import EngineArgs
+    from tracevllm.engine.async_llm import AsyncLLM
+    from tracevllm.sampling_params import RequestOutputKind
+
+    with _llm(tied_dir) as llm:
+        params = _stop_params(llm.get_tokenizer(), baseline[0])
+        plain = llm.generate([PROMPTS[0]] * len(params), params, use_tqdm=False)
+
+    async def run() -> list[tuple[list[int], str]]:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=tied_dir, speculative_config=NGRAM, enable_prefix_caching=False)
+        )
+        try:
+
+            async def one(i: int, p: SamplingParams) -> tuple[list[int], str]:
+                p = p.clone()
+                p.output_kind = RequestOutputKind.DELTA
+                ids: list[int] = []
+                text = ""
+                async for out in engine.generate(PROMPTS[0], p, f"r{i}"):
+                    ids += out.outputs[0].token_ids
+                    text += out.outputs[0].text
+                return ids, text
+
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(params))))
+        finally:
+            engine.shutdown()
+
+    streamed = asyncio.run(run())
+    assert streamed == [(o.outputs[0].token_ids, o.outputs[0].text) for o in plain]
+
+
 def test_penalties_min_tokens_and_logprobs_match_plain_decoding(tied_dir: str) -> None:
     """Each draft position sees its own past (earlier drafts count for the
     penalties and min-tokens); logprobs are those of the emitted tokens."""

@@ -9,6 +9,13 @@ bytes until they form valid UTF-8. Left out: the slow (pure-Python) path and
 Stop strings are found here, not in the engine core: the core only sees token
 ids. When one matches, the output processor finishes the request and tells the
 core to abort it, so its KV blocks are freed.
+
+Departure: with speculative decoding a step brings several tokens, and a stop
+string may be complete before the last of them. vLLM 0.22 keeps them all (the
+text is cut, ``token_ids`` and the usage are not); tracevllm looks for stop
+strings token by token then (``update_until_stop``) and drops the tokens after
+the one that completed the stop string, so that greedy output with drafts is
+token for token the output without, ids and usage included.
 """
 
 from __future__ import annotations
@@ -89,6 +96,26 @@ class IncrementalDetokenizer:
         return stop_string
 
     # --8<-- [end:detokenizer_update]
+
+    def update_until_stop(
+        self, new_token_ids: list[int], stop_terminated: bool
+    ) -> tuple[str | None, int]:
+        """``update``, one token at a time when a step brought several and
+        there are stop strings to look for (speculative decoding), stopping at
+        the first token that completes one, as decoding one token per step
+        would have.
+
+        Returns the stop string that matched (or None) and how many of the
+        new tokens were taken; the rest come after the stop and are dropped.
+        """
+        if len(new_token_ids) <= 1 or not self.stop:
+            return self.update(new_token_ids, stop_terminated), len(new_token_ids)
+        last = len(new_token_ids) - 1
+        for i, token_id in enumerate(new_token_ids):
+            # Only the step's last token can be the EOS or stop token that ended it.
+            if stop_string := self.update([token_id], stop_terminated and i == last):
+                return stop_string, i + 1
+        return None, len(new_token_ids)
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text so far (or since the last call, if ``delta``), minus the

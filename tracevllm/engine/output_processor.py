@@ -10,6 +10,9 @@ user's id (``external_req_id``) is what outputs carry and what
 to its ``RequestOutputCollector`` instead of being returned. Left out: pooling,
 LoRA stats, streaming input, ``stream_interval``. The ``llm_request`` span is started when the
 request arrives (tracing/request_span.py), not made here when it finishes.
+Departure: tokens that a step brought after a stop string (speculative
+decoding) are dropped, with their logprobs and from the counts (vLLM keeps
+them in ``token_ids``; see detokenizer.py).
 """
 
 from __future__ import annotations
@@ -301,15 +304,22 @@ class OutputProcessor:
                 req_state.is_prefilling = False
 
             # 2) Detokenize, then check stop strings.
-            stop_string = req_state.detokenizer.update(
+            stop_string, num_taken = req_state.detokenizer.update_until_stop(
                 new_token_ids, finish_reason == FinishReason.STOP
             )
             if stop_string:
                 finish_reason = FinishReason.STOP
                 stop_reason = stop_string
+            new_logprobs = engine_core_output.new_logprobs
+            if num_taken < len(new_token_ids):
+                # Drafts accepted past the stop string: not output (see detokenizer.py).
+                self._drop_tokens(req_state, len(new_token_ids) - num_taken, iteration_stats)
+                new_token_ids = new_token_ids[:num_taken]
+                if new_logprobs is not None:
+                    new_logprobs = new_logprobs.slice_request(0, num_taken)
 
             # 3) Logprobs of the new tokens.
-            req_state.logprobs_processor.update_from_output(engine_core_output.new_logprobs)
+            req_state.logprobs_processor.update_from_output(new_logprobs)
 
             # 4) The RequestOutput: to AsyncLLM's collector, or returned.
             if request_output := req_state.make_request_output(
@@ -376,6 +386,15 @@ class OutputProcessor:
         iteration_stats.update_from_output(
             engine_core_output, engine_core_timestamp, req_state.is_prefilling, req_state.stats
         )
+
+    def _drop_tokens(
+        self, req_state: RequestState, num_dropped: int, iteration_stats: IterationStats | None
+    ) -> None:
+        """Uncount tokens the core sent after a stop string: decoding one
+        token per step would never have made them."""
+        if iteration_stats is not None:
+            iteration_stats.num_generation_tokens -= num_dropped
+            req_state.stats.num_generation_tokens -= num_dropped
 
     def _update_stats_from_finished(
         self,
