@@ -1,4 +1,5 @@
-"""``triton`` and ``tl`` for the kernels, or stand-ins when Triton is not installed.
+"""``triton`` and ``tl`` for the kernels: imported at their first use, or
+stand-ins when Triton is not installed.
 
 Mirrors vllm/triton_utils/importing.py (``HAS_TRITON``, ``TritonPlaceholder``,
 ``TritonLanguagePlaceholder``): every kernel file imports ``triton`` and ``tl``
@@ -6,14 +7,27 @@ from here, so the plain-PyTorch references beside the kernels keep working on a
 machine without Triton (it is an optional extra: ``pip install 'tracevllm[triton]'``).
 Left out: vLLM's check of active Triton drivers.
 
+Departure: vLLM imports Triton with the module. Here Triton is imported only
+when a Triton path is taken (a kernel launched, ``triton.cdiv`` called,
+``interpreter_active()`` asked), never for the torch backend, which imports
+the same kernel files for their ``*_torch`` references. Importing Triton
+loads its compiler (a second or so), and its nanobind extension prints
+"leaked functions" warnings at the exit of a process that loaded it without
+launching anything. Until then ``@triton.jit`` gives a ``_DeferredKernel``,
+and the first use swaps the real ``JITFunction`` (and the real ``triton`` and
+``tl``) into every kernel module's globals, where Triton's compiler and its
+interpreter look them up.
+
 ``TRITON_INTERPRET=1`` runs the kernels on the CPU, in Python. Triton reads it
 when ``triton`` is first imported (``triton.language`` itself is made of
 ``@triton.jit`` functions), so it must be set before anything in the process
-imports Triton, including torch and transformers, which do.
+imports Triton, including torch's compiler, which does.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import types
 from importlib.util import find_spec
 from typing import Any
@@ -57,16 +71,120 @@ class _TritonLanguagePlaceholder(types.ModuleType):
         raise ImportError(_MISSING)
 
 
+class _DeferredKernel:
+    """A ``@triton.jit`` kernel before Triton is imported: launched
+    (``kernel[grid](...)``) or asked anything, it imports Triton and acts
+    as the ``JITFunction`` it then is."""
+
+    __slots__ = ("fn", "options", "kernel")
+
+    def __init__(self, fn: Any, options: dict[str, Any]) -> None:
+        self.fn, self.options = fn, options
+        self.kernel: Any = None
+        with _lock:
+            _deferred.append(self)
+
+    def jitted(self) -> Any:
+        if self.kernel is None:
+            _load()
+        return self.kernel
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.jitted()[grid]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.jitted()(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.jitted(), name)
+
+
+class _LazyTriton(types.ModuleType):
+    """``triton`` until it is imported: ``jit`` defers, anything else imports it."""
+
+    def __init__(self) -> None:
+        super().__init__("triton")
+
+    def jit(self, fn: Any = None, **options: Any) -> Any:
+        if fn is None:  # @triton.jit(...) with arguments
+            return lambda fn: self.jit(fn, **options)
+        if _loaded is None and "triton" not in sys.modules:
+            return _DeferredKernel(fn, options)
+        # Imported already (a kernel ran, or torch's compiler imported it).
+        real = _load()
+        kernel = real.jit(fn, **options)
+        _swap(fn.__globals__)
+        return kernel
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_load(), name)
+
+
+class _LazyLanguage(types.ModuleType):
+    """``triton.language`` until Triton is imported."""
+
+    def __init__(self) -> None:
+        super().__init__("triton.language")
+
+    def __getattr__(self, name: str) -> Any:
+        _load()
+        return getattr(sys.modules["triton.language"], name)
+
+
+_lock = threading.Lock()
+_deferred: list[_DeferredKernel] = []
+_loaded: Any = None  # the triton module, once _load has run
+
+
+def _load() -> Any:
+    """Import Triton (once), jit the deferred kernels, and put the real
+    kernels, ``triton`` and ``tl`` in place of the stand-ins in every kernel
+    module's globals and in this module's: Triton's compiler takes a
+    kernel's helpers from its globals, and its interpreter patches the ``tl``
+    it finds there."""
+    global _loaded, triton, tl
+    if _loaded is not None:
+        return _loaded
+    import triton as real
+    import triton.language as real_tl
+
+    with _lock:
+        if _loaded is None:
+            for deferred in _deferred:
+                deferred.kernel = real.jit(deferred.fn, **deferred.options)
+            triton, tl = real, real_tl
+            _loaded = real
+            for deferred in _deferred:
+                _swap(deferred.fn.__globals__)
+            _deferred.clear()
+    return _loaded
+
+
+def _swap(scope: dict[str, Any]) -> None:
+    """In one module's globals, the real things for the stand-ins."""
+    for name, value in list(scope.items()):
+        if isinstance(value, _DeferredKernel) and value.kernel is not None:
+            scope[name] = value.kernel
+        elif value is _LAZY_TRITON:
+            scope[name] = sys.modules["triton"]
+        elif value is _LAZY_LANGUAGE:
+            scope[name] = sys.modules["triton.language"]
+
+
+_LAZY_TRITON = _LazyTriton()
+_LAZY_LANGUAGE = _LazyLanguage()
+
+triton: Any
+tl: Any
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
+    triton, tl = _LAZY_TRITON, _LAZY_LANGUAGE
 else:
     triton = _TritonPlaceholder()
     tl = _TritonLanguagePlaceholder()
 
 
 def interpreter_active() -> bool:
-    """True when the kernels will run in Triton's CPU interpreter.
+    """True when the kernels will run in Triton's CPU interpreter (imports Triton).
 
     The switch must have been on when Triton was imported: ``triton.language``'s
     own helpers (``tl.zeros``, ``tl.sum``, ...) are jitted then, for the GPU or
@@ -74,9 +192,10 @@ def interpreter_active() -> bool:
     """
     if not HAS_TRITON:
         return False
+    _load()
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(tl.zeros, InterpretedFunction)
+    return isinstance(sys.modules["triton.language"].zeros, InterpretedFunction)
 
 
 __all__ = ["HAS_TRITON", "interpreter_active", "tl", "triton"]

@@ -5,7 +5,9 @@ behind Python functions; the Triton versions mirror the ops that vLLM's
 Triton backend calls directly (``triton_reshape_and_cache_flash``,
 ``unified_attention``). Each op takes ``backend``: ``"torch"`` runs the
 plain-PyTorch reference, ``"triton"`` the Triton kernel beside it; the
-attention backend picks one (torch_attn.py, triton_attn.py).
+attention backend picks one (torch_attn.py, triton_attn.py). Importing this
+module does not import Triton: the kernel files get ``triton`` from
+kernels/triton_utils.py, which imports it at the first launch of a kernel.
 """
 
 from __future__ import annotations
