@@ -139,7 +139,8 @@ def _run_in_process(name: str, prompts: list[str], max_tokens: int, **engine_kwa
 
 
 BATCH = {"max_tokens": 4, "max_num_batched_tokens": 32}
-PREEMPT = {"max_tokens": 40, "num_gpu_blocks_override": 8, "block_size": 16}
+# max_model_len: what 8 blocks of 16 tokens hold (a smaller pool refuses to start).
+PREEMPT = {"max_tokens": 40, "num_gpu_blocks_override": 8, "block_size": 16, "max_model_len": 128}
 
 
 def run_batch() -> None:

@@ -20,7 +20,14 @@ def _greedy(max_tokens: int = 8, **kw: object) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def mp_llm(tiny_model_dir: str):
-    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=24, enable_multiprocessing=True)
+    # max_model_len: what 24 blocks of 16 tokens hold (the engine refuses to
+    # start with a pool that cannot hold one max_model_len request).
+    llm = LLM(
+        model=tiny_model_dir,
+        num_gpu_blocks_override=24,
+        max_model_len=24 * 16,
+        enable_multiprocessing=True,
+    )
     yield llm
     llm.shutdown()
 
@@ -136,7 +143,8 @@ def test_logprobs(inproc_llm: LLM) -> None:
         ({"prompt_token_ids": [1, 10**9]}, _greedy(), "out of vocabulary"),
         ({"prompt_token_ids": [-1]}, _greedy(), "out of vocabulary"),
         ({"prompt_token_ids": [5] * 5000}, _greedy(), "maximum model length"),
-        # 24 blocks of 16 tokens cannot hold 1 + 500 tokens (max_model_len 512).
+        # 1 + 500 tokens, capped at max_model_len 384, need 24 blocks: the pool
+        # has 24, but block 0 is the null block.
         ("hi", _greedy(max_tokens=500), "KV cache blocks"),
     ],
 )

@@ -1,9 +1,16 @@
-"""KV cache bookkeeping: free queue, block hashes, block pool, KV cache manager."""
+"""KV cache bookkeeping: free queue, block hashes, block pool, KV cache manager,
+and the public accessors the step view reads."""
 
 from __future__ import annotations
 
-import pytest
+import ast
+import inspect
+import json
 
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+
+from tracevllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from tracevllm.core.block_pool import BlockPool
 from tracevllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from tracevllm.core.kv_cache_utils import (
@@ -13,10 +20,15 @@ from tracevllm.core.kv_cache_utils import (
     get_hash_fn_by_name,
     get_request_block_hasher,
     hash_block_tokens,
+    make_block_hash_with_group_id,
     sha256,
 )
-from tracevllm.request import Request
+from tracevllm.core.sched.scheduler import Scheduler
+from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from tracevllm.request import Request, RequestStatus
 from tracevllm.sampling_params import SamplingParams
+from tracevllm.tracing import step_view
+from tracevllm.tracing.attributes import SpanAttributes
 
 BS = 4  # block size
 
@@ -29,13 +41,28 @@ def make_request(req_id: str, prompt: list[int], block_size: int = BS) -> Reques
     )
 
 
+def make_manager(num_blocks: int, max_model_len: int = 64, **kwargs: bool) -> KVCacheManager:
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype="float32")
+    config = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
+    return KVCacheManager(config, max_model_len=max_model_len, hash_block_size=BS, **kwargs)
+
+
+def req_to_blocks(mgr: KVCacheManager) -> dict[str, list[KVCacheBlock]]:
+    return mgr.coordinator.single_type_managers[0].req_to_blocks
+
+
 def ids(blocks: list[KVCacheBlock]) -> list[int]:
     return [b.block_id for b in blocks]
 
 
+def key(block_hash: bytes) -> bytes:
+    """The prefix cache's key of a block hash in tracevllm's one group."""
+    return make_block_hash_with_group_id(block_hash, 0)  # type: ignore[arg-type]
+
+
 def check_pool(pool: BlockPool) -> None:
     """Free + held blocks = every usable block; the free queue holds exactly
-    the ref-0 blocks; the hash map and the blocks' hashes agree."""
+    the ref-0 blocks; the hash map, its count and the blocks' hashes agree."""
     free = pool.free_block_queue.get_all_free_blocks()
     assert len(free) == pool.get_num_free_blocks()
     held = [b for b in pool.blocks if b.ref_cnt > 0 and not b.is_null]
@@ -43,7 +70,11 @@ def check_pool(pool: BlockPool) -> None:
     assert {b.block_id for b in free} == {
         b.block_id for b in pool.blocks if b.ref_cnt == 0 and not b.is_null
     }
-    cached = [b for blocks in pool.cached_block_hash_to_block.values() for b in blocks.values()]
+    cached = [
+        b
+        for v in pool.cached_block_hash_to_block._cache.values()
+        for b in ([v] if isinstance(v, KVCacheBlock) else v.values())
+    ]
     assert len(cached) == pool.num_cached_blocks
     assert all(b.block_hash is not None for b in cached)
     assert sum(b.block_hash is not None for b in pool.blocks) == pool.num_cached_blocks
@@ -84,7 +115,7 @@ def test_free_queue_ops() -> None:
 def test_free_order_is_lru_tail_first() -> None:
     """A request's blocks go back to the tail in reverse, and the oldest free
     block is reused first."""
-    mgr = KVCacheManager(num_gpu_blocks=9, block_size=BS, max_model_len=64)
+    mgr = make_manager(9)
     pool = mgr.block_pool
     a, b = make_request("a", list(range(10))), make_request("b", list(range(100, 110)))
     blocks_a = mgr.allocate_slots(a, 10)
@@ -156,7 +187,7 @@ def test_hash_fns() -> None:
 
 
 def test_null_block_never_usable() -> None:
-    pool = BlockPool(num_gpu_blocks=5, enable_caching=True)
+    pool = BlockPool(num_gpu_blocks=5, enable_caching=True, hash_block_size=BS)
     assert pool.null_block.block_id == 0 and pool.null_block.is_null
     assert pool.get_num_free_blocks() == 4
     assert 0 not in ids(pool.get_new_blocks(4))
@@ -166,7 +197,7 @@ def test_null_block_never_usable() -> None:
 
 
 def test_touch_and_free_ref_counts() -> None:
-    pool = BlockPool(num_gpu_blocks=6, enable_caching=True)
+    pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=BS)
     blocks = pool.get_new_blocks(2)
     assert [b.ref_cnt for b in blocks] == [1, 1]
     pool.touch(blocks)  # a second request shares them
@@ -185,28 +216,28 @@ def test_touch_and_free_ref_counts() -> None:
 
 
 def test_evicted_stale_hash_is_removed() -> None:
-    mgr = KVCacheManager(num_gpu_blocks=4, block_size=BS, max_model_len=64)
+    mgr = make_manager(4)
     pool = mgr.block_pool
     a = make_request("a", list(range(8)))
     assert mgr.allocate_slots(a, 8) is not None
     h0, h1 = a.block_hashes
     assert pool.num_cached_blocks == 2
-    cached = pool.get_cached_block(h0)
-    assert cached is not None and cached.block_id == 1
+    cached = pool.get_cached_block(h0, [0])
+    assert cached is not None and cached[0].block_id == 1
     mgr.free(a)
     # Freed blocks keep their hashes: still a hit.
-    assert pool.num_cached_blocks == 2 and pool.get_cached_block(h1) is not None
+    assert pool.num_cached_blocks == 2 and pool.get_cached_block(h1, [0]) is not None
     # Reusing all 3 free blocks evicts both cached ones (block 3 was never used).
     new = pool.get_new_blocks(3)
     assert sorted(ids(new)) == [1, 2, 3]
-    assert pool.get_cached_block(h0) is None and pool.get_cached_block(h1) is None
-    assert pool.cached_block_hash_to_block == {} and pool.num_cached_blocks == 0
+    assert pool.get_cached_block(h0, [0]) is None and pool.get_cached_block(h1, [0]) is None
+    assert len(pool.cached_block_hash_to_block) == 0 and pool.num_cached_blocks == 0
     assert all(b.block_hash is None for b in new)
     check_pool(pool)
 
 
 def test_reset_prefix_cache() -> None:
-    mgr = KVCacheManager(num_gpu_blocks=6, block_size=BS, max_model_len=64, log_stats=True)
+    mgr = make_manager(6, log_stats=True)
     a = make_request("a", list(range(8)))
     mgr.allocate_slots(a, 8)
     assert not mgr.reset_prefix_cache()  # a still holds blocks
@@ -222,7 +253,7 @@ def test_reset_prefix_cache() -> None:
 
 
 def test_prefix_hit_capped_below_num_tokens() -> None:
-    mgr = KVCacheManager(num_gpu_blocks=16, block_size=BS, max_model_len=64, log_stats=True)
+    mgr = make_manager(16, log_stats=True)
     a = make_request("a", list(range(8)))
     assert mgr.allocate_slots(a, 8) is not None
     mgr.free(a)
@@ -247,7 +278,7 @@ def test_prefix_hit_capped_below_num_tokens() -> None:
 
 
 def test_allocate_with_prefix_hits() -> None:
-    mgr = KVCacheManager(num_gpu_blocks=16, block_size=BS, max_model_len=64)
+    mgr = make_manager(16)
     a = make_request("a", list(range(10)))
     assert mgr.allocate_slots(a, 10) is not None  # blocks 1, 2, 3
     b = make_request("b", list(range(8)) + [50, 51, 52, 53, 54])
@@ -260,7 +291,7 @@ def test_allocate_with_prefix_hits() -> None:
     # Both requests share blocks 1 and 2.
     assert mgr.get_num_common_prefix_blocks("a") == [2]
     # b's third block (tokens 8..11) became full and cached.
-    assert mgr.block_pool.get_cached_block(b.block_hashes[2]) is mgr.block_pool.blocks[4]
+    assert mgr.block_pool.get_cached_block(b.block_hashes[2], [0]) == [mgr.block_pool.blocks[4]]
 
     mgr.free(a)
     assert [blk.ref_cnt for blk in mgr.block_pool.blocks[1:4]] == [1, 1, 0]
@@ -270,12 +301,12 @@ def test_allocate_with_prefix_hits() -> None:
 
 
 def test_allocate_slots_none_when_full() -> None:
-    mgr = KVCacheManager(num_gpu_blocks=5, block_size=BS, max_model_len=64)
+    mgr = make_manager(5)
     a = make_request("a", list(range(12)))
     assert mgr.allocate_slots(a, 12) is not None  # 3 of 4 blocks
     b = make_request("b", list(range(100, 108)))
     assert mgr.allocate_slots(b, 8) is None  # needs 2, 1 free
-    assert "b" not in mgr.req_to_blocks and mgr.block_pool.get_num_free_blocks() == 1
+    assert "b" not in req_to_blocks(mgr) and mgr.block_pool.get_num_free_blocks() == 1
     assert mgr.allocate_slots(b, 4) is not None  # a chunk that fits
     assert mgr.usage == 1.0
     # Decode of a fits in its last block until it is full.
@@ -286,7 +317,7 @@ def test_allocate_slots_none_when_full() -> None:
 
 def test_evictable_hits_count_against_free_blocks() -> None:
     """A prefix hit on a free block uses up a free block too."""
-    mgr = KVCacheManager(num_gpu_blocks=5, block_size=BS, max_model_len=64)
+    mgr = make_manager(5)
     a = make_request("a", list(range(8)))
     mgr.allocate_slots(a, 8)
     mgr.free(a)  # free queue: [3, 4, 2, 1]; blocks 1, 2 cached
@@ -305,7 +336,7 @@ def test_evictable_hits_count_against_free_blocks() -> None:
 
 
 def test_no_caching() -> None:
-    mgr = KVCacheManager(num_gpu_blocks=8, block_size=BS, max_model_len=64, enable_caching=False)
+    mgr = make_manager(8, enable_caching=False)
     a = make_request("a", list(range(8)))
     mgr.allocate_slots(a, 8)
     assert mgr.block_pool.num_cached_blocks == 0
@@ -321,3 +352,76 @@ def test_kv_cache_blocks() -> None:
     x = KVCacheBlocks(([b1],)) + KVCacheBlocks(([b2],))
     assert x.get_block_ids() == ([1, 2],)
     assert x.new_empty().get_block_ids() == ([],)
+    assert x.new_empty().get_block_ids(allow_none=True) is None
+    assert x.get_unhashed_block_ids() == [1, 2]
+
+
+def test_coordinator_holds_one_full_attention_manager() -> None:
+    """vLLM's layers: KVCacheManager -> KVCacheCoordinator -> one
+    SingleTypeKVCacheManager per KV cache group, which holds the block tables."""
+    from tracevllm.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+    from tracevllm.core.single_type_kv_cache_manager import FullAttentionManager
+
+    mgr = make_manager(8)
+    assert isinstance(mgr.coordinator, UnitaryKVCacheCoordinator)
+    (manager,) = mgr.coordinator.single_type_managers
+    assert isinstance(manager, FullAttentionManager)
+    assert manager.block_pool is mgr.block_pool and manager.kv_cache_group_id == 0
+    a = make_request("a", list(range(6)))
+    assert mgr.allocate_slots(a, 6) is not None
+    assert ids(manager.req_to_blocks["a"]) == [1, 2] and manager.num_cached_block["a"] == 1
+    assert mgr.coordinator.get_blocks("a") == (manager.req_to_blocks["a"],)
+
+
+# --- what the step view reads ------------------------------------------------------
+
+# The KV manager's and block pool's internals: the step view must not read them.
+KV_INTERNALS = {
+    "req_to_blocks",
+    "num_cached_block",
+    "coordinator",
+    "single_type_managers",
+    "free_block_queue",
+    "fake_free_list_head",
+    "next_free_block",
+    "prev_free_block",
+    "cached_block_hash_to_block",
+}
+
+
+def test_step_view_reads_the_kv_cache_through_public_accessors() -> None:
+    tree = ast.parse(inspect.getsource(step_view.record_schedule))
+    names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not names & KV_INTERNALS, names & KV_INTERNALS
+    assert not [n for n in names if n.startswith("_")]
+
+
+def test_step_view_kv_figures_match_the_pool() -> None:
+    """A freed request's full blocks stay cached in the free queue: the view's
+    cached-free count and queue head, from the accessors, are the pool's own."""
+    model_config = ModelConfig(
+        model="fake",
+        hf_config={"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096},
+        max_model_len=32,
+    )
+    cache_config = CacheConfig(block_size=BS)
+    cache_config.num_gpu_blocks = 8
+    sched = Scheduler(VllmConfig(model_config, cache_config, SchedulerConfig(64, 8, 32)))
+    sched.add_request(make_request("a", list(range(9))))  # blocks 1 2 (full) 3
+    sched.schedule()
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    sched.add_request(make_request("b", list(range(100, 105))))  # blocks 4 5
+    so = sched.schedule()
+
+    span = TracerProvider().get_tracer("test").start_span("Scheduler.schedule")
+    step_view.record_schedule(span, so, sched)
+    assert span.attributes is not None
+    kv = json.loads(str(span.attributes[SpanAttributes.STEP_VIEW]))["kv"]
+    pool = sched.kv_cache_manager.block_pool
+    free = pool.free_block_queue.get_all_free_blocks()
+    assert kv["cached_free"] == sum(b.block_hash is not None for b in free) == 2
+    assert kv["free_queue_head"] == [[b.block_id, b.block_hash is not None] for b in free]
+    assert [i for i, _ in kv["free_queue_head"]] == [6, 7, 3, 2, 1]
+    assert (kv["total"], kv["free"], kv["used"]) == (7, 5, 2)
+    assert pool.peek_free_blocks(2) == free[:2]
+    assert sched.kv_cache_manager.get_num_cached_free_blocks() == 2

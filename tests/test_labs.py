@@ -250,6 +250,7 @@ GENERATE = textwrap.dedent(
             enable_multiprocessing=False,
             block_size=4,
             num_gpu_blocks_override=64,
+            max_model_len=64 * 4,
             max_num_batched_tokens=32,
         )
         prompt = "The scheduler decides which requests run in each step of the engine. " * 2

@@ -92,7 +92,9 @@ def test_lossless_preemption(default_model_dir: str, prompt_ids: Any, references
     # (c) room for about three requests at a time: the scheduler must preempt.
     longest = max(len(p) for p in prompt_ids) + MAX_TOKENS
     blocks = 3 * (-(-longest // 16)) + 1
-    with LLM(num_gpu_blocks_override=blocks, enable_multiprocessing=False) as llm:
+    with LLM(
+        num_gpu_blocks_override=blocks, max_model_len=blocks * 16, enable_multiprocessing=False
+    ) as llm:
         _check(llm, prompt_ids, references, "preemption")
         assert llm.llm_engine.num_preemptions > 0
 

@@ -271,7 +271,12 @@ def test_an_unreadable_frame_reports_the_engine_dead(tiny_model_dir: str) -> Non
     """A frame with no readable request id cannot be answered: the engine must
     say it is dead rather than leave anyone waiting."""
     before = _children()
-    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=16, enable_multiprocessing=True)
+    llm = LLM(
+        model=tiny_model_dir,
+        num_gpu_blocks_override=16,
+        max_model_len=16 * 16,
+        enable_multiprocessing=True,
+    )
     client = llm.llm_engine.engine_core
     socket_dir = client.resources.socket_dir
     client.input_socket.send_multipart(
@@ -343,7 +348,12 @@ def test_hung_engine_is_reported_and_ctrl_c_returns(
 
 # --- dead engines, shut-down engines, start-up failures --------------------------
 def test_dead_engine_says_what_happened(tiny_model_dir: str) -> None:
-    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=16, enable_multiprocessing=True)
+    llm = LLM(
+        model=tiny_model_dir,
+        num_gpu_blocks_override=16,
+        max_model_len=16 * 16,
+        enable_multiprocessing=True,
+    )
     os.kill(llm.llm_engine.engine_core.engine_pid, signal.SIGKILL)
     with pytest.raises(EngineDeadError, match=r"signal 9 \(SIGKILL\)"):
         llm.generate([GOOD_PROMPT], GOOD, use_tqdm=False)
@@ -352,7 +362,12 @@ def test_dead_engine_says_what_happened(tiny_model_dir: str) -> None:
 
 @pytest.mark.parametrize("mp", [True, False])
 def test_generate_after_shutdown_says_so(tiny_model_dir: str, mp: bool) -> None:
-    llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=16, enable_multiprocessing=mp)
+    llm = LLM(
+        model=tiny_model_dir,
+        num_gpu_blocks_override=16,
+        max_model_len=16 * 16,
+        enable_multiprocessing=mp,
+    )
     llm.shutdown()
     llm.shutdown()  # twice is fine
     for call in (

@@ -120,13 +120,14 @@ def check_blocks(sched: Scheduler) -> None:
     """Free + held = usable, and each block's ref_cnt is its number of holders."""
     mgr = sched.kv_cache_manager
     pool = mgr.block_pool
+    req_to_blocks = mgr.coordinator.single_type_managers[0].req_to_blocks
     holders: dict[int, int] = {}
-    for blocks in mgr.req_to_blocks.values():
+    for blocks in req_to_blocks.values():
         for b in blocks:
             holders[b.block_id] = holders.get(b.block_id, 0) + 1
     assert all(pool.blocks[i].ref_cnt == n for i, n in holders.items())
     assert pool.get_num_free_blocks() + len(holders) == pool.num_gpu_blocks - 1
-    assert set(mgr.req_to_blocks) == {r.request_id for r in sched.running}
+    assert set(req_to_blocks) == {r.request_id for r in sched.running}
 
 
 def outputs_of(eco: dict[int, EngineCoreOutputs]) -> dict[str, list[int]]:

@@ -323,7 +323,7 @@ def test_drafts_are_scheduled_counted_and_rolled_back() -> None:
     assert so.scheduled_spec_decode_tokens == {"a": [11, 12, 13]}
     assert req.spec_token_ids == []  # the next ones come after this step
     # KV slots for all 6 + 4 tokens the step wrote: 3 blocks of 4.
-    assert len(sched.kv_cache_manager.req_to_blocks["a"]) == -(-(6 + 1 + K) // BS)
+    assert len(sched.kv_cache_manager.get_block_ids("a")[0]) == -(-(6 + 1 + K) // BS)
     # Two drafts rejected: computed goes back by 2, to just before the last token.
     assert req.output_token_ids == [7, 11, 99]
     assert req.num_computed_tokens == 10 - 2 == req.num_tokens - 1
@@ -370,10 +370,10 @@ def test_draft_model_reserves_lookahead_slots() -> None:
     req = make_request("a", 6, max_tokens=20)
     sched.add_request(req)
     emit(sched, {"a": [7]})
-    assert len(sched.kv_cache_manager.req_to_blocks["a"]) == -(-(6 + K) // BS)
+    assert len(sched.kv_cache_manager.get_block_ids("a")[0]) == -(-(6 + K) // BS)
     propose(sched, {"a": [11, 12, 13]})
     emit(sched, {"a": [11, 12, 13, 14]})
-    assert len(sched.kv_cache_manager.req_to_blocks["a"]) == -(-(6 + 1 + K + K) // BS)
+    assert len(sched.kv_cache_manager.get_block_ids("a")[0]) == -(-(6 + 1 + K + K) // BS)
     check_blocks(sched)
 
 
@@ -414,7 +414,7 @@ def test_a_stop_in_the_middle_of_an_accepted_run_cuts_it(
     assert out.new_token_ids == kept
     assert out.finish_reason is not None
     assert req.output_token_ids == [7, *kept]
-    assert "a" not in sched.kv_cache_manager.req_to_blocks  # freed
+    assert "a" not in sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks
     check_blocks(sched)
 
 

@@ -107,6 +107,7 @@ def test_lossless_with_chunks_prefix_hits_and_preemption(prompt_ids: Any, refere
         speculative_config=ngram(4),
         max_num_batched_tokens=16,
         num_gpu_blocks_override=blocks,
+        max_model_len=blocks * 16,
     )
     assert preemptions > 0
     assert any(o.num_cached_tokens > 0 for o in outputs)

@@ -184,6 +184,7 @@ def test_preemption_chunked_prefill_and_prefix_hits(
         model=default_model_dir,
         enable_multiprocessing=False,
         num_gpu_blocks_override=24,
+        max_model_len=24 * 16,
         max_num_batched_tokens=32,
     ) as small:
         outputs = small.chat(

@@ -30,22 +30,29 @@ def allocate_slots(
     """Make room for ``num_new_tokens`` more tokens of ``request``; None if the
     pool cannot. Returns only the blocks allocated by this call."""
     # TODO 1: num_new_tokens == 0 is a caller's bug: raise ValueError.
-    # TODO 2: count. The request already holds len(self.req_to_blocks.get(id, ()))
-    #         blocks; the prefix hits are new_computed_blocks.blocks[0] (or none).
-    #         How many tokens need a slot after this step (computed so far + hits
-    #         + new + lookahead, capped at self.max_model_len)? How many blocks is
-    #         that (cdiv, from tracevllm.core.kv_cache_manager), and how many of
-    #         them must be new?
-    # TODO 3: a hit on a block no one holds (ref_cnt == 0, not is_null) takes it
-    #         out of the free queue, so it costs a free block too. If new blocks
-    #         + such hits > self.block_pool.get_num_free_blocks(): return None,
-    #         having changed nothing.
-    # TODO 4: the request's block list: self.req_to_blocks.setdefault(id, []).
-    #         Hits first: self.block_pool.touch(hits), extend the list, and set
-    #         self.num_cached_block[id] to its length (they are cached already).
-    # TODO 5: self.block_pool.get_new_blocks(n), appended after them.
-    # TODO 6: if self.enable_caching: self.cache_blocks(request, ...) with the
-    #         tokens computed once this step ran (lookahead tokens excluded,
-    #         and never more than request.num_tokens).
-    # TODO 7: return the new blocks only, as KVCacheBlocks((new_blocks,)).
+    # TODO 2: the prefix hits, one sequence per KV cache group:
+    #         new_computed_blocks.blocks, or self.empty_kv_cache_blocks.blocks
+    #         when there are none (keep that very object: step 5 tests for it).
+    # TODO 3: count tokens. Computed so far: request.num_computed_tokens + the
+    #         hits (num_new_computed_tokens), capped at self.max_model_len.
+    #         After this step: that + num_new_tokens. Slots needed: that +
+    #         num_lookahead_tokens, capped at self.max_model_len again.
+    # TODO 4: fit or fail. self.coordinator.get_num_blocks_to_allocate(
+    #             request_id=..., num_tokens=<slots needed>,
+    #             new_computed_blocks=<the hits>, num_encoder_tokens=0,
+    #             total_computed_tokens=<computed so far, uncapped>,
+    #             num_tokens_main_model=<tokens after this step>)
+    #         counts the free blocks it takes (a hit on a free block counts
+    #         too). More than self.block_pool.get_num_free_blocks()? Return
+    #         None, having changed nothing.
+    # TODO 5: hits first, if there are any:
+    #         self.coordinator.allocate_new_computed_blocks(request_id=...,
+    #             new_computed_blocks=..., num_local_computed_tokens=<computed
+    #             so far, uncapped>, num_external_computed_tokens=0).
+    # TODO 6: then new blocks: self.coordinator.allocate_new_blocks(
+    #             request_id, <slots needed>, <tokens after this step>).
+    # TODO 7: if self.enable_caching: self.coordinator.cache_blocks(request, n)
+    #         with n the tokens computed once this step ran (lookahead tokens
+    #         excluded, and never more than request.num_tokens).
+    # TODO 8: return the new blocks only: self.create_kv_cache_blocks(new_blocks).
     raise NotImplementedError("Lab 02: allocate_slots (see chapters/02-allocate-slots)")

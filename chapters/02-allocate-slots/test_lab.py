@@ -9,8 +9,14 @@ from _labkit import load
 
 from tracevllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from tracevllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from tracevllm.core.kv_cache_utils import get_request_block_hasher, sha256
+from tracevllm.core.kv_cache_utils import (
+    KVCacheBlock,
+    get_request_block_hasher,
+    make_block_hash_with_group_id,
+    sha256,
+)
 from tracevllm.core.sched.scheduler import Scheduler
+from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from tracevllm.request import Request
 from tracevllm.sampling_params import SamplingParams
 
@@ -24,7 +30,9 @@ def make_manager(
 ) -> KVCacheManager:
     """A manager whose allocate_slots is the function under test. Block 0 is
     the null block: ``num_gpu_blocks - 1`` are usable, 1, 2, ... in order."""
-    mgr = KVCacheManager(num_gpu_blocks, BS, max_model_len, enable_caching=enable_caching)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype="float32")
+    config = KVCacheConfig(num_gpu_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
+    mgr = KVCacheManager(config, max_model_len, hash_block_size=BS, enable_caching=enable_caching)
     mgr.allocate_slots = types.MethodType(allocate_slots, mgr)  # type: ignore[method-assign]
     return mgr
 
@@ -35,8 +43,13 @@ def make_request(req_id: str, prompt: list[int]) -> Request:
     return Request(req_id, prompt, params, block_hasher=get_request_block_hasher(BS, sha256))
 
 
+def req_to_blocks(mgr: KVCacheManager) -> dict[str, list[KVCacheBlock]]:
+    """The block tables, kept by the one KV cache group's manager."""
+    return mgr.coordinator.single_type_managers[0].req_to_blocks
+
+
 def held(mgr: KVCacheManager, req_id: str) -> list[int]:
-    return [b.block_id for b in mgr.req_to_blocks.get(req_id, [])]
+    return [b.block_id for b in req_to_blocks(mgr).get(req_id, [])]
 
 
 def ran(req: Request, num_tokens: int, sampled: list[int] | None = None) -> None:
@@ -94,7 +107,7 @@ def test_not_enough_free_blocks_returns_none_and_changes_nothing() -> None:
     mgr = make_manager(num_gpu_blocks=4)  # 3 usable blocks
     a = make_request("a", list(range(13)))  # needs 4
     assert mgr.allocate_slots(a, 13) is None
-    assert "a" not in mgr.req_to_blocks
+    assert "a" not in req_to_blocks(mgr)
     assert mgr.block_pool.get_num_free_blocks() == 3
     assert mgr.allocate_slots(a, 12) is not None  # a chunk of 12 fits in 3 blocks
     assert held(mgr, "a") == [1, 2, 3]
@@ -113,7 +126,8 @@ def test_prefix_hits_are_shared_not_copied() -> None:
     assert new.get_block_ids() == ([4],)  # only the new block is returned
     assert held(mgr, "b") == [1, 2, 4]  # hits first, in token order
     assert [mgr.block_pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
-    assert mgr.num_cached_block["b"] == 3  # the hits were cached; so is block 4 now
+    # The hits were cached; so is block 4 now.
+    assert mgr.coordinator.single_type_managers[0].num_cached_block["b"] == 3
     assert mgr.block_pool.get_num_free_blocks() == 9 - 4
 
 
@@ -130,7 +144,7 @@ def test_a_hit_on_a_free_block_costs_a_free_block() -> None:
     hits, num_hit_tokens = mgr.get_computed_blocks(b)
     assert num_hit_tokens == 8
     assert mgr.allocate_slots(b, 5, num_hit_tokens, hits) is None
-    assert "b" not in mgr.req_to_blocks
+    assert "b" not in req_to_blocks(mgr)
     assert mgr.block_pool.get_num_free_blocks() == 3
     assert [mgr.block_pool.blocks[i].ref_cnt for i in (1, 2)] == [0, 0]
 
@@ -151,7 +165,9 @@ def test_full_blocks_are_cached_as_soon_as_they_are_allocated() -> None:
     ran(a, 6)
     mgr.allocate_slots(a, 4)  # tokens 6..9: block 2 full, block 3 not
     assert mgr.block_pool.num_cached_blocks == 2
-    assert [mgr.block_pool.blocks[i].block_hash for i in (1, 2)] == a.block_hashes[:2]
+    # Each under its hash and KV cache group 0 (the key vLLM caches a block by).
+    keys = [make_block_hash_with_group_id(h, 0) for h in a.block_hashes[:2]]
+    assert [mgr.block_pool.blocks[i].block_hash for i in (1, 2)] == keys
     assert mgr.block_pool.blocks[3].block_hash is None
 
     off = make_manager(enable_caching=False)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 def get_request_block_hasher(
-    block_size: int, hash_fn: Callable[[Any], bytes]
+    block_size: int, caching_hash_fn: Callable[[Any], bytes]
 ) -> Callable[[Request], list[BlockHash]]:
     """The hasher ``Request`` calls whenever tokens are appended: it returns the
     hashes of the blocks that became full since the last call."""
@@ -31,7 +31,7 @@ def get_request_block_hasher(
         #         a request's first block (hash_block_tokens turns None into
         #         NONE_HASH).
         # TODO 3: while the next block is full, hash it with
-        #         hash_block_tokens(hash_fn, parent, its block_size token ids),
+        #         hash_block_tokens(caching_hash_fn, parent, its block_size token ids),
         #         and let that hash be the parent of the block after it.
         # TODO 4: return the new hashes only; a partial last block gets none.
         raise NotImplementedError("Lab 07: the block hasher (see chapters/07-block-hash)")

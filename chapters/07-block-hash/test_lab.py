@@ -10,6 +10,7 @@ from _labkit import load
 
 from tracevllm.core.kv_cache_manager import KVCacheManager
 from tracevllm.core.kv_cache_utils import NONE_HASH, hash_block_tokens, sha256
+from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from tracevllm.request import Request
 from tracevllm.sampling_params import SamplingParams
 
@@ -91,9 +92,9 @@ def test_random_growth_against_the_definition(block_size: int) -> None:
 def test_the_prefix_cache_finds_a_shared_prefix() -> None:
     """The KV cache manager's lookup walks these hashes: the second request
     hits the first one's two full blocks, and misses from the third on."""
-    manager = KVCacheManager(
-        num_gpu_blocks=16, block_size=BS, max_model_len=64, enable_caching=True
-    )
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype="float32")
+    config = KVCacheConfig(16, [], [KVCacheGroupSpec(["layer"], spec)])
+    manager = KVCacheManager(config, max_model_len=64, hash_block_size=BS, enable_caching=True)
     a = make_request("a", list(range(10)))
     assert manager.allocate_slots(a, 10) is not None
     b = make_request("b", [*range(8), 50, 51, 52])

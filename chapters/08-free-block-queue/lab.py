@@ -23,12 +23,12 @@ def get_new_blocks(self: BlockPool, num_blocks: int) -> list[KVCacheBlock]:
     #         having changed nothing.
     # TODO 2: take num_blocks blocks from the head of self.free_block_queue,
     #         in order (popleft / popleft_n).
-    # TODO 3: evict: a popped block may still carry the hash of what it held.
-    #         If self.enable_caching and block.block_hash is set, take the block
-    #         out of self.cached_block_hash_to_block[hash] (a dict of block_id ->
-    #         block; drop the hash's entry once it is empty), forget its hash
-    #         (block.reset_hash()) and count one cached block less
-    #         (self.num_cached_blocks).
+    # TODO 3: evict: a popped block may still carry the key (hash + group id)
+    #         of what it held. If self.enable_caching and block.block_hash is
+    #         set, take the block out of the prefix cache:
+    #         self.cached_block_hash_to_block.pop(key, block.block_id) returns
+    #         the block if it was cached under that key (None otherwise); if
+    #         it was, forget its hash (block.reset_hash()).
     # TODO 4: each block now has one holder: ref_cnt 0 -> 1.
     # TODO 5: return the blocks, head first.
     raise NotImplementedError("Lab 08: get_new_blocks (see chapters/08-free-block-queue)")

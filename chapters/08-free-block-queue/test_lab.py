@@ -10,7 +10,13 @@ from _labkit import load
 
 from tracevllm.core.block_pool import BlockPool
 from tracevllm.core.kv_cache_manager import KVCacheManager
-from tracevllm.core.kv_cache_utils import BlockHash, get_request_block_hasher, sha256
+from tracevllm.core.kv_cache_utils import (
+    BlockHash,
+    get_request_block_hasher,
+    make_block_hash_with_group_id,
+    sha256,
+)
+from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from tracevllm.request import Request
 from tracevllm.sampling_params import SamplingParams
 
@@ -24,7 +30,7 @@ def plug(pool: BlockPool) -> BlockPool:
 
 
 def make_pool(num_blocks: int = 8, caching: bool = True) -> BlockPool:
-    return plug(BlockPool(num_blocks, enable_caching=caching))
+    return plug(BlockPool(num_blocks, enable_caching=caching, hash_block_size=BS))
 
 
 def ids(blocks: list) -> list[int]:  # type: ignore[type-arg]
@@ -32,13 +38,20 @@ def ids(blocks: list) -> list[int]:  # type: ignore[type-arg]
 
 
 def cache(pool: BlockPool, block_id: int, name: str) -> BlockHash:
-    """Give a block a hash and enter it in the pool's map, as caching does."""
+    """Give a block its key (hash + group 0) and enter it in the pool's map,
+    as caching does. Returns the hash, which get_cached_block looks up."""
     block_hash = BlockHash(sha256(name))
+    key = make_block_hash_with_group_id(block_hash, 0)
     block = pool.blocks[block_id]
-    block.block_hash = block_hash
-    pool.cached_block_hash_to_block.setdefault(block_hash, {})[block_id] = block
-    pool.num_cached_blocks += 1
+    block.block_hash = key
+    pool.cached_block_hash_to_block.insert(key, block)
     return block_hash
+
+
+def cached(pool: BlockPool, block_hash: BlockHash) -> object:
+    """The block a prefix lookup finds for this hash, or None."""
+    found = pool.get_cached_block(block_hash, [0])
+    return found[0] if found else None
 
 
 def test_a_fresh_pool_hands_out_blocks_in_id_order() -> None:
@@ -74,15 +87,15 @@ def test_a_reused_block_loses_its_hash() -> None:
     blocks = pool.get_new_blocks(3)
     h1, h2 = cache(pool, 1, "one"), cache(pool, 2, "two")
     pool.free_blocks(reversed(blocks))  # tail first: 3, 2, 1
-    assert pool.get_cached_block(h1) is not None  # free, but still cached
+    assert cached(pool, h1) is not None  # free, but still cached
     # The queue is now 4 5 6 7 3 2 1: the fresh blocks come first.
     assert ids(pool.get_new_blocks(5)) == [4, 5, 6, 7, 3]
     assert pool.num_cached_blocks == 2
     assert ids(pool.get_new_blocks(1)) == [2]  # reused: its old contents are gone
-    assert pool.get_cached_block(h2) is None and h2 not in pool.cached_block_hash_to_block
+    assert cached(pool, h2) is None
     assert pool.blocks[2].block_hash is None
     assert pool.num_cached_blocks == 1
-    assert pool.get_cached_block(h1) is pool.blocks[1]  # not reused yet: still a hit
+    assert cached(pool, h1) is pool.blocks[1]  # not reused yet: still a hit
 
 
 def test_two_blocks_under_one_hash() -> None:
@@ -95,10 +108,10 @@ def test_two_blocks_under_one_hash() -> None:
     pool.free_blocks(blocks)
     pool.get_new_blocks(5)  # the fresh blocks 3..7
     assert ids(pool.get_new_blocks(1)) == [1]
-    assert pool.get_cached_block(same) is pool.blocks[2]
-    assert list(pool.cached_block_hash_to_block[same]) == [2]
+    assert cached(pool, same) is pool.blocks[2]
+    assert pool.num_cached_blocks == 1  # block 1 left the map; block 2 is still in it
     pool.get_new_blocks(1)
-    assert same not in pool.cached_block_hash_to_block
+    assert cached(pool, same) is None
     assert pool.num_cached_blocks == 0
 
 
@@ -122,7 +135,9 @@ def test_preemption_then_resume_as_the_book_records_it() -> None:
     """The KV cache chapter's run in miniature: a freed request's full blocks
     stay cached at the tail of the queue while another request takes the head;
     the freed request, coming back, hits them."""
-    manager = KVCacheManager(num_gpu_blocks=8, block_size=BS, max_model_len=64)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype="float32")
+    config = KVCacheConfig(8, [], [KVCacheGroupSpec(["layer"], spec)])
+    manager = KVCacheManager(config, max_model_len=64, hash_block_size=BS)
     plug(manager.block_pool)
     a = make_request("a", list(range(100, 110)))  # 10 tokens: blocks 1 2 3
     b = make_request("b", list(range(200, 210)))  # 10 tokens: blocks 4 5 6

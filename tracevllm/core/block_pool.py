@@ -1,45 +1,127 @@
 """The pool of KV cache blocks: allocate, free, and cache by hash.
 
-Mirrors vllm/v1/core/block_pool.py (``BlockPool``). Left out: KV cache events
-(``take_events``), the metrics collector, ``evict_blocks`` for KV connectors
-and group ids in the hash keys (one KV cache group). vLLM's
-``BlockHashToBlockMap`` is a plain ``dict[BlockHash, dict[int, KVCacheBlock]]``
-here: one hash may name several blocks, because two requests can compute the
-same block at once and blocks are never merged (block tables are append-only).
+Mirrors vllm/v1/core/block_pool.py (``BlockHashToBlockMap``, ``BlockPool``),
+with vLLM's signatures: ``BlockPool(num_gpu_blocks, enable_caching,
+hash_block_size)``, ``get_cached_block(block_hash, kv_cache_group_ids)``,
+``cache_full_blocks(..., kv_cache_group_id, block_mask=None)``. Left out: KV
+cache events (``enable_kv_cache_events``, ``take_events``), the metrics
+collector, ``evict_blocks`` (for KV connectors), and caching a group whose
+block size is a multiple of ``hash_block_size`` (hybrid groups). Added, for
+stats and views: ``num_cached_blocks``, ``get_num_usable_blocks`` and
+``peek_free_blocks``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from tracevllm.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+from tracevllm.core.kv_cache_utils import (
+    BlockHash,
+    BlockHashWithGroupId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+)
 from tracevllm.labs import lab_hook
 
 if TYPE_CHECKING:
     from tracevllm.request import Request
 
+logger = logging.getLogger(__name__)
+
+
+class BlockHashToBlockMap:
+    """The prefix cache: each key (block hash + group id) to the blocks cached
+    under it, free or held.
+
+    One key may name several blocks: two requests can compute the same block
+    at once, and blocks are never merged, so that block tables stay
+    append-only. As in vLLM, a key holds a bare block while it has one (the
+    common case, no inner dict to build or collect) and a ``{block_id:
+    block}`` dict once it has two or more.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+        # tracevllm's: how many blocks the map holds (len() counts keys), for stats.
+        self.num_blocks = 0
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """Any block cached under ``key`` (the first, if several)."""
+        blocks = self._cache.get(key)
+        if blocks is None or isinstance(blocks, KVCacheBlock):
+            return blocks
+        return next(iter(blocks.values()))
+
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        blocks = self._cache.get(key)
+        if blocks is None:
+            self._cache[key] = block
+        elif isinstance(blocks, KVCacheBlock):
+            self._cache[key] = {blocks.block_id: blocks, block.block_id: block}
+        else:
+            blocks[block.block_id] = block
+        self.num_blocks += 1
+
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """Take block ``block_id`` out from under ``key``; None if it is not there."""
+        blocks = self._cache.pop(key, None)
+        if blocks is None:
+            return None
+        if isinstance(blocks, KVCacheBlock):
+            if blocks.block_id == block_id:
+                self.num_blocks -= 1
+                return blocks
+            self._cache[key] = blocks  # another block under this key: put it back
+            return None
+        block = blocks.pop(block_id, None)
+        if blocks:
+            self._cache[key] = blocks
+        if block is not None:
+            self.num_blocks -= 1
+        return block
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
 
 class BlockPool:
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool) -> None:
-        assert num_gpu_blocks >= 2, "block 0 is the null block: need at least 2 blocks"
+    """Every KV block, the free ones in eviction order, and the prefix cache.
+
+    ``hash_block_size`` is the block size the request's hashes were computed
+    at; tracevllm's one group allocates at that size.
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int) -> None:
+        assert isinstance(num_gpu_blocks, int) and num_gpu_blocks > 0
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
         # Initially in block-id order; from then on in eviction (LRU) order.
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # Full, hashed blocks: held by requests or free but not yet evicted.
-        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
-        self.num_cached_blocks = 0
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
         # Block 0 pads block tables (vLLM uses it for skipped sliding-window
         # blocks); it is taken out once and never counted as usable.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """Any block cached under this hash (the first, if several)."""
-        blocks = self.cached_block_hash_to_block.get(block_hash)
-        return next(iter(blocks.values())) if blocks else None
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: list[int]
+    ) -> list[KVCacheBlock] | None:
+        """A block cached under this hash for each of the groups, or None if
+        any group misses."""
+        cached_blocks = []
+        for group_id in kv_cache_group_ids:
+            key = make_block_hash_with_group_id(block_hash, group_id)
+            block = self.cached_block_hash_to_block.get_one_block(key)
+            if block is None:
+                return None
+            cached_blocks.append(block)
+        return cached_blocks
 
     def cache_full_blocks(
         self,
@@ -48,25 +130,35 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
+        kv_cache_group_id: int,
+        block_mask: list[bool] | None = None,
     ) -> None:
-        """Give ``blocks[num_cached_blocks:num_full_blocks]`` their hashes and
+        """Give ``blocks[num_cached_blocks:num_full_blocks]`` their keys and
         enter them in the cache. The hashes were computed by the request's
-        block hasher when its tokens arrived; ``block_size`` is kept for vLLM's
-        signature (it can hash at a finer block size than it allocates)."""
+        block hasher when its tokens arrived. Null blocks, and blocks whose
+        ``block_mask`` entry is False (a sliding window's blocks that can
+        never serve a hit), are skipped."""
         if num_cached_blocks >= num_full_blocks:
             return
         assert len(request.block_hashes) >= num_full_blocks, (
             f"request {request.request_id} has {len(request.block_hashes)} block hashes, "
             f"{num_full_blocks} needed: was it built with a block hasher?"
         )
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.is_null:
+        # vLLM regroups the hashes when a group's blocks are a multiple of
+        # hash_block_size (hybrid groups); tracevllm's one group hashes at its size.
+        assert block_size == self.hash_block_size, (
+            f"block_size {block_size} != hash_block_size {self.hash_block_size}"
+        )
+        new_full_blocks = blocks[num_cached_blocks:num_full_blocks]
+        assert block_mask is None or len(block_mask) == len(new_full_blocks)
+        for i, block in enumerate(new_full_blocks):
+            if block.is_null or (block_mask is not None and not block_mask[i]):
                 continue
-            block_hash = request.block_hashes[i]
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
-            self.num_cached_blocks += 1
+            key = make_block_hash_with_group_id(
+                request.block_hashes[num_cached_blocks + i], kv_cache_group_id
+            )
+            block.block_hash = key
+            self.cached_block_hash_to_block.insert(key, block)
 
     @lab_hook("get_new_blocks")  # lab 08: chapters/08-free-block-queue
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -87,16 +179,13 @@ class BlockPool:
         return ret
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Take the block out of the prefix cache, if it is in it; True if it was."""
         block_hash = block.block_hash
         if block_hash is None:
             return False
-        blocks = self.cached_block_hash_to_block.get(block_hash)
-        if blocks is None or blocks.pop(block.block_id, None) is None:
+        if self.cached_block_hash_to_block.pop(block_hash, block.block_id) is None:
             return False
-        if not blocks:
-            del self.cached_block_hash_to_block[block_hash]
         block.reset_hash()
-        self.num_cached_blocks -= 1
         return True
 
     # --8<-- [start:touch_and_free]
@@ -121,10 +210,14 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash. Only possible when no request holds a block."""
-        if self.get_num_free_blocks() != self.get_num_usable_blocks():
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:  # the null block is always in use
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                num_used_blocks - 1,
+            )
             return False
-        self.cached_block_hash_to_block = {}
-        self.num_cached_blocks = 0
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:
             block.reset_hash()
         return True
@@ -132,10 +225,29 @@ class BlockPool:
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
+    def get_usage(self) -> float:
+        """Fraction of usable blocks (the null block excluded) held by requests."""
+        total_gpu_blocks = self.num_gpu_blocks - 1
+        if not total_gpu_blocks:
+            return 0.0
+        return 1.0 - self.get_num_free_blocks() / total_gpu_blocks
+
+    # --- tracevllm's, for stats and views ------------------------------------
     def get_num_usable_blocks(self) -> int:
         """Blocks requests can hold: all but the null block (block 0)."""
         return self.num_gpu_blocks - 1
 
-    def get_usage(self) -> float:
-        """Fraction of usable blocks (the null block excluded) held by requests."""
-        return 1.0 - self.get_num_free_blocks() / self.get_num_usable_blocks()
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache, held or free."""
+        return self.cached_block_hash_to_block.num_blocks
+
+    def peek_free_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The next ``num_blocks`` blocks ``get_new_blocks`` would hand out,
+        head first, without walking the whole queue."""
+        ret: list[KVCacheBlock] = []
+        block = self.free_block_queue.fake_free_list_head.next_free_block
+        while block is not None and block.block_id >= 0 and len(ret) < num_blocks:
+            ret.append(block)
+            block = block.next_free_block
+        return ret

@@ -1,69 +1,99 @@
 """The scheduler's view of the KV cache: which blocks each request holds.
 
 Mirrors vllm/v1/core/kv_cache_manager.py (``KVCacheBlocks``,
-``KVCacheManager``). vLLM puts two layers between this class and the
-``BlockPool``: a ``KVCacheCoordinator`` over the KV cache groups and one
-``SingleTypeKVCacheManager`` per group (full attention, sliding window,
-mamba, ...). tracevllm has a single full-attention group, so both layers are
-folded in here: ``req_to_blocks`` and ``num_cached_block`` are
-``FullAttentionManager``'s, and ``get_computed_blocks`` inlines its
-``find_longest_cache_hit``. Left out: KV connectors (external computed tokens,
-delayed caching), sliding-window block skipping, eagle, KV events, and
-``full_sequence_must_fit``.
+``KVCacheManager``), with vLLM's constructor
+(``KVCacheManager(kv_cache_config, max_model_len, hash_block_size, ...)``)
+and layers: the manager asks a ``KVCacheCoordinator``
+(kv_cache_coordinator.py), which asks one ``SingleTypeKVCacheManager`` per
+KV cache group (single_type_kv_cache_manager.py); the requests' block tables
+live there (``coordinator.single_type_managers[i].req_to_blocks``). A Llama
+has one group. Left out: KV connectors (external computed tokens, delayed
+caching), encoder tokens, ``full_sequence_must_fit``, eagle, KV cache
+events and metrics, context parallelism, and ``take_new_block_ids``
+(blocks to zero, for Mamba). Added, for views: ``get_num_cached_free_blocks``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
-from tracevllm.core.block_pool import BlockPool
+from tracevllm.core.kv_cache_coordinator import get_kv_cache_coordinator
 from tracevllm.core.kv_cache_utils import KVCacheBlock
 from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import PrefixCacheStats
-from tracevllm.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from tracevllm.kv_cache_interface import KVCacheConfig
     from tracevllm.request import Request
 
 
 @dataclass
 class KVCacheBlocks:
-    """What the KV manager hands the scheduler: blocks, one list per KV cache
-    group (always one group here), so the scheduler never sees its internals."""
+    """What the KV manager hands the scheduler: blocks, one sequence per KV
+    cache group (one group here), so the scheduler never sees its internals.
+    An empty group is an empty tuple (the manager keeps one empty instance)."""
 
-    blocks: tuple[list[KVCacheBlock], ...]
+    blocks: tuple[Sequence[KVCacheBlock], ...]
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks, strict=True)))
+        return KVCacheBlocks(
+            tuple([*a, *b] for a, b in zip(self.blocks, other.blocks, strict=True))
+        )
 
-    def get_block_ids(self) -> tuple[list[int], ...]:
+    @overload
+    def get_block_ids(self, allow_none: Literal[False] = False) -> tuple[list[int], ...]: ...
+
+    @overload
+    def get_block_ids(self, allow_none: Literal[True]) -> tuple[list[int], ...] | None: ...
+
+    def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
+        """Block ids, one list per group; None for no block at all if ``allow_none``."""
+        if allow_none and all(len(group) == 0 for group in self.blocks):
+            return None
         return tuple([b.block_id for b in group] for group in self.blocks)
 
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the blocks not (yet) in the prefix cache; one group only."""
+        assert len(self.blocks) == 1, "Only one group is supported"
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
     def new_empty(self) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple([] for _ in self.blocks))
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
 
 
 class KVCacheManager:
     def __init__(
         self,
-        num_gpu_blocks: int,
-        block_size: int,
+        kv_cache_config: KVCacheConfig,
         max_model_len: int,
+        hash_block_size: int,
+        max_num_batched_tokens: int | None = None,
         enable_caching: bool = True,
         log_stats: bool = False,
     ) -> None:
-        self.block_size = block_size
         self.max_model_len = max_model_len
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max_model_len
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
-        # req_id -> its blocks, in token order (the request's block table).
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # req_id -> how many of its leading blocks are already in the cache.
-        self.num_cached_block: dict[str, int] = {}
-        self.empty_kv_cache_blocks = KVCacheBlocks(([],))
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config=kv_cache_config,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_caching=enable_caching,
+            hash_block_size=hash_block_size,
+        )
+        self.num_kv_cache_groups = len(kv_cache_config.kv_cache_groups)
+        self.block_pool = self.coordinator.block_pool
+        self.kv_cache_config = kv_cache_config
+        # One immutable empty result, handed out instead of building new ones.
+        self.empty_kv_cache_blocks = KVCacheBlocks(
+            tuple(() for _ in range(self.num_kv_cache_groups))
+        )
 
     @property
     def usage(self) -> float:
@@ -87,22 +117,16 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return self.empty_kv_cache_blocks, 0
-        max_num_blocks = (request.num_tokens - 1) // self.block_size
-        computed_blocks: list[KVCacheBlock] = []
-        # Hashes are chained: after the first miss no later block can hit.
-        for block_hash in request.block_hashes[:max_num_blocks]:
-            cached_block = self.block_pool.get_cached_block(block_hash)
-            if cached_block is None:
-                break
-            computed_blocks.append(cached_block)
-        num_computed_tokens = len(computed_blocks) * self.block_size
+        computed_blocks, num_new_computed_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(
                 num_tokens=request.num_tokens,
-                num_hits=num_computed_tokens,
+                num_hits=num_new_computed_tokens,
                 preempted=request.num_preemptions > 0,
             )
-        return KVCacheBlocks((computed_blocks,)), num_computed_tokens
+        return self.create_kv_cache_blocks(computed_blocks), num_new_computed_tokens
 
     # --8<-- [end:get_computed_blocks]
 
@@ -125,71 +149,64 @@ class KVCacheManager:
         """
         if num_new_tokens == 0:
             raise ValueError("num_new_tokens must be greater than 0")
-        hit_blocks = new_computed_blocks.blocks[0] if new_computed_blocks else []
-        num_req_blocks = len(self.req_to_blocks.get(request.request_id, ()))
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(
-            num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        if new_computed_blocks is not None:
+            new_computed_block_list = new_computed_blocks.blocks
+        else:
+            new_computed_block_list = self.empty_kv_cache_blocks.blocks
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = min(num_local_computed_tokens, self.max_model_len)
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+
+        # Blocks outside the attention window go first, so fewer are evicted
+        # (none for full attention).
+        self.coordinator.remove_skipped_blocks(request.request_id, total_computed_tokens)
+        # A hit on a free block takes it out of the free queue: the count
+        # includes such hits. Nothing changes unless it all fits.
+        num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=num_tokens_need_slot,
+            new_computed_blocks=new_computed_block_list,
+            num_encoder_tokens=0,
+            total_computed_tokens=num_local_computed_tokens,
+            num_tokens_main_model=num_tokens_main_model,
         )
-        num_new_blocks = max(
-            cdiv(num_tokens_need_slot, self.block_size) - num_req_blocks - len(hit_blocks), 0
-        )
-        # A hit on a free block takes it out of the free queue, so it costs a
-        # free block just as a new one does.
-        num_evictable_hits = sum(b.ref_cnt == 0 and not b.is_null for b in hit_blocks)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+        if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
             return None
 
-        # Only now that it fits does the request get an entry (it counts in
-        # get_num_common_prefix_blocks).
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        if hit_blocks:
-            # Only a request not yet running has prefix hits (vLLM:
-            # allocate_new_computed_blocks).
-            assert not req_blocks, "prefix hits for a request that already holds blocks"
-            self.block_pool.touch(hit_blocks)
-            req_blocks.extend(hit_blocks)
-            self.num_cached_block[request.request_id] = len(req_blocks)
-
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
-
+        # Hits first (touched, so handing out new blocks cannot evict them).
+        if new_computed_block_list is not self.empty_kv_cache_blocks.blocks:
+            self.coordinator.allocate_new_computed_blocks(
+                request_id=request.request_id,
+                new_computed_blocks=new_computed_block_list,
+                num_local_computed_tokens=num_local_computed_tokens,
+                num_external_computed_tokens=0,
+            )
+        new_blocks = self.coordinator.allocate_new_blocks(
+            request.request_id, num_tokens_need_slot, num_tokens_main_model
+        )
         if self.enable_caching:
             # Cache the blocks these tokens will fill, now, before the forward
             # pass writes them. Capped at num_tokens: lookahead (draft) tokens
             # may be rejected, so their blocks are not final.
-            self.cache_blocks(
-                request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            self.coordinator.cache_blocks(
+                request, min(total_computed_tokens + num_new_tokens, request.num_tokens)
             )
-        return KVCacheBlocks((new_blocks,))
+        return self.create_kv_cache_blocks(new_blocks)
 
     # --8<-- [end:allocate_slots]
-
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Enter the request's blocks that are full at ``num_computed_tokens``
-        into the prefix cache (vLLM: SingleTypeKVCacheManager.cache_blocks)."""
-        num_cached_blocks = self.num_cached_block.get(request.request_id, 0)
-        num_full_blocks = num_computed_tokens // self.block_size
-        if num_cached_blocks >= num_full_blocks:
-            return
-        self.block_pool.cache_full_blocks(
-            request,
-            self.req_to_blocks[request.request_id],
-            num_cached_blocks,
-            num_full_blocks,
-            self.block_size,
-        )
-        self.num_cached_block[request.request_id] = num_full_blocks
 
     # --8<-- [start:free]
     def free(self, request: Request) -> None:
         """Free the request's blocks, tail first, so that its tail is evicted
         before the prefix it may share with other requests."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
-        self.num_cached_block.pop(request.request_id, None)
+        self.coordinator.free(request.request_id)
 
     # --8<-- [end:free]
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the blocks attention no longer reads (before a sliding window)."""
+        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():
@@ -201,15 +218,33 @@ class KVCacheManager:
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Leading blocks of this request shared by every request holding KV
         (a hint for cascade attention), per KV cache group."""
-        num_common_blocks = 0
-        for block in self.req_to_blocks.get(running_request_id, []):
-            if block.ref_cnt != len(self.req_to_blocks):
-                break
-            num_common_blocks += 1
-        return [num_common_blocks]
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks((list(self.req_to_blocks.get(request_id, [])),))
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Enter the request's blocks full at ``num_computed_tokens`` into the prefix cache."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def create_kv_cache_blocks(self, blocks: tuple[list[KVCacheBlock], ...]) -> KVCacheBlocks:
+        # The shared empty instance when there is nothing to return.
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    # --- tracevllm's, for views ----------------------------------------------
+    def get_num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a hash: evictable, but a prefix hit
+        revives them. Counted from the blocks requests hold (a set: requests
+        that share a prefix share its blocks), not by walking the free queue."""
+        held_hashed = {
+            block.block_id
+            for manager in self.coordinator.single_type_managers
+            for blocks in manager.req_to_blocks.values()
+            for block in blocks
+            if block.block_hash is not None
+        }
+        return max(self.block_pool.num_cached_blocks - len(held_hashed), 0)

@@ -1,12 +1,19 @@
 """Block hashes, the KV block record and the free-block queue.
 
-Mirrors vllm/v1/core/kv_cache_utils.py (``BlockHash``, ``NONE_HASH``,
-``init_none_hash``, ``hash_block_tokens``, ``get_request_block_hasher``,
-``KVCacheBlock``, ``FreeKVCacheBlockQueue``) and the hash functions of
-vllm/utils/hashing.py (``get_hash_fn_by_name``). Left out: KV cache specs,
-groups and memory sizing, multimodal/LoRA extra keys (``extra_keys`` stays in
-the signature, always None here), CBOR and xxhash, and the group id that vLLM
-appends to a hash (``BlockHashWithGroupId``): tracevllm has one KV cache group.
+Mirrors vllm/v1/core/kv_cache_utils.py (``BlockHash``,
+``BlockHashWithGroupId`` with ``make_block_hash_with_group_id`` /
+``get_block_hash`` / ``get_group_id``, ``NONE_HASH``, ``init_none_hash``,
+``hash_block_tokens``, ``get_request_block_hasher``, ``KVCacheBlock``,
+``FreeKVCacheBlockQueue``) and the hash functions of vllm/utils/hashing.py
+(``get_hash_fn_by_name``). vLLM's file also sizes the KV cache; tracevllm
+keeps that in kv_cache_sizing.py and re-exports its names at the bottom of
+this module, so that ``from ...kv_cache_utils import get_kv_cache_configs``
+works as in vLLM.
+
+Left out: multimodal/LoRA/cache-salt extra keys (``extra_keys`` stays in the
+signature, always None here), CBOR and xxhash, the eagle hasher, and hashing
+at a finer block size than a group allocates (``BlockHashListWithBlockSize``:
+tracevllm has one KV cache group).
 """
 
 from __future__ import annotations
@@ -24,6 +31,23 @@ if TYPE_CHECKING:
 
 # The hash of one full block of tokens, chained on the hash of the block before it.
 BlockHash = NewType("BlockHash", bytes)
+
+# A block hash with its KV cache group id appended (4 bytes, big-endian): the
+# key of the prefix cache, since each group caches its own blocks for the same
+# tokens. Bytes, not a tuple, so a key is one object.
+BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
+
+
+def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
+    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big", signed=False))
+
+
+def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
+    return BlockHash(key[:-4])
+
+
+def get_group_id(key: BlockHashWithGroupId) -> int:
+    return int.from_bytes(key[-4:], "big", signed=False)
 
 
 def sha256(input: Any) -> bytes:
@@ -54,7 +78,7 @@ def init_none_hash(hash_fn: Callable[[Any], bytes]) -> None:
 
 # --8<-- [start:hash_block_tokens]
 def hash_block_tokens(
-    hash_fn: Callable[[Any], bytes],
+    hash_function: Callable[[Any], bytes],
     parent_block_hash: BlockHash | None,
     curr_block_token_ids: Sequence[int],
     extra_keys: tuple[Any, ...] | None = None,
@@ -65,7 +89,7 @@ def hash_block_tokens(
     requests share a block only if every token before it matches too.
     """
     parent = parent_block_hash or NONE_HASH
-    return BlockHash(hash_fn((parent, tuple(curr_block_token_ids), extra_keys)))
+    return BlockHash(hash_function((parent, tuple(curr_block_token_ids), extra_keys)))
 
 
 # --8<-- [end:hash_block_tokens]
@@ -73,7 +97,7 @@ def hash_block_tokens(
 
 @lab_hook("get_request_block_hasher")  # lab 07: chapters/07-block-hash
 def get_request_block_hasher(
-    block_size: int, hash_fn: Callable[[Any], bytes]
+    block_size: int, caching_hash_fn: Callable[[Any], bytes]
 ) -> Callable[[Request], list[BlockHash]]:
     """The hasher ``Request`` calls whenever tokens are appended: it returns the
     hashes of the blocks that became full since the last call."""
@@ -85,7 +109,9 @@ def get_request_block_hasher(
         new_hashes: list[BlockHash] = []
         # One hash per newly full block; a partial last block is never hashed.
         while start + block_size <= len(token_ids):
-            parent = hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size])
+            parent = hash_block_tokens(
+                caching_hash_fn, parent, token_ids[start : start + block_size]
+            )
             new_hashes.append(parent)
             start += block_size
         return new_hashes
@@ -100,9 +126,10 @@ class KVCacheBlock:
     block_id: int
     # How many requests hold this block. 0: it is in the free queue.
     ref_cnt: int = 0
-    # Set once the block is full and cached; kept after it is freed, so a later
-    # request can still hit it until the block is evicted (reused).
-    _block_hash: BlockHash | None = None
+    # Its prefix-cache key (hash + group id), set once the block is full and
+    # cached; kept after it is freed, so a later request can still hit it
+    # until the block is evicted (reused).
+    _block_hash: BlockHashWithGroupId | None = None
     # Links of the free queue; only FreeKVCacheBlockQueue touches them.
     prev_free_block: KVCacheBlock | None = None
     next_free_block: KVCacheBlock | None = None
@@ -110,11 +137,11 @@ class KVCacheBlock:
     is_null: bool = False
 
     @property
-    def block_hash(self) -> BlockHash | None:
+    def block_hash(self) -> BlockHashWithGroupId | None:
         return self._block_hash
 
     @block_hash.setter
-    def block_hash(self, block_hash: BlockHash) -> None:
+    def block_hash(self, block_hash: BlockHashWithGroupId) -> None:
         assert self._block_hash is None, f"block {self.block_id} already has a hash"
         self._block_hash = block_hash
 
@@ -189,3 +216,19 @@ class FreeKVCacheBlockQueue:
             ret.append(curr)
             curr = curr.next_free_block
         return ret
+
+
+# vLLM's names for the sizing half of its kv_cache_utils.py (see the docstring).
+from tracevllm.core.kv_cache_sizing import (  # noqa: E402, F401
+    check_enough_kv_cache_memory,
+    estimate_max_model_len,
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_configs,
+    get_kv_cache_groups,
+    get_max_concurrency_for_kv_cache_config,
+    get_num_blocks,
+    is_kv_cache_spec_uniform,
+    max_memory_usage_bytes,
+    may_override_num_blocks,
+)

@@ -33,7 +33,9 @@ from tracevllm import labs, tracing
 from tracevllm.config import VllmConfig
 from tracevllm.core.kv_cache_utils import (
     BlockHash,
+    generate_scheduler_kv_cache_config,
     get_hash_fn_by_name,
+    get_kv_cache_configs,
     get_request_block_hasher,
     init_none_hash,
 )
@@ -47,6 +49,7 @@ from tracevllm.engine import (
     UtilityOutput,
 )
 from tracevllm.executor.abstract import Executor, UniProcExecutor
+from tracevllm.kv_cache_interface import KVCacheConfig
 from tracevllm.request import Request, RequestStatus
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 from tracevllm.structured_output import StructuredOutputManager
@@ -88,13 +91,13 @@ class EngineCore:
         self.vllm_config = vllm_config
         self.use_spec_decode = vllm_config.speculative_config is not None
         self.model_executor = executor_class(vllm_config)
-        num_gpu_blocks = self._initialize_kv_caches(vllm_config)
-        vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+        kv_cache_config = self._initialize_kv_caches(vllm_config)
         self.structured_output_manager = StructuredOutputManager(vllm_config)
         self.scheduler = Scheduler(
             vllm_config,
             log_stats=log_stats,
             structured_output_manager=self.structured_output_manager,
+            kv_cache_config=kv_cache_config,
         )
 
         # Block hashes are computed as requests arrive (and as tokens are
@@ -111,28 +114,32 @@ class EngineCore:
         freeze_gc_heap()
 
     # --8<-- [start:initialize_kv_caches]
-    def _initialize_kv_caches(self, vllm_config: VllmConfig) -> int:
+    def _initialize_kv_caches(self, vllm_config: VllmConfig) -> KVCacheConfig:
         """Size the paged KV cache and allocate it in the model runner.
 
-        num_blocks = available memory // bytes of one block across all layers,
-        unless ``num_gpu_blocks_override`` fixes it.
+        From each layer's KV cache spec and the memory budget (or
+        ``num_gpu_blocks_override``), ``get_kv_cache_configs`` decides how
+        many blocks there are, and refuses to start, as vLLM does, when they
+        cannot hold one ``max_model_len`` request.
         """
-        cache_config = vllm_config.cache_config
-        if cache_config.num_gpu_blocks_override is not None:
-            num_blocks = cache_config.num_gpu_blocks_override
-        else:
-            page_size = self.model_executor.get_kv_cache_page_size_bytes()
-            num_blocks = self.model_executor.determine_available_memory() // page_size
-        max_len = vllm_config.model_config.get_max_model_len()
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache_config.block_size)
+        kv_cache_specs = self.model_executor.get_kv_cache_specs()
+        # vLLM's executor answers per worker; tracevllm's has one.
+        available_memory = [self.model_executor.determine_available_memory()]
+        kv_cache_configs = get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
+        scheduler_kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
+        num_blocks = scheduler_kv_cache_config.num_blocks
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens", num_blocks, vllm_config.cache_config.block_size
+        )
         if num_blocks < 2:
+            # vLLM allows 1 (the null block alone), where nothing could run.
             raise ValueError(
                 f"The KV cache has room for {num_blocks} blocks; at least 2 are needed "
-                "(block 0 is reserved). Raise kv_cache_memory_bytes or lower max_model_len "
-                f"(now {max_len})."
+                "(block 0 is reserved). Raise kv_cache_memory_bytes."
             )
         self.model_executor.initialize_kv_cache(num_blocks)
-        return num_blocks
+        return scheduler_kv_cache_config
 
     # --8<-- [end:initialize_kv_caches]
 

@@ -147,9 +147,13 @@ class InputProcessor:
     def _validate_fits_kv_cache(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Refuse a request that could never be scheduled, even alone.
 
-        vLLM checks at start-up that one max_model_len request fits; with a
-        small ``num_gpu_blocks_override`` the check has to be per request, or
-        the request would wait (or preempt itself) forever.
+        The engine, as vLLM's, refuses to start unless its pool (after
+        ``num_gpu_blocks_override``) holds one ``max_model_len`` request
+        (kv_cache_sizing.py). That check counts the null block, which no
+        request can hold: a pool of exactly ``cdiv(max_model_len, block_size)``
+        blocks passes it, yet a request near ``max_model_len`` needs one block
+        more than it has. tracevllm's own: this check refuses such a request,
+        which would otherwise wait (or preempt itself) forever.
         """
         if self.num_gpu_blocks is None:
             return

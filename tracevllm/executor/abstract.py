@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tracevllm.config import VllmConfig
 from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
+from tracevllm.kv_cache_interface import KVCacheSpec
 from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ class Executor:
         configured budget, as vLLM's VLLM_CPU_KVCACHE_SPACE)."""
         return self.vllm_config.cache_config.kv_cache_memory_bytes
 
-    def get_kv_cache_page_size_bytes(self) -> int:
+    def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
+        """Each worker's KV cache specs, by layer name (one worker here)."""
         raise NotImplementedError
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -92,8 +94,8 @@ class UniProcExecutor(Executor):
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    def get_kv_cache_page_size_bytes(self) -> int:
-        return self.model_runner.get_kv_cache_page_size_bytes()
+    def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
+        return [self.model_runner.get_kv_cache_spec()]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

@@ -5,11 +5,13 @@ one JSON string (``tracevllm.view.step``); the figures a trace viewer filters
 on are plain attributes beside it. The ``record`` of ``Scheduler.schedule``'s
 span (tracing/records.py): it runs only when that span records, so tracing off
 costs nothing here. It reads the scheduler without importing it (tracing never
-imports the core). ``Scheduler.get_grammar_bitmask``'s span adds, for each
-structured request, how many tokens its mask allowed
-(``tracevllm.view.grammar``); ``Scheduler.update_from_output``'s, what
-became of each request's drafts (``tracevllm.view.spec``); the view draws
-them together.
+imports the core), and the KV cache through the public methods of its
+``KVCacheManager`` and ``BlockPool`` only (``get_block_ids``,
+``get_num_cached_free_blocks``, ``peek_free_blocks``, the block counts).
+``Scheduler.get_grammar_bitmask``'s span adds, for each structured request,
+how many tokens its mask allowed (``tracevllm.view.grammar``);
+``Scheduler.update_from_output``'s, what became of each request's drafts
+(``tracevllm.view.spec``); the view draws them together.
 """
 
 from __future__ import annotations
@@ -33,13 +35,8 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
     pool = kv.block_pool
     total = pool.get_num_usable_blocks()
     free = pool.get_num_free_blocks()
-    # Free blocks that still hold a hash: evictable, but a prefix hit revives
-    # them. Counted from the few blocks in use, not by walking the free list.
-    # (A set: requests that share a prefix share its blocks.)
-    in_use_hashed = len(
-        {b.block_id for blocks in kv.req_to_blocks.values() for b in blocks if b.block_hash}
-    )
-    cached_free = max(pool.num_cached_blocks - in_use_hashed, 0)
+    # Free blocks that still hold a hash: evictable, but a prefix hit revives them.
+    cached_free = kv.get_num_cached_free_blocks()
     new_ids = {r.req_id for r in so.scheduled_new_reqs}
     resumed = so.scheduled_cached_reqs.resumed_req_ids
     requests: list[dict[str, Any]] = []
@@ -66,11 +63,7 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
         )
     # The head of the free queue (next to be handed out), with whether each
     # block still holds a hash: the book draws it around a preemption.
-    head: list[list[Any]] = []
-    block = pool.free_block_queue.fake_free_list_head.next_free_block
-    while block is not None and block.block_id >= 0 and len(head) < FREE_QUEUE_HEAD:
-        head.append([block.block_id, block.block_hash is not None])
-        block = block.next_free_block
+    head = [[b.block_id, b.block_hash is not None] for b in pool.peek_free_blocks(FREE_QUEUE_HEAD)]
     prefix = kv.prefix_cache_stats
     view = {
         "step": so.step_id,
@@ -120,8 +113,13 @@ def _structured_kind(request: Any) -> str | None:
 
 # --8<-- [start:record_grammar_bitmask]
 def record_grammar_bitmask(span: Span, grammar_output: Any, scheduler: Any, so: Any) -> None:
-    """How many tokens each structured request's mask allowed this step."""
-    allowed: dict[str, int] = {}
+    """How many tokens each row of each structured request's mask allowed.
+
+    A request has one row, or with drafts one per draft position and one
+    more (the bonus), in the order of ``structured_output_request_ids``
+    (StructuredOutputManager.grammar_bitmask): so its counts are a list.
+    """
+    allowed: dict[str, list[int]] = {}
     if grammar_output is not None:
         vocab_size = scheduler.vllm_config.model_config.vocab_size
         # int32 words, least significant bit first: token t is bit t of the row.
@@ -129,12 +127,16 @@ def record_grammar_bitmask(span: Span, grammar_output: Any, scheduler: Any, so: 
             grammar_output.grammar_bitmask.view(np.uint8), axis=1, bitorder="little"
         )
         counts = bits[:, :vocab_size].sum(axis=1).tolist()
-        allowed = dict(zip(grammar_output.structured_output_request_ids, counts))
+        allowed = {r: [c] for r, c in zip(grammar_output.structured_output_request_ids, counts)}
     span.set_attributes(
         {
             SpanAttributes.STEP_ID: so.step_id,
             "tracevllm.structured_output.req_ids": list(allowed),
-            "tracevllm.structured_output.num_allowed_tokens": list(allowed.values()),
+            # Rows per request, and the count of each row in that order.
+            "tracevllm.structured_output.num_rows": [len(c) for c in allowed.values()],
+            "tracevllm.structured_output.num_allowed_tokens": [
+                n for c in allowed.values() for n in c
+            ],
             SpanAttributes.GRAMMAR_VIEW: json.dumps(allowed),
         }
     )

@@ -30,6 +30,7 @@ from tracevllm import tracing
 from tracevllm.attention.backends.abstract import AttentionMetadata
 from tracevllm.attention.selector import get_attn_backend
 from tracevllm.forward_context import set_forward_context
+from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.model_loader import get_model
 from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
@@ -137,17 +138,22 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.load_model()
 
-    def get_kv_cache_page_size_bytes(self) -> int:
-        """Bytes of one KV block across all layers (what one block id costs)."""
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_size
-        num_layers = self.vllm_config.model_config.get_num_layers()
-        page_size = per_layer * num_layers * self.dtype.itemsize
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV cache, by layer name; a draft model's
+        layers too, since the same block ids page them."""
+        assert self.attn_layers, "load_model() first"
+        layers = dict(self.attn_layers)
         if isinstance(self.drafter, DraftModelProposer):
-            # The draft model's layers are paged by the same block ids.
-            draft = self.drafter.draft_vllm_config.model_config
-            per_layer = 2 * self.block_size * draft.get_num_kv_heads() * draft.get_head_size()
-            page_size += per_layer * draft.get_num_layers() * self.dtype.itemsize
-        return page_size
+            layers.update(self.drafter.attn_layers)
+        return {
+            name: FullAttentionSpec(
+                block_size=self.block_size,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_size,
+                dtype=self.dtype,
+            )
+            for name, layer in layers.items()
+        }
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate each layer's paged cache and bind it to its Attention layer

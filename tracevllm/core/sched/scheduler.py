@@ -35,6 +35,7 @@ from tracevllm.core.sched.output import (
 from tracevllm.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from tracevllm.core.sched.utils import check_stop, remove_all
 from tracevllm.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import SchedulerStats
 from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
@@ -91,6 +92,7 @@ class Scheduler:
         log_stats: bool = True,
         include_finished_set: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         self.vllm_config = vllm_config
         self.structured_output_manager = structured_output_manager or StructuredOutputManager(
@@ -135,13 +137,23 @@ class Scheduler:
             if speculative_config.uses_draft_model():
                 self.num_lookahead_tokens = self.num_spec_tokens
 
-        num_gpu_blocks = self.cache_config.num_gpu_blocks
-        assert num_gpu_blocks is not None, "EngineCore sets num_gpu_blocks first"
         self.block_size = self.cache_config.block_size
+        if kv_cache_config is None:
+            # A scheduler built alone (tests, labs): one full-attention group of
+            # cache_config.num_gpu_blocks blocks. EngineCore passes the config
+            # it sized; the scheduler reads only the block size and count.
+            num_gpu_blocks = self.cache_config.num_gpu_blocks
+            assert num_gpu_blocks is not None, "EngineCore sets num_gpu_blocks first"
+            spec = FullAttentionSpec(
+                block_size=self.block_size, num_kv_heads=1, head_size=1, dtype="float32"
+            )
+            kv_cache_config = KVCacheConfig(num_gpu_blocks, [], [KVCacheGroupSpec(["attn"], spec)])
+        self.kv_cache_config = kv_cache_config
         self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks=num_gpu_blocks,
-            block_size=self.block_size,
+            kv_cache_config=kv_cache_config,
             max_model_len=self.max_model_len,
+            hash_block_size=self.block_size,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             enable_caching=self.cache_config.enable_prefix_caching,
             log_stats=log_stats,
         )

@@ -1,0 +1,375 @@
+"""Sizing the KV cache at start-up: how many blocks, and whether one
+``max_model_len`` request fits.
+
+Mirrors the sizing half of vllm/v1/core/kv_cache_utils.py
+(``get_kv_cache_configs``, ``get_kv_cache_groups``,
+``get_kv_cache_config_from_groups``, ``generate_scheduler_kv_cache_config``,
+``estimate_max_model_len``, ``check_enough_kv_cache_memory`` /
+``_check_enough_kv_cache_memory``, ``get_max_concurrency_for_kv_cache_config``,
+``max_memory_usage_bytes``, ``may_override_num_blocks``, ``get_num_blocks``).
+vLLM keeps it in one file with the block bookkeeping; tracevllm keeps it
+apart, and ``kv_cache_utils`` re-exports every vLLM name, so that code written
+against vLLM imports them from where vLLM has them.
+
+As vLLM 0.22.0, the engine refuses to start when the pool, after
+``num_gpu_blocks_override``, cannot hold one ``max_model_len`` request, and
+the error names the numbers. Left out: hybrid groups (sliding window beside
+full attention: one group per kind of attention, pages of one size), the
+projection of groups onto pipeline-parallel workers, DeepSeek-V4's layouts,
+and the auto-fit of ``max_model_len = -1``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import TYPE_CHECKING
+
+from tracevllm.kv_cache_interface import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    UniformTypeKVCacheSpecs,
+)
+from tracevllm.utils.math_utils import cdiv
+
+if TYPE_CHECKING:
+    from tracevllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+GiB_bytes = 1 << 30
+
+
+def format_gib(b: int) -> str:
+    """Bytes as GiB, two decimals (vLLM: utils/mem_utils.py)."""
+    return f"{round(b / GiB_bytes, 2)}"
+
+
+def max_memory_usage_bytes(vllm_config: VllmConfig, kv_cache_specs: Iterable[KVCacheSpec]) -> int:
+    """The KV cache one ``max_model_len`` request takes in these layers."""
+    return sum(spec.max_memory_usage_bytes(vllm_config) for spec in kv_cache_specs)
+
+
+def _max_fitting_model_len(
+    vllm_config: VllmConfig, memory_needed: Callable[[], int], available_memory: int
+) -> int:
+    """The largest max_model_len (at most the configured one) whose request
+    fits in ``available_memory``, by binary search; 0 if not even one token
+    does. ``memory_needed`` reads ``model_config.max_model_len``, which is set
+    to each candidate in turn and restored after."""
+    model_config = vllm_config.model_config
+    original_max_model_len = model_config.get_max_model_len()
+
+    def fits(model_len: int) -> bool:
+        model_config.max_model_len = model_len
+        return memory_needed() <= available_memory
+
+    try:
+        left, right = 1, original_max_model_len
+        if not fits(left):
+            return 0
+        result = 1
+        while left <= right:
+            mid = (left + right) // 2
+            if fits(mid):
+                result, left = mid, mid + 1
+            else:
+                right = mid - 1
+        return result
+    finally:
+        model_config.max_model_len = original_max_model_len
+
+
+def estimate_max_model_len(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec], available_memory: int
+) -> int:
+    """The largest max_model_len whose request fits in ``available_memory``."""
+    return _max_fitting_model_len(
+        vllm_config,
+        lambda: max_memory_usage_bytes(vllm_config, kv_cache_spec.values()),
+        available_memory,
+    )
+
+
+# --8<-- [start:check_enough_kv_cache_memory]
+def _check_enough_kv_cache_memory(
+    available_memory: int,
+    get_needed_memory: Callable[[], int],
+    max_model_len: int,
+    estimate_max_model_len: Callable[[int], int],
+    bytes_per_block: int | None = None,
+) -> None:
+    """Refuse to start unless the cache holds one ``max_model_len`` request.
+
+    vLLM's check, with vLLM's message; the knobs it names are tracevllm's
+    (``kv_cache_memory_bytes``, ``num_gpu_blocks_override``), and with
+    ``bytes_per_block`` it also gives the count in blocks, the unit the
+    override is set in.
+    """
+    if available_memory <= 0:
+        raise ValueError(
+            "No available memory for the cache blocks. Try increasing "
+            "`kv_cache_memory_bytes` (or `num_gpu_blocks_override`) when initializing "
+            "the engine."
+        )
+    needed_memory = get_needed_memory()
+    if needed_memory <= available_memory:
+        return
+    estimated_max_len = estimate_max_model_len(available_memory)
+    estimated_msg = ""
+    if estimated_max_len > 0:
+        estimated_msg = (
+            "Based on the available memory, "
+            f"the estimated maximum model length is {estimated_max_len}. "
+        )
+    blocks_msg = ""
+    if bytes_per_block:
+        blocks_msg = (
+            f"That is {cdiv(needed_memory, bytes_per_block)} KV cache blocks; the pool "
+            f"has {available_memory // bytes_per_block}. "
+        )
+    raise ValueError(
+        f"To serve at least one request with the model's max seq len "
+        f"({max_model_len}), ({format_gib(needed_memory)} GiB KV "
+        f"cache is needed, which is larger than the available KV cache "
+        f"memory ({format_gib(available_memory)} GiB). {blocks_msg}{estimated_msg}"
+        f"Try increasing `kv_cache_memory_bytes` (or `num_gpu_blocks_override`) "
+        f"or decreasing `max_model_len` when initializing the engine."
+    )
+
+
+# --8<-- [end:check_enough_kv_cache_memory]
+
+
+def check_enough_kv_cache_memory(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec], available_memory: int
+) -> None:
+    """Raise ValueError unless ``available_memory`` holds one ``max_model_len`` request."""
+    if kv_cache_spec:
+        _check_enough_kv_cache_memory(
+            available_memory,
+            lambda: max_memory_usage_bytes(vllm_config, kv_cache_spec.values()),
+            vllm_config.model_config.get_max_model_len(),
+            lambda am: estimate_max_model_len(vllm_config, kv_cache_spec, am),
+        )
+
+
+def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
+    """Whether every layer has the same spec (one merged spec can stand for all)."""
+    specs = list(kv_cache_spec.values())
+    return all(spec == specs[0] for spec in specs[1:])
+
+
+def get_kv_cache_groups(
+    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec]:
+    """Split the layers into groups that share a block table: one group here,
+    for alike layers or for full-attention layers of different sizes (a draft
+    model beside its target)."""
+    if not kv_cache_spec:
+        return []  # an attention-free model
+    names = list(kv_cache_spec)
+    if is_kv_cache_spec_uniform(kv_cache_spec):
+        specs = list(kv_cache_spec.values())
+        return [KVCacheGroupSpec(names, specs[0].merge(specs))]
+    if uniform_spec := UniformTypeKVCacheSpecs.from_specs(kv_cache_spec):
+        return [KVCacheGroupSpec(names, uniform_spec)]
+    # vLLM's next step: one group per kind of attention, pages of one size.
+    raise NotImplementedError(
+        "Layers with different kinds of KV cache (e.g. sliding window beside full "
+        "attention) need hybrid KV cache groups, which tracevllm does not have yet."
+    )
+
+
+def may_override_num_blocks(vllm_config: VllmConfig, num_blocks: int) -> int:
+    """``num_gpu_blocks_override``, if set, instead of what memory gives."""
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    return override if override is not None else num_blocks
+
+
+def get_num_blocks(
+    vllm_config: VllmConfig, num_layers: int, available_memory: int, page_size: int
+) -> int:
+    """Blocks that fit when each block costs ``page_size`` in each of ``num_layers`` layers."""
+    num_blocks = max(int(available_memory // page_size // num_layers), 0)
+    return may_override_num_blocks(vllm_config, num_blocks)
+
+
+def _is_uniform_type_group(kv_cache_groups: list[KVCacheGroupSpec]) -> bool:
+    return len(kv_cache_groups) == 1 and isinstance(
+        kv_cache_groups[0].kv_cache_spec, UniformTypeKVCacheSpecs
+    )
+
+
+def _pool_bytes_per_block(kv_cache_groups: list[KVCacheGroupSpec]) -> int:
+    """What one block id costs across the model's KV cache tensors."""
+    if _is_uniform_type_group(kv_cache_groups):
+        return kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    group_size = max(len(g.layer_names) for g in kv_cache_groups)
+    return kv_cache_groups[0].kv_cache_spec.page_size_bytes * group_size
+
+
+def _max_memory_usage_bytes_from_groups(
+    vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec]
+) -> int:
+    """The KV cache one ``max_model_len`` request takes, in whole blocks of every layer."""
+    if not kv_cache_groups:
+        return 0
+    if _is_uniform_type_group(kv_cache_groups):
+        return kv_cache_groups[0].kv_cache_spec.max_memory_usage_bytes(vllm_config)
+    group_size = max(len(g.layer_names) for g in kv_cache_groups)
+    page_size = kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    blocks_needed = sum(
+        cdiv(g.kv_cache_spec.max_memory_usage_bytes(vllm_config), page_size)
+        for g in kv_cache_groups
+    )
+    return group_size * page_size * blocks_needed
+
+
+def _estimate_max_model_len_from_groups(
+    vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
+) -> int:
+    return _max_fitting_model_len(
+        vllm_config,
+        lambda: _max_memory_usage_bytes_from_groups(vllm_config, kv_cache_groups),
+        available_memory,
+    )
+
+
+def get_kv_cache_config_from_groups(
+    vllm_config: VllmConfig, kv_cache_groups: list[KVCacheGroupSpec], available_memory: int
+) -> KVCacheConfig:
+    """How many blocks fit, and the tensor each layer gets."""
+    if not kv_cache_groups:
+        # No KV cache; the BlockPool still needs its null block.
+        return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=kv_cache_groups)
+    if _is_uniform_type_group(kv_cache_groups):
+        # Layers of different sizes: a tensor of its own size for each.
+        uniform = kv_cache_groups[0].kv_cache_spec
+        assert isinstance(uniform, UniformTypeKVCacheSpecs)
+        num_blocks = may_override_num_blocks(
+            vllm_config, available_memory // uniform.page_size_bytes
+        )
+        tensors = [
+            KVCacheTensor(
+                size=uniform.kv_cache_specs[name].page_size_bytes * num_blocks, shared_by=[name]
+            )
+            for name in kv_cache_groups[0].layer_names
+        ]
+    else:
+        # One tensor per layer (vLLM shares each among one layer of every group).
+        group_size = max(len(g.layer_names) for g in kv_cache_groups)
+        page_size = kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        num_blocks = get_num_blocks(vllm_config, group_size, available_memory, page_size)
+        tensors = [
+            KVCacheTensor(
+                size=page_size * num_blocks,
+                shared_by=[g.layer_names[i] for g in kv_cache_groups if i < len(g.layer_names)],
+            )
+            for i in range(group_size)
+        ]
+    return KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=kv_cache_groups
+    )
+
+
+def get_max_concurrency_for_kv_cache_config(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> float:
+    """How many ``max_model_len`` requests the pool holds at once (vLLM counts
+    the null block in the pool)."""
+    groups = kv_cache_config.kv_cache_groups
+    num_layer_per_group = max(len(g.layer_names) for g in groups)
+    max_memory_usage_per_request = num_layer_per_group * max_memory_usage_bytes(
+        vllm_config, (g.kv_cache_spec for g in groups)
+    )
+    memory_per_block = groups[0].kv_cache_spec.page_size_bytes * num_layer_per_group
+    num_block_per_request = cdiv(max_memory_usage_per_request, memory_per_block)
+    return kv_cache_config.num_blocks / num_block_per_request
+
+
+def _report_kv_cache_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    max_model_len = vllm_config.model_config.get_max_model_len()
+    max_concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
+    logger.info("KV cache size: %s tokens", f"{int(max_concurrency * max_model_len):,}")
+    logger.info(
+        "Maximum concurrency for %s tokens per request: %.2fx",
+        f"{max_model_len:,}",
+        max_concurrency,
+    )
+
+
+# --8<-- [start:get_kv_cache_configs]
+def get_kv_cache_configs(
+    vllm_config: VllmConfig,
+    kv_cache_specs: list[dict[str, KVCacheSpec]],
+    available_memory: list[int],
+) -> list[KVCacheConfig]:
+    """The KV cache config of each worker, from its layers' specs and memory.
+
+    Every worker gets the same groups and the same number of blocks (the
+    scheduler allocates one block id for all of them). With
+    ``num_gpu_blocks_override`` the memory that counts is what the override's
+    blocks take, so the start-up check judges the pool that will exist.
+    tracevllm has one worker; with tensor parallelism each would have every
+    layer, as assumed here (pipeline parallelism would split them).
+    """
+    merged_kv_cache_specs: dict[str, KVCacheSpec] = {}
+    for kv_cache_spec_one_worker in kv_cache_specs:
+        for layer_name, layer_spec in kv_cache_spec_one_worker.items():
+            assert merged_kv_cache_specs.setdefault(layer_name, layer_spec) == layer_spec, (
+                f"Layer {layer_name} has different KV cache specs on different workers."
+            )
+    kv_cache_groups = get_kv_cache_groups(vllm_config, merged_kv_cache_specs)
+    override = vllm_config.cache_config.num_gpu_blocks_override
+    if override is not None and kv_cache_groups:
+        bytes_per_block = _pool_bytes_per_block(kv_cache_groups)
+        logger.info(
+            "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
+            available_memory[0] // bytes_per_block,
+            override,
+        )
+        available_memory = [override * bytes_per_block for _ in available_memory]
+
+    for avail_mem in available_memory:
+        if kv_cache_groups:
+            _check_enough_kv_cache_memory(
+                avail_mem,
+                partial(_max_memory_usage_bytes_from_groups, vllm_config, kv_cache_groups),
+                vllm_config.model_config.get_max_model_len(),
+                partial(_estimate_max_model_len_from_groups, vllm_config, kv_cache_groups),
+                bytes_per_block=_pool_bytes_per_block(kv_cache_groups),
+            )
+
+    kv_cache_configs = [
+        get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, avail_mem)
+        for avail_mem in available_memory
+    ]
+    # The fewest blocks any worker has, for all (tensors shrunk to match).
+    min_num_blocks = min(config.num_blocks for config in kv_cache_configs)
+    for config in kv_cache_configs:
+        for tensor in config.kv_cache_tensors:
+            tensor.size = tensor.size // config.num_blocks * min_num_blocks
+        config.num_blocks = min_num_blocks
+        if config.kv_cache_groups:
+            _report_kv_cache_config(vllm_config, config)
+    return kv_cache_configs
+
+
+# --8<-- [end:get_kv_cache_configs]
+
+
+def generate_scheduler_kv_cache_config(kv_cache_configs: list[KVCacheConfig]) -> KVCacheConfig:
+    """The config the scheduler's KV manager is built from: any worker's (they
+    differ in layer names only), a uniform-type group's spec replaced by one
+    of its layers' (the manager needs the kind of attention and the block size)."""
+    assert all(c.num_blocks == kv_cache_configs[0].num_blocks for c in kv_cache_configs)
+    config = copy.deepcopy(kv_cache_configs[0])
+    for group in config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs):
+            group.kv_cache_spec = next(iter(group.kv_cache_spec.kv_cache_specs.values()))
+    return config
