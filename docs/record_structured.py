@@ -60,12 +60,13 @@ def run() -> None:
 
 
 def _mask_of(step: dict[str, SpanRecord]) -> dict[str, int]:
-    """req id (the caller's) -> tokens its mask allowed, this step."""
+    """req id (the caller's) -> tokens its mask allowed, this step (its one
+    row: this run has no drafts)."""
     span = step.get(GRAMMAR_SPAN)
     if span is None:
         return {}
     allowed = json.loads(span.attributes["tracevllm.view.grammar"])
-    return {external(req_id): n for req_id, n in allowed.items()}
+    return {external(req_id): n if isinstance(n, int) else n[0] for req_id, n in allowed.items()}
 
 
 def _subtree(spans: list[SpanRecord], top: SpanRecord, depth: int) -> list[SpanRecord]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import re
+from typing import Any
 
 from rich.console import Console
 
@@ -161,3 +163,113 @@ def test_a_narrow_terminal_shortens_names_before_cutting_them() -> None:
     assert "…" not in text
     cut = _lines(50)
     assert max(len(line) for line in cut) <= 50 and "…" in "\n".join(cut)
+
+
+# Two structured requests with drafts: digits, whose prompt is full of
+# digits (n-gram drafts at almost every step), then letters. A different
+# number of tokens fits each, so a count read from the other's rows shows.
+DRAFTED = [
+    ("Digits: 0123456789 0123456789 0123456789 0123456789", "[0-9]{14}"),
+    ("Some letters: abcde abcde abcde", "[a-e]{14}"),
+]
+
+
+def test_grammar_view_gives_each_request_its_own_rows_with_drafts(
+    tiny_model_dir: str, tmp_path: object
+) -> None:
+    """With n-gram drafts a structured request has a mask row per draft
+    position and one more. The grammar view gives each request the counts
+    of its own rows: each equals what a fresh xgrammar matcher allows after
+    the request's tokens before the step and the drafts before that row."""
+    import json
+
+    import numpy as np
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from tracevllm import LLM, SamplingParams
+    from tracevllm.sampling_params import StructuredOutputsParams
+    from tracevllm.tracing.attributes import SpanAttributes
+    from tracevllm.tracing.exporters import read_spans_jsonl
+    from tracevllm.views.report import GRAMMAR_SPAN, STEP_SPAN, render_report
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3}  # fmt: skip
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=r)
+        )
+        for _, r in DRAFTED
+    ]
+    with LLM(
+        model=tiny_model_dir,
+        enable_multiprocessing=False,
+        speculative_config=spec,
+        trace_detail="request",
+        trace_dir=str(tmp_path),
+    ) as llm:
+        outputs = llm.generate([p for p, _ in DRAFTED], params, use_tqdm=False)
+        vocab_size = llm.llm_engine.vllm_config.model_config.vocab_size
+    spans = read_spans_jsonl(f"{tmp_path}/spans.jsonl")
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    )
+    # A request of the engine's, by its prompt's length: its grammar and tokens.
+    requests = {
+        len(out.prompt_token_ids): (compiler.compile_regex(regex), out.outputs[0].token_ids)
+        for out, (_, regex) in zip(outputs, DRAFTED, strict=True)
+    }
+    assert len(requests) == 2
+
+    def allowed_rows(grammar: Any, tokens: list[int], drafts: list[int]) -> list[int]:
+        matcher = xgr.GrammarMatcher(grammar)
+        assert all(matcher.accept_token(t) for t in tokens)
+        bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        counts = []
+        for draft in [*drafts, None]:
+            if matcher.is_terminated():  # the engine's full row: nothing to forbid
+                counts.append(vocab_size)
+            else:
+                matcher.fill_next_token_bitmask(bitmask, 0)
+                bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+                counts.append(int(bits[:vocab_size].sum()))
+            if draft is not None:
+                assert matcher.accept_token(draft)
+        return counts
+
+    views = {
+        s.attributes[SpanAttributes.STEP_ID]: json.loads(s.attributes[SpanAttributes.STEP_VIEW])
+        for s in spans
+        if s.name == STEP_SPAN
+    }
+    masks = [
+        s
+        for s in spans
+        if s.name == GRAMMAR_SPAN and s.attributes.get("tracevllm.structured_output.req_ids")
+    ]
+    assert masks
+    drafted_behind = 0  # steps where the second request's rows follow a drafted one's
+    for span in masks:
+        allowed = json.loads(span.attributes[SpanAttributes.GRAMMAR_VIEW])
+        rows = {r["req_id"]: r for r in views[span.attributes[SpanAttributes.STEP_ID]]["requests"]}
+        for req_id, counts in allowed.items():
+            row = rows[req_id]
+            grammar, output = requests[row["num_prompt_tokens"]]
+            before = output[: row["num_tokens"] - row["num_prompt_tokens"]]
+            assert counts == allowed_rows(grammar, before, row["spec_token_ids"]), req_id
+        first = next(iter(allowed.values()))
+        drafted_behind += len(allowed) == 2 and len(first) > 1
+        # The flat attributes say the same: rows per request, then each row's count.
+        assert span.attributes["tracevllm.structured_output.num_rows"] == [
+            len(c) for c in allowed.values()
+        ]
+        assert span.attributes["tracevllm.structured_output.num_allowed_tokens"] == [
+            n for c in allowed.values() for n in c
+        ]
+    assert drafted_behind > 0
+    # The step view shows each row's count in turn.
+    console = Console(record=True, width=200, file=io.StringIO())
+    render_report(spans, console)
+    assert re.search(r"regex 10 → 10( → \d+)*", console.export_text())

@@ -127,7 +127,14 @@ def record_grammar_bitmask(span: Span, grammar_output: Any, scheduler: Any, so: 
             grammar_output.grammar_bitmask.view(np.uint8), axis=1, bitorder="little"
         )
         counts = bits[:, :vocab_size].sum(axis=1).tolist()
-        allowed = {r: [c] for r, c in zip(grammar_output.structured_output_request_ids, counts)}
+        spec_tokens = so.scheduled_spec_decode_tokens
+        row = 0
+        for req_id in grammar_output.structured_output_request_ids:
+            num_rows = 1 + len(spec_tokens.get(req_id, ()))
+            allowed[req_id] = counts[row : row + num_rows]
+            row += num_rows
+        if row != len(counts):
+            raise ValueError(f"{len(counts)} bitmask rows for {row} positions")
     span.set_attributes(
         {
             SpanAttributes.STEP_ID: so.step_id,

@@ -21,12 +21,16 @@ def _phase(req: dict[str, Any]) -> str:
     return "prefill"
 
 
-def with_grammar(view: dict[str, Any], allowed: dict[str, int]) -> dict[str, Any]:
-    """The step view with each structured row's count of allowed tokens (from
-    the ``Scheduler.get_grammar_bitmask`` span of the same step)."""
+def with_grammar(view: dict[str, Any], allowed: dict[str, Any]) -> dict[str, Any]:
+    """The step view with how many tokens each structured request's mask
+    rows allowed (from the ``Scheduler.get_grammar_bitmask`` span of the
+    same step): a list, one row per draft position and one more, or just
+    one without drafts. (A bare count in traces written before rows were
+    told apart.)"""
     for req in view["requests"]:
-        if req["req_id"] in allowed:
-            req["allowed_tokens"] = allowed[req["req_id"]]
+        counts = allowed.get(req["req_id"])
+        if counts is not None:
+            req["allowed_tokens"] = [counts] if isinstance(counts, int) else list(counts)
     return view
 
 
@@ -66,12 +70,15 @@ def _drafts_line(req: dict[str, Any]) -> Text:
 
 def _grammar_cell(req: dict[str, Any]) -> Text:
     """``json 12``: the kind of constraint and how many tokens its mask allowed
-    this step; ``json –`` for a row mid-prefill, which gets no mask."""
+    this step; with drafts, each row's count in turn (``json 12 → 3 → 1``:
+    the next position, then as it would stand after each draft); ``json –``
+    for a row mid-prefill, which gets no mask."""
     if not req.get("structured"):
         return Text("")
     if "allowed_tokens" not in req:
         return Text(f"{req['structured']} –", style="dim magenta")
-    return Text(f"{req['structured']} {req['allowed_tokens']}", style="magenta")
+    counts = " → ".join(map(str, req["allowed_tokens"]))
+    return Text(f"{req['structured']} {counts}", style="magenta")
 
 
 def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
