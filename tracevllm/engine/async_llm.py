@@ -285,7 +285,14 @@ class AsyncLLM:
         their KV blocks). User ids by default; ``internal=True`` for ids
         ``add_request`` made."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        all_request_ids = self.output_processor.abort_requests(request_ids, internal)
+        # Aborted requests are finished ones for /metrics (vLLM 0.22.0 drops them).
+        iteration_stats = IterationStats() if self.log_stats else None
+        all_request_ids = self.output_processor.abort_requests(
+            request_ids, internal, iteration_stats
+        )
+        if iteration_stats is not None and iteration_stats.finished_requests:
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(None, iteration_stats)
         await self.engine_core.abort_requests_async(all_request_ids)
 
     async def check_health(self) -> None:

@@ -236,12 +236,19 @@ class OutputProcessor:
             self.parent_requests[parent_req.request_id] = parent_req
         self.external_req_ids[req_state.external_req_id].append(request_id)
 
-    def abort_requests(self, request_ids: Iterable[str], internal: bool) -> list[str]:
+    def abort_requests(
+        self,
+        request_ids: Iterable[str],
+        internal: bool,
+        iteration_stats: IterationStats | None = None,
+    ) -> list[str]:
         """Forget these requests; return the internal ids the core must abort.
 
         ``internal=False``: the user's ids, each standing for every request
         sent under it. Internal ids may name a parent, which stands for its
-        children. A request that is already gone is skipped.
+        children. A request that is already gone is skipped. With
+        ``iteration_stats``, each aborted request is counted as finished
+        (``FinishReason.ABORT``), which vLLM 0.22.0 leaves out.
         """
         internal_req_ids: list[str] = []
         for request_id in request_ids:
@@ -254,6 +261,7 @@ class OutputProcessor:
             if (req_state := self.request_states.get(request_id)) is not None:
                 self._finish_request(req_state)
                 request_ids_to_abort.append(request_id)
+                self._update_stats_from_finished(req_state, FinishReason.ABORT, iteration_stats)
                 if req_state.queue is not None:
                     # AsyncLLM: a final output tells generate() it was aborted.
                     output = req_state.make_request_output([], FinishReason.ABORT, None)
@@ -261,7 +269,9 @@ class OutputProcessor:
                         req_state.queue.put(output)
                 self.do_tracing(req_state, FinishReason.ABORT)
             elif parent := self.parent_requests.pop(request_id, None):
-                children = self.abort_requests(list(parent.child_requests), internal=True)
+                children = self.abort_requests(
+                    list(parent.child_requests), internal=True, iteration_stats=iteration_stats
+                )
                 request_ids_to_abort.extend(children)
         return request_ids_to_abort
 
@@ -411,4 +421,7 @@ class OutputProcessor:
             max_tokens_param=req_state.max_tokens_param,
             req_stats=req_state.stats,
             num_cached_tokens=req_state.num_cached_tokens,
+        )
+        ParentRequest.observe_finished_request(
+            req_state.parent_req, iteration_stats, req_state.stats.num_generation_tokens
         )

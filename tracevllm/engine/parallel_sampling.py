@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 from tracevllm.engine import EngineCoreRequest
+from tracevllm.metrics.stats import IterationStats
 from tracevllm.outputs import CompletionOutput
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -24,6 +25,8 @@ class ParentRequest:
         self.n = self.sampling_params.n
         self.child_requests: set[str] = set()
         self.output_aggregator: list[CompletionOutput | None] = [None] * self.n
+        # The longest child so far, for vllm:request_max_num_generation_tokens.
+        self.max_num_generation_tokens = 0
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         """The child's request id and its own params (n=1; seed+index if seeded,
@@ -63,3 +66,22 @@ class ParentRequest:
         if not finished:
             return [], False
         return [c for c in self.output_aggregator if c is not None], True
+
+    def observe_num_generation_tokens(self, num_generation_tokens: int) -> int:
+        self.max_num_generation_tokens = max(num_generation_tokens, self.max_num_generation_tokens)
+        return self.max_num_generation_tokens
+
+    @staticmethod
+    def observe_finished_request(
+        parent_req: ParentRequest | None,
+        iteration_stats: IterationStats,
+        num_generation_tokens: int,
+    ) -> None:
+        """A child (or an n=1 request) finished: once the whole user request
+        has, record its n and its longest child's token count."""
+        n_param = parent_req.n if parent_req is not None else 1
+        if parent_req is not None:
+            num_generation_tokens = parent_req.observe_num_generation_tokens(num_generation_tokens)
+        if parent_req is None or not parent_req.child_requests:
+            iteration_stats.max_num_generation_tokens_iter.append(num_generation_tokens)
+            iteration_stats.n_params_iter.append(n_param)

@@ -6,10 +6,15 @@ Mirrors vllm/v1/metrics/loggers.py (``StatLoggerBase``,
 logger turns them into vLLM's metrics, under vLLM's names (``vllm:*``) and
 labels (``model_name``, ``engine``), so a dashboard made for vLLM reads a
 tracevllm server; with speculative decoding, vLLM's spec-decode counters
-(vllm/v1/spec_decode/metrics.py, ``SpecDecodingProm``). Left out: the
-periodic log line (``LoggingStatLogger``), KV-connector, LoRA,
-multimodal-cache and KV-block-lifetime metrics. Each logger has its own
-registry (vLLM uses the global one), so that several can live in one process.
+(vllm/v1/spec_decode/metrics.py, ``SpecDecodingProm``). Every family is
+vLLM's, with its type, buckets and labels. Left out: the periodic log line
+(``LoggingStatLogger``), and the families tracevllm has nothing to feed:
+KV-connector, external prefix cache, LoRA, multimodal cache, KV-block
+lifetime, sleep state, corrupted requests, waiting-by-reason, config info.
+Each logger has its own registry (vLLM uses the global one), so that several
+can live in one process. Departure: ``finished_reason="abort"`` counts the
+requests whose client hung up (vLLM 0.22.0 never counts them, see
+``metrics/stats.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tracevllm.engine import FINISH_REASON_STRINGS
-from tracevllm.metrics.stats import IterationStats, SchedulerStats
+from tracevllm.metrics.stats import IterationStats, PromptTokenStats, SchedulerStats
 
 # No *_created series beside each counter and histogram (as vLLM).
 prometheus_client.disable_created_metrics()
@@ -31,6 +36,26 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                            30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
                            7680.0]  # fmt: skip
+# Tokens in one engine step; the n parameter.
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+N_PARAM_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def build_buckets(mantissa_lst: list[int], max_value: int) -> list[int]:
+    """``m * 10**e`` for each mantissa and e = 0, 1, ... while <= max_value."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for m in mantissa_lst:
+            if m * 10**exponent > max_value:
+                return buckets
+            buckets.append(m * 10**exponent)
+        exponent += 1
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """``build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]`` (vLLM's token-count buckets)."""
+    return build_buckets([1, 2, 5], max_value)
 
 
 class StatLoggerBase:
@@ -46,8 +71,14 @@ class PrometheusStatLogger(StatLoggerBase):
     """vLLM's Prometheus metrics, fed from SchedulerStats and IterationStats."""
 
     def __init__(
-        self, model_name: str, engine_index: int = 0, num_speculative_tokens: int = 0
+        self,
+        model_name: str,
+        engine_index: int = 0,
+        num_speculative_tokens: int = 0,
+        max_model_len: int = 8192,
     ) -> None:
+        """``max_model_len`` bounds the token-count buckets, as in vLLM (the
+        default is the default model's)."""
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name, "engine": str(engine_index)}
         names = list(labels)
@@ -58,7 +89,7 @@ class PrometheusStatLogger(StatLoggerBase):
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, names, registry=self.registry).labels(**labels)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
             return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(
                 **labels
             )
@@ -85,6 +116,19 @@ class PrometheusStatLogger(StatLoggerBase):
         self.counter_prompt_tokens = counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed."
         )
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*names, "source"],
+            registry=self.registry,
+        )
+        self.counter_prompt_tokens_by_source = {
+            source: by_source.labels(**labels, source=source)
+            for source in PromptTokenStats.ALL_SOURCES
+        }
+        self.counter_prompt_tokens_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
         self.counter_generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
@@ -98,6 +142,33 @@ class PrometheusStatLogger(StatLoggerBase):
             reason: request_success.labels(**labels, finished_reason=reason)
             for reason in FINISH_REASON_STRINGS
         }
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.histogram_num_prompt_tokens_request = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.histogram_num_generation_tokens_request = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
+        )
+        self.histogram_iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
+        )
+        self.histogram_max_num_generation_tokens_request = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.histogram_n_request = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", N_PARAM_BUCKETS
+        )
+        self.histogram_max_tokens_request = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
         self.histogram_time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -106,6 +177,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self.histogram_inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
+        )
+        self.histogram_request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
             ITL_BUCKETS,
         )
         self.histogram_e2e_time_request = histogram(
@@ -118,6 +194,11 @@ class PrometheusStatLogger(StatLoggerBase):
             "Histogram of time spent in WAITING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
+        self.histogram_inference_time_request = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
         self.histogram_prefill_time_request = histogram(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
@@ -127,6 +208,11 @@ class PrometheusStatLogger(StatLoggerBase):
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
             REQUEST_LATENCY_BUCKETS,
+        )
+        self.histogram_prefill_kv_computed_request = histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            token_buckets,
         )
         # Speculative decoding (vLLM's SpecDecodingProm): only when it is on.
         # Acceptance rate = accepted / draft tokens; mean acceptance length =
@@ -173,7 +259,20 @@ class PrometheusStatLogger(StatLoggerBase):
             return
         self.counter_num_preempted_reqs.inc(iteration_stats.num_preempted_reqs)
         self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        prompt_token_stats = iteration_stats.prompt_token_stats
+        for source, source_counter in self.counter_prompt_tokens_by_source.items():
+            source_counter.inc(prompt_token_stats.get_by_source(source))
+        self.counter_prompt_tokens_cached.inc(prompt_token_stats.cached_tokens)
         self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+        num_iteration_tokens = (
+            iteration_stats.num_prompt_tokens + iteration_stats.num_generation_tokens
+        )
+        if num_iteration_tokens:  # not for the stats of aborts (AsyncLLM.abort): no engine step
+            self.histogram_iteration_tokens.observe(num_iteration_tokens)
+        for max_gen_tokens in iteration_stats.max_num_generation_tokens_iter:
+            self.histogram_max_num_generation_tokens_request.observe(max_gen_tokens)
+        for n_param in iteration_stats.n_params_iter:
+            self.histogram_n_request.observe(n_param)
         for ttft in iteration_stats.time_to_first_tokens_iter:
             self.histogram_time_to_first_token.observe(ttft)
         for itl in iteration_stats.inter_token_latencies_iter:
@@ -183,7 +282,18 @@ class PrometheusStatLogger(StatLoggerBase):
             self.histogram_e2e_time_request.observe(finished.e2e_latency)
             self.histogram_queue_time_request.observe(finished.queued_time)
             self.histogram_prefill_time_request.observe(finished.prefill_time)
+            self.histogram_inference_time_request.observe(finished.inference_time)
             self.histogram_decode_time_request.observe(finished.decode_time)
+            self.histogram_prefill_kv_computed_request.observe(
+                finished.num_prompt_tokens - max(finished.num_cached_tokens, 0)
+            )
+            self.histogram_num_prompt_tokens_request.observe(finished.num_prompt_tokens)
+            self.histogram_num_generation_tokens_request.observe(finished.num_generation_tokens)
+            self.histogram_request_time_per_output_token.observe(
+                finished.mean_time_per_output_token
+            )
+            if finished.max_tokens_param:
+                self.histogram_max_tokens_request.observe(finished.max_tokens_param)
 
     # --8<-- [end:prometheus_record]
 

@@ -4,7 +4,11 @@ Mirrors vllm/v1/metrics/stats.py (``PrefixCacheStats``, ``PrefillStats``,
 ``SchedulerStats``, ``RequestStateStats``, ``FinishedRequestStats``,
 ``PromptTokenStats``, ``IterationStats``). Left out: LoRA,
 connector, cudagraph and perf stats, KV eviction events, corrupted-request
-counts. The ones that cross the process boundary inside ``EngineCoreOutputs``
+counts. A request aborted in the frontend (its client hung up) is a finished
+request too, with ``FinishReason.ABORT`` and the intervals it lived to see:
+vLLM 0.22.0 drops it from every per-request stat (vllm-project/vllm#31503),
+so that its ``request_success{finished_reason="abort"}`` never moves. The
+ones that cross the process boundary inside ``EngineCoreOutputs``
 (``SchedulerStats``, ``PrefillStats``) are plain dataclasses, which msgspec
 encodes as they are.
 """
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from tracevllm.spec_decode.metrics import SpecDecodingStats
 
@@ -135,6 +139,13 @@ class FinishedRequestStats:
 class PromptTokenStats:
     """Prompt tokens of one iteration, by where their KV came from."""
 
+    # The ``source`` label values of vllm:prompt_tokens_by_source.
+    ALL_SOURCES: ClassVar[tuple[str, ...]] = (
+        "local_compute",
+        "local_cache_hit",
+        "external_kv_transfer",
+    )
+
     computed: int = 0
     local_cache_hit: int = 0
     external_kv_transfer: int = 0
@@ -147,6 +158,15 @@ class PromptTokenStats:
         self.total += prefill_stats.num_prompt_tokens
         self.local_cache_hit += prefill_stats.num_local_cached_tokens
         self.external_kv_transfer += prefill_stats.num_external_cached_tokens
+
+    def get_by_source(self, source: str) -> int:
+        if source == "local_compute":
+            return self.computed
+        if source == "local_cache_hit":
+            return self.local_cache_hit
+        if source == "external_kv_transfer":
+            return self.external_kv_transfer
+        raise ValueError(f"Unknown source {source!r}; known: {self.ALL_SOURCES}.")
 
 
 class IterationStats:
@@ -164,6 +184,10 @@ class IterationStats:
         self.finished_requests: list[FinishedRequestStats] = []
         self.time_to_first_tokens_iter: list[float] = []
         self.inter_token_latencies_iter: list[float] = []
+        # Per finished user request (all n children done): the longest
+        # child's generated tokens, and its n.
+        self.max_num_generation_tokens_iter: list[int] = []
+        self.n_params_iter: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -227,8 +251,13 @@ class IterationStats:
         num_cached_tokens: int = 0,
     ) -> None:
         # Queued: first QUEUED to first SCHEDULED; prefill: SCHEDULED to the
-        # first token; decode: first to last token (preemptions included).
-        decode_time = req_stats.last_token_ts - req_stats.first_token_ts
+        # first token; decode: first to last token; inference: SCHEDULED to
+        # the last token (preemptions included). An interval whose ends the
+        # request never reached (aborted while waiting) is 0, not a
+        # difference with an unset timestamp.
+        queued_ts, scheduled_ts = req_stats.queued_ts, req_stats.scheduled_ts
+        first_token_ts, last_token_ts = req_stats.first_token_ts, req_stats.last_token_ts
+        decode_time = _interval(first_token_ts, last_token_ts)
         self.finished_requests.append(
             FinishedRequestStats(
                 finish_reason=finish_reason,
@@ -237,9 +266,9 @@ class IterationStats:
                 num_prompt_tokens=num_prompt_tokens,
                 num_generation_tokens=req_stats.num_generation_tokens,
                 max_tokens_param=max_tokens_param,
-                queued_time=req_stats.scheduled_ts - req_stats.queued_ts,
-                prefill_time=req_stats.first_token_ts - req_stats.scheduled_ts,
-                inference_time=req_stats.last_token_ts - req_stats.scheduled_ts,
+                queued_time=_interval(queued_ts, scheduled_ts),
+                prefill_time=_interval(scheduled_ts, first_token_ts),
+                inference_time=_interval(scheduled_ts, last_token_ts),
                 decode_time=decode_time,
                 # The prefill's token is not a decode step.
                 mean_time_per_output_token=(
@@ -250,3 +279,8 @@ class IterationStats:
                 num_cached_tokens=num_cached_tokens,
             )
         )
+
+
+def _interval(start: float, end: float) -> float:
+    """``end - start`` on the engine core's clock; 0 if either was never stamped."""
+    return end - start if start and end else 0.0
