@@ -36,7 +36,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 class Server(ServerProcess):
     """``tracevllm serve`` on the tiny model, up once /health answers."""
 
-    def __init__(self, model_dir: str, *extra: str) -> None:
+    def __init__(self, model_dir: str, *extra: str, **popen_kwargs: Any) -> None:
         port = free_port()
         super().__init__(
             [sys.executable, "-m", "tracevllm.entrypoints.cli", "serve", model_dir,
@@ -46,6 +46,7 @@ class Server(ServerProcess):
             port,
             env={**os.environ, "PYTHONPATH": os.getcwd()},
             timeout=120,
+            **popen_kwargs,
         )  # fmt: skip
 
     def client(self, **kw: Any) -> openai.OpenAI:
@@ -456,8 +457,8 @@ ERRORS = [
     (
         dict(model=MODEL, prompt="x", stream_options={"include_usage": True}),
         400,
-        None,
         "stream_options",
+        "stream=True",
     ),
     (dict(model=MODEL, prompt=[]), 400, "prompt", "empty"),
     (dict(model="no-such-model", prompt="x"), 404, "model", "does not exist"),

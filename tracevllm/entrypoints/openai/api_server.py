@@ -50,6 +50,7 @@ from tracevllm.entrypoints.serve.tokenize.protocol import (
     TokenizeCompletionRequest,
 )
 from tracevllm.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
+from tracevllm.exceptions import VLLMValidationError
 from tracevllm.metrics.loggers import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -189,12 +190,20 @@ async def validation_exception_handler(req: Request, exc: Exception) -> JSONResp
         if isinstance(part, str) and not part[:1].isupper()
     ]
     param = loc[0] if loc else None
-    if first.get("type") == "json_invalid":
+    ctx_error = first.get("ctx", {}).get("error")
+    if isinstance(ctx_error, VLLMValidationError):
+        # A request model's own check: its parameter and message (vLLM's rule).
+        param, message = ctx_error.parameter, str(ctx_error)
+    elif first.get("type") == "json_invalid":
         message = f"The request body is not valid JSON: {first.get('msg')}"
+    elif first.get("type") == "missing" and not loc:
+        message = "The request body is empty: send a JSON object with the request's fields."
     else:
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ())[1:])}: {e.get('msg')}" for e in errors
-        )
+        located = []
+        for e in errors:
+            where = ".".join(str(p) for p in e.get("loc", ())[1:])
+            located.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        message = "; ".join(located)
     err = ErrorResponse(
         error=ErrorInfo(message=message, type="BadRequestError", param=param, code=400)
     )

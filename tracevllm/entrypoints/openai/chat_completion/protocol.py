@@ -3,29 +3,75 @@
 Mirrors vllm/entrypoints/openai/chat_completion/protocol.py
 (``ChatCompletionRequest``, ``ChatMessage``, ``ChatCompletionLogProbs``,
 ``ChatCompletionResponse``, ``ChatCompletionStreamResponse``) and
+``ChatCompletionToolsParam``, ``ChatCompletionNamedToolChoiceParam``) and
 ``DeltaMessage`` from vllm/entrypoints/openai/engine/protocol.py. Messages
-are checked by entrypoints/chat_utils.py (text only). Left out: tools and
-tool calls, reasoning, ``logit_bias``, beam search, documents, KV-transfer
-parameters. A ``chat_template`` sent with a request is refused unless the
-server trusts it (``--trust-request-chat-template``, vLLM's rule).
+are checked by entrypoints/chat_utils.py (text only). Tools: ``tool_choice``
+a named function or ``"required"`` is served through structured outputs, as
+vLLM's default tool-call path; ``"auto"`` needs a tool parser, which
+tracevllm does not have, so it is refused with vLLM's message (also when
+``tools`` come without a ``tool_choice``: vLLM's default is then ``"auto"``).
+Left out, and refused when asked for: the deprecated ``functions`` and
+``function_call``, audio output, reasoning, beam search, documents,
+``echo``, ``chat_template_kwargs``. A ``chat_template`` sent with a request is
+refused unless the server trusts it (``--trust-request-chat-template``,
+vLLM's rule).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from tracevllm.entrypoints.openai.engine.protocol import (
+from tracevllm.entrypoints.openai.engine.generate_request import (
     GenerateRequest,
+    UnsupportedFields,
+)
+from tracevllm.entrypoints.openai.engine.protocol import (
+    DeltaToolCall,
+    FunctionDefinition,
     OpenAIBaseModel,
+    ToolCall,
     UsageInfo,
     random_uuid,
 )
+from tracevllm.exceptions import VLLMValidationError
+
+_USE_TOOLS = "deprecated by OpenAI; send tools and tool_choice instead"
+
+
+class ChatCompletionToolsParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    function: ChatCompletionNamedFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None
 
 
 class ChatCompletionRequest(GenerateRequest):
+    unsupported_fields: ClassVar[UnsupportedFields] = GenerateRequest.unsupported_fields | {
+        "functions": ((None,), _USE_TOOLS),
+        "function_call": ((None,), _USE_TOOLS),
+        "audio": ((None,), "the output is text only"),
+        "modalities": ((None, ["text"]), "the output is text only"),
+        "web_search_options": ((None,), "there is no web search"),
+        "reasoning_effort": ((None,), "there are no reasoning models or parsers"),
+        "echo": ((False,), "it is not implemented"),
+        "documents": ((None,), "the chat template is not given documents"),
+        "chat_template_kwargs": ((None, {}), "the chat template is given no extra arguments"),
+        "return_prompt_text": ((None, False), "responses carry no prompt text"),
+    }
+
     messages: list[dict[str, Any]]
     logprobs: bool | None = False
     top_logprobs: int | None = 0
@@ -36,11 +82,60 @@ class ChatCompletionRequest(GenerateRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice = "none"
+    # False: at most one tool call in the reply (vLLM drops the others).
+    parallel_tool_calls: bool | None = True
+
+    # --8<-- [start:check_tool_usage]
+    @model_validator(mode="after")
+    def _check_tool_usage(self) -> ChatCompletionRequest:
+        """vLLM's rules (``check_tool_usage``), on the parsed request."""
+        if self.tools == []:
+            raise VLLMValidationError(
+                "`tools` must not be an empty array. Either provide at least one tool or "
+                "omit the field entirely.",
+                parameter="tools",
+            )
+        if "tool_choice" not in self.model_fields_set and self.tools:
+            self.tool_choice = "auto"  # OpenAI's default when tools are given
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return self
+        if self.tools is None:
+            raise VLLMValidationError(
+                "When using `tool_choice`, `tools` must be set.", parameter="tool_choice"
+            )
+        if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+            name = choice.function.name
+            if not name:
+                raise VLLMValidationError(
+                    f"Invalid `name` in `function`: `{name}` in `tool_choice`!",
+                    parameter="tool_choice",
+                )
+            if all(tool.function.name != name for tool in self.tools):
+                raise VLLMValidationError(
+                    "The tool specified in `tool_choice` does not match any of the "
+                    "specified `tools`",
+                    parameter="tool_choice",
+                )
+        return self
+
+    # --8<-- [end:check_tool_usage]
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named ``tool_choice`` forces, else None."""
+        choice = self.tool_choice
+        if isinstance(choice, ChatCompletionNamedToolChoiceParam):
+            return choice.function.name
+        return None
 
 
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -77,6 +172,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -5,8 +5,13 @@ Mirrors vllm/entrypoints/openai/chat_completion/serving.py
 ``chat_completion_stream_generator``, ``chat_completion_full_generator``,
 ``_create_chat_logprobs``). The messages go through the model's chat
 template (entrypoints/chat_utils.py, the same path as ``LLM.chat``), so a
-greedy reply equals ``LLM.chat``'s. Left out: tools, reasoning parsers,
-``echo`` of the last message, beam search, LoRA, multimodal content.
+greedy reply equals ``LLM.chat``'s. Tools: a named or ``"required"``
+``tool_choice`` is generated under its JSON schema (tool_parsers/utils.py)
+and answered as ``tool_calls``, whole or streamed (tool_parsers/streaming.py),
+with vLLM's finish reasons (``"tool_calls"`` for "required", the engine's
+for a named function). Left out: tool-call parsers (so ``"auto"`` is refused),
+reasoning parsers, ``echo`` of the last message, beam search, LoRA,
+multimodal content.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from tracevllm import tracing
+from tracevllm.entrypoints.chat_utils import make_tool_call_id
 from tracevllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -28,7 +34,7 @@ from tracevllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
     DeltaMessage,
 )
-from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse
+from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse, ToolCall
 from tracevllm.entrypoints.openai.engine.serving import (
     OpenAIServing,
     create_error_response,
@@ -37,7 +43,12 @@ from tracevllm.entrypoints.openai.engine.serving import (
     usage_info,
 )
 from tracevllm.outputs import RequestOutput, SampleLogprobs
-from tracevllm.sampling_params import RequestOutputKind, SamplingParams
+from tracevllm.sampling_params import _CONSTRAINTS, RequestOutputKind, SamplingParams
+from tracevllm.tool_parsers.streaming import (
+    extract_named_tool_call_streaming,
+    extract_required_tool_call_streaming,
+)
+from tracevllm.tool_parsers.utils import get_json_schema_from_tools
 from tracevllm.tracing import records
 
 if TYPE_CHECKING:
@@ -62,6 +73,27 @@ class OpenAIServingChat(OpenAIServing):
             return create_error_response(
                 "top_logprobs needs logprobs to be true.", param="top_logprobs"
             )
+        if request.tool_choice == "auto":
+            return create_error_response(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                'to be set; tracevllm has no tool-call parser. Send tool_choice "required" '
+                'or {"type": "function", "function": {"name": ...}}, served through '
+                "structured outputs (or leave tools out).",
+                param="tool_choice",
+            )
+        try:
+            schema = get_json_schema_from_tools(request.tool_choice, request.tools)
+        except ValueError as e:
+            return create_error_response(str(e), param="tools")
+        if schema is not None:
+            # vLLM's ToolParser.adjust_request: the tools' schema replaces any
+            # constraint the request set. The options stay (as under
+            # response_format): tracevllm reads disable_any_whitespace from the
+            # request, vLLM from the server's config.
+            options = {
+                k: v for k, v in (request.structured_outputs or {}).items() if k not in _CONSTRAINTS
+            }
+            request.structured_outputs, request.response_format = options | {"json": schema}, None
         request_id = f"{self.request_id_prefix}-{self._base_request_id(raw_request)}"
         try:
             text, prompt_token_ids = await self.render_chat(request)
@@ -116,10 +148,12 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens: int,
     ) -> AsyncGenerator[str]:
         """Server-sent events, as OpenAI's: a first chunk per choice with the
-        role, then content deltas, the finish reason, the usage chunk if asked
-        for, and ``data: [DONE]``."""
-        num_generated = [0] * request.n
-        role_sent = [False] * request.n
+        role, then the deltas (content, or pieces of tool calls), the finish
+        reason, the usage chunk if asked for, and ``data: [DONE]``."""
+        num_choices = request.num_choices
+        previous_num_tokens = [0] * num_choices
+        previous_texts = [""] * num_choices
+        tools_streamed = [False] * num_choices
         created = int(time.time())
 
         def chunk(index: int, delta: DeltaMessage, **fields: Any) -> str:
@@ -134,30 +168,51 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {response.model_dump_json(exclude_unset=True)}\n\n"
 
         try:
+            first_iteration = True
             async for res in result_generator:
+                if first_iteration:  # inside the try: an error before it is the first event
+                    for i in range(num_choices):
+                        yield chunk(i, DeltaMessage(role=self.response_role, content=""))
+                    first_iteration = False
                 for output in res.outputs:
                     i = output.index
-                    if not role_sent[i]:
-                        yield chunk(i, DeltaMessage(role=self.response_role, content=""))
-                        role_sent[i] = True
-                    num_generated[i] += len(output.token_ids)
-                    if not output.text and output.finish_reason is None:
+                    delta_text = output.text
+                    # vLLM's rule: skip only an output with no text, no new
+                    # token and nothing before it. A token whose text is held
+                    # back (half a UTF-8 character, a possible stop string)
+                    # still goes out, with its logprobs and an empty delta.
+                    if not delta_text and not output.token_ids and not previous_num_tokens[i]:
                         continue
                     logprobs = None
                     if request.logprobs and output.logprobs is not None:
                         logprobs = self._create_chat_logprobs(
                             output.logprobs, request.top_logprobs or 0
                         )
+                    delta = self._delta_message(
+                        request, i, delta_text, previous_texts, tools_streamed
+                    )
+                    previous_texts[i] += delta_text
+                    previous_num_tokens[i] += len(output.token_ids)
+                    if delta is None:  # a tool call not announced yet
+                        if output.finish_reason is None and logprobs is None:
+                            continue
+                        delta = DeltaMessage()
+                    finish_reason = output.finish_reason
+                    if finish_reason is not None:
+                        self._raise_if_error(finish_reason, request_id)  # before it is sent
+                        if tools_streamed[i] and request.named_tool is None:
+                            finish_reason = "tool_calls"  # "required" (OpenAI's, vLLM's)
+                    if delta.tool_calls and not request.parallel_tool_calls:
+                        delta.tool_calls = [call for call in delta.tool_calls if call.index == 0]
                     yield chunk(
                         i,
-                        DeltaMessage(content=output.text),
+                        delta,
                         logprobs=logprobs,
-                        finish_reason=output.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=output.stop_reason,
                     )
-                    self._raise_if_error(output.finish_reason, request_id)
             if request.include_usage:
-                usage = usage_info(num_prompt_tokens, sum(num_generated))
+                usage = usage_info(num_prompt_tokens, sum(previous_num_tokens))
                 final = ChatCompletionStreamResponse(
                     id=request_id, created=created, model=model_name, choices=[], usage=usage
                 )
@@ -168,6 +223,28 @@ class OpenAIServingChat(OpenAIServing):
         yield "data: [DONE]\n\n"
 
     # --8<-- [end:chat_completion_stream_generator]
+
+    @staticmethod
+    def _delta_message(
+        request: ChatCompletionRequest,
+        i: int,
+        delta_text: str,
+        previous_texts: list[str],
+        tools_streamed: list[bool],
+    ) -> DeltaMessage | None:
+        """Choice ``i``'s new text as a delta: content, or, under a forced
+        tool choice, pieces of tool calls (None: nothing to show yet)."""
+        if (name := request.named_tool) is not None:
+            delta, tools_streamed[i] = extract_named_tool_call_streaming(
+                delta_text, name, tools_streamed[i]
+            )
+            return delta
+        if request.tool_choice == "required":
+            previous = previous_texts[i]
+            required = extract_required_tool_call_streaming(previous, previous + delta_text)
+            tools_streamed[i] |= required is not None
+            return required
+        return DeltaMessage(content=delta_text)
 
     async def chat_completion_full_generator(
         self,
@@ -189,12 +266,23 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and output.logprobs is not None:
                 logprobs = self._create_chat_logprobs(output.logprobs, request.top_logprobs or 0)
+            calls, content = self._parse_tool_calls_from_content(request, output.text)
+            tool_calls = [ToolCall(id=make_tool_call_id(), function=call) for call in calls or ()]
+            if not request.parallel_tool_calls:
+                tool_calls = tool_calls[:1]
+            finish_reason = output.finish_reason
+            if request.tool_choice == "required" and finish_reason == "stop":
+                finish_reason = "tool_calls"  # a named function's stays "stop" (OpenAI's)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=output.index,
-                    message=ChatMessage(role=self.response_role, content=output.text),
+                    message=ChatMessage(
+                        role=self.response_role,
+                        content=content or "",
+                        tool_calls=tool_calls,
+                    ),
                     logprobs=logprobs,
-                    finish_reason=output.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=output.stop_reason,
                 )
             )

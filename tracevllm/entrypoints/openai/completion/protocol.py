@@ -2,34 +2,57 @@
 
 Mirrors vllm/entrypoints/openai/completion/protocol.py (``CompletionRequest``,
 ``CompletionLogProbs``, ``CompletionResponse``, ``CompletionStreamResponse``).
-The sampling fields live in ``GenerateRequest`` (engine/protocol.py). Left
-out: ``suffix``, ``logit_bias``, beam search, prompt logprobs, prompt
-embeddings, KV-transfer parameters. Structured outputs come through
-``structured_outputs`` or ``response_format`` (engine/protocol.py).
+The sampling fields live in ``GenerateRequest`` (engine/generate_request.py).
+Left out, and refused when asked for: ``suffix``, ``best_of`` above ``n``
+(OpenAI's; vLLM 0.22.0 dropped it unread), beam search, prompt logprobs,
+prompt embeddings. Structured outputs come through ``structured_outputs`` or
+``response_format``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from tracevllm.entrypoints.openai.engine.protocol import (
+from tracevllm.entrypoints.openai.engine.generate_request import (
     GenerateRequest,
+    UnsupportedFields,
+)
+from tracevllm.entrypoints.openai.engine.protocol import (
     OpenAIBaseModel,
     UsageInfo,
     random_uuid,
 )
+from tracevllm.exceptions import VLLMValidationError
 
 
 class CompletionRequest(GenerateRequest):
+    unsupported_fields: ClassVar[UnsupportedFields] = GenerateRequest.unsupported_fields | {
+        "prompt_embeds": ((None,), "prompt embeddings are not taken; send text or token ids"),
+    }
+
     # A string, a batch of strings, token ids, or a batch of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = None
     max_tokens: int | None = 16
     suffix: str | None = None
+    # OpenAI's: generate best_of and return the n most likely. Only
+    # best_of == n (the same as leaving it out) is served.
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise VLLMValidationError(
+                f"best_of is not supported by tracevllm: it generates the n ({self.num_choices}) "
+                f"completions it returns, not best_of ({self.best_of}) to rank; leave best_of "
+                "out or set it to n.",
+                parameter="best_of",
+            )
+        return self
 
 
 class CompletionLogProbs(OpenAIBaseModel):

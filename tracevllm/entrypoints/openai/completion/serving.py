@@ -142,29 +142,35 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncGenerator[str]:
         """Server-sent events: one ``data: {chunk}`` per new piece of text,
         the usage chunk if asked for, then ``data: [DONE]``."""
-        n = request.n
+        n = request.num_choices
         created = int(time.time())
         echoed = [False] * (len(prompts) * n)
         num_prompt_tokens = [len(p["prompt_token_ids"]) for p in prompts]
-        num_generated = [0] * (len(prompts) * n)
-        offsets = [0] * (len(prompts) * n)
+        previous_num_tokens = [0] * (len(prompts) * n)
+        previous_text_lens = [0] * (len(prompts) * n)
         try:
             async for prompt_idx, res in result_generator:
                 for output in res.outputs:
                     i = prompt_idx * n + output.index
-                    text = output.text
+                    delta_text = output.text
                     if request.echo and not echoed[i]:
-                        text = (prompts[prompt_idx]["prompt"] or "") + text
+                        delta_text = (prompts[prompt_idx]["prompt"] or "") + delta_text
                         echoed[i] = True
-                    num_generated[i] += len(output.token_ids)
-                    if not text and output.finish_reason is None:
-                        continue  # nothing new to show yet
+                    elif not delta_text and not output.token_ids and not previous_num_tokens[i]:
+                        # vLLM's rule: skip only an output with no text, no new
+                        # token and nothing before it. A token whose text is
+                        # held back (half a UTF-8 character, a possible stop
+                        # string) still goes out, with its logprobs.
+                        continue
                     logprobs = None
                     if request.logprobs is not None and output.logprobs is not None:
                         logprobs = self._create_completion_logprobs(
-                            output.logprobs, request.logprobs, offsets[i]
+                            output.logprobs, request.logprobs, previous_text_lens[i]
                         )
-                        offsets[i] += sum(len(token) for token in logprobs.tokens)
+                    # The text sent so far, not the tokens' own texts (vLLM's offset).
+                    previous_text_lens[i] += len(output.text)
+                    previous_num_tokens[i] += len(output.token_ids)
+                    self._raise_if_error(output.finish_reason, request_id)  # before it is sent
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         object="text_completion",
@@ -173,7 +179,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         choices=[
                             CompletionResponseStreamChoice(
                                 index=i,
-                                text=text,
+                                text=delta_text,
                                 logprobs=logprobs,
                                 finish_reason=output.finish_reason,
                                 stop_reason=output.stop_reason,
@@ -181,9 +187,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         ],
                     )
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
-                    self._raise_if_error(output.finish_reason, request_id)
             if request.include_usage:
-                usage = usage_info(sum(num_prompt_tokens), sum(num_generated))
+                usage = usage_info(sum(num_prompt_tokens), sum(previous_num_tokens))
                 final = CompletionStreamResponse(
                     id=request_id, created=created, model=model_name, choices=[], usage=usage
                 )
@@ -216,7 +221,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = self._create_completion_logprobs(output.logprobs, request.logprobs)
                 choices.append(
                     CompletionResponseChoice(
-                        index=prompt_idx * request.n + output.index,
+                        index=prompt_idx * request.num_choices + output.index,
                         text=text,
                         logprobs=logprobs,
                         finish_reason=output.finish_reason,

@@ -3,11 +3,12 @@ request ids, trace headers, max_tokens.
 
 Mirrors vllm/entrypoints/openai/engine/serving.py (``OpenAIServing``:
 ``create_error_response``, ``_check_model``, ``_base_request_id``,
-``_get_trace_headers``) and ``create_error_response`` / ``get_max_tokens``
-from vllm/entrypoints/utils.py. A ``ValueError`` or ``TypeError`` from the
-engine's own checks (SamplingParams, the input processor) becomes a 400 whose
-``param`` is the field the message names. Left out: LoRA adapters, beam
-search, request logging, data-parallel ranks.
+``_get_trace_headers``, ``_parse_tool_calls_from_content``) and
+``create_error_response`` / ``get_max_tokens`` from vllm/entrypoints/utils.py.
+A ``VLLMValidationError`` becomes a 400 whose ``param`` is its parameter; a
+``ValueError`` or ``TypeError`` from the engine's own checks (SamplingParams,
+the input processor) a 400 whose ``param`` is the field the message names.
+Left out: LoRA adapters, beam search, request logging, data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -20,17 +21,22 @@ from collections.abc import Mapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from tracevllm import tracing
 from tracevllm.engine.exceptions import EngineDeadError
 from tracevllm.entrypoints.chat_utils import apply_chat_template, parse_chat_messages
 from tracevllm.entrypoints.openai.engine.protocol import (
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
+    FunctionDefinition,
     GenerationError,
     OpenAIBaseModel,
     UsageInfo,
     random_uuid,
 )
+from tracevllm.exceptions import VLLMValidationError
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -39,6 +45,9 @@ if TYPE_CHECKING:
     from tracevllm.entrypoints.openai.models.serving import OpenAIServingModels
 
 logger = logging.getLogger(__name__)
+
+# A "required" tool choice's reply: a JSON list of {"name", "parameters"}.
+_FUNCTION_LIST = TypeAdapter(list[FunctionDefinition])
 
 
 def create_error_response(
@@ -56,6 +65,9 @@ def create_error_response(
         elif isinstance(exc, GenerationError):
             err_type, status_code = "InternalServerError", HTTPStatus(exc.status_code)
             message = str(exc)
+        elif isinstance(exc, VLLMValidationError):
+            err_type, status_code = "BadRequestError", HTTPStatus.BAD_REQUEST
+            message, param = str(exc), param or exc.parameter
         elif isinstance(exc, (ValueError, TypeError, OverflowError)) or is_template_error(exc):
             err_type, status_code = "BadRequestError", HTTPStatus.BAD_REQUEST
             message = str(exc)
@@ -123,8 +135,11 @@ class OpenAIServing:
     ) -> ErrorResponse:
         """A 400 for the engine's own validation error, naming the parameter:
         the first request field its message names (``temperature must be
-        ...``); one about the prompt's length or tokens names the prompt.
-        (vLLM raises a ``VLLMValidationError`` that carries the parameter.)"""
+        ...``); one about the prompt's length or tokens names the prompt. A
+        ``VLLMValidationError`` carries its parameter (vLLM raises one where
+        tracevllm's SamplingParams raise a plain ``ValueError``)."""
+        if isinstance(exc, VLLMValidationError) and exc.parameter is not None:
+            return create_error_response(exc)
         message = str(exc)
         fields = type(request).model_fields
         words = re.findall(r"[A-Za-z_]+", message)
@@ -157,6 +172,9 @@ class OpenAIServing:
             request.chat_template,
             request.add_generation_prompt,
             request.continue_final_message,
+            # vLLM hands the tools to the template unless tool_choice is "none"
+            # and --exclude-tools-when-tool-choice-none is set (not a tracevllm flag).
+            [tool.model_dump(exclude_none=True) for tool in request.tools or ()] or None,
         )
 
     def validate_inputs(self, prompt: Any, params: Any) -> None:
@@ -188,6 +206,28 @@ class OpenAIServing:
         own span (whose parent is the client's ``traceparent``); None with
         tracing off."""
         return tracing.inject_trace_context() or None
+
+    @staticmethod
+    def _parse_tool_calls_from_content(
+        request: Any, content: str
+    ) -> tuple[list[FunctionCall] | None, str | None]:
+        """The calls a forced tool choice's reply holds, and what is left of
+        the content (vLLM's standard JSON path, without a tool parser): a
+        named function's reply is its arguments; a ``"required"`` reply is a
+        JSON array of ``{"name", "parameters"}`` (none, if it is not one: cut
+        short by max_tokens, say)."""
+        if (name := request.named_tool) is not None:
+            return [FunctionCall(name=name, arguments=content)], None
+        if request.tool_choice == "required":
+            try:
+                calls = _FUNCTION_LIST.validate_json(content)
+            except ValidationError:
+                calls = []
+            return [
+                FunctionCall(name=c.name, arguments=json.dumps(c.parameters, ensure_ascii=False))
+                for c in calls
+            ], None
+        return None, content
 
     def _raise_if_error(self, finish_reason: str | None, request_id: str) -> None:
         if finish_reason == "error":
