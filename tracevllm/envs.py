@@ -78,6 +78,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # whole number >= 0: vLLM passes a negative one on, which xgrammar reads
     # as no limit at all.
     "TRACEVLLM_XGRAMMAR_CACHE_MB": _count("TRACEVLLM_XGRAMMAR_CACHE_MB", "512"),
+    # How long `tracevllm serve` keeps an idle connection open after a
+    # response, in seconds (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
+    "TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE": _count("TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"),
 }
 
 if TYPE_CHECKING:  # the names above, as module attributes
@@ -93,6 +96,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_CPU_NUM_OF_RESERVED_CPU: int
     TRACEVLLM_CPU_ONEDNN_GEMM: bool
     TRACEVLLM_XGRAMMAR_CACHE_MB: int
+    TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE: int
 
 
 def __getattr__(name: str) -> Any:

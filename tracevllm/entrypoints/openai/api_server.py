@@ -3,9 +3,9 @@
 Mirrors vllm/entrypoints/openai/api_server.py (``build_app``,
 ``init_app_state``, ``run_server``), with the pieces vLLM keeps beside it:
 the routes of each endpoint's ``api_router.py``, the error handlers and
-``AuthenticationMiddleware`` of vllm/entrypoints/openai/server_utils.py, ``with_cancellation``
-of vllm/entrypoints/utils.py and the engine-death watchdog of
-vllm/entrypoints/launcher.py. Endpoints: GET /v1/models, POST
+``AuthenticationMiddleware`` of vllm/entrypoints/openai/server_utils.py and ``with_cancellation``
+of vllm/entrypoints/utils.py; uvicorn and the engine-death watchdog run in
+entrypoints/launcher.py (``serve_http``), as in vLLM. Endpoints: GET /v1/models, POST
 /v1/completions, POST /v1/chat/completions, GET /health, GET /version,
 POST /tokenize, POST /detokenize, GET /metrics.
 
@@ -34,9 +34,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tracevllm
+from tracevllm import envs
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.engine.async_llm import AsyncLLM
 from tracevllm.engine.exceptions import EngineDeadError
+from tracevllm.entrypoints.launcher import serve_http
 from tracevllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from tracevllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from tracevllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -52,11 +54,9 @@ from tracevllm.entrypoints.serve.tokenize.protocol import (
 from tracevllm.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
 from tracevllm.exceptions import VLLMValidationError
 from tracevllm.metrics.loggers import PrometheusStatLogger
+from tracevllm.utils.system_utils import set_ulimit
 
 logger = logging.getLogger(__name__)
-
-# How often the watchdog looks at the engine (vLLM: VLLM_WATCHDOG_TIME_S).
-WATCHDOG_TIME_S = 5.0
 
 
 # --8<-- [start:with_cancellation]
@@ -346,48 +346,36 @@ async def run_server(args: Namespace, **uvicorn_kwargs: Any) -> int:
     (in-flight requests get an error, /health answers 503, and the server
     stops instead of hanging, as vLLM's watchdog does).
     """
-    import uvicorn
-
-    engine_args = EngineArgs.from_cli_args(args)
-    spec = engine_args.speculative_config or {}
-    # Unchecked yet: a bad value is refused, by name, when the engine is made.
-    num_spec_tokens = spec.get("num_speculative_tokens")
+    # Before the engine starts, so that its process inherits the limit too.
+    set_ulimit()
+    vllm_config = EngineArgs.from_cli_args(args).create_engine_config()
+    spec = vllm_config.speculative_config
     stat_logger = PrometheusStatLogger(
         model_name=served_names(args)[0],
-        num_speculative_tokens=num_spec_tokens if isinstance(num_spec_tokens, int) else 0,
+        num_speculative_tokens=(spec.num_speculative_tokens or 0) if spec else 0,
+        max_model_len=vllm_config.model_config.get_max_model_len(),
     )
-    engine_client = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger])
+    engine_client = AsyncLLM(vllm_config, stat_loggers=[stat_logger])
     try:
         app = build_app(args)
         app.state.stat_logger = stat_logger
         init_app_state(engine_client, app.state, args)
-        config = uvicorn.Config(
+        await serve_http(
             app,
+            engine_client,
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
+            timeout_keep_alive=envs.TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE,
             timeout_graceful_shutdown=5,
+            limit_concurrency=args.limit_concurrency,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+            request_read_timeout=args.request_read_timeout,
             **uvicorn_kwargs,
         )
-        server = uvicorn.Server(config)
-        watchdog = asyncio.create_task(watchdog_loop(server, engine_client))
-        try:
-            await server.serve()
-        finally:
-            watchdog.cancel()
         return 1 if engine_client.errored else 0
     finally:
         engine_client.shutdown()
-
-
-async def watchdog_loop(server: Any, engine: AsyncLLM) -> None:
-    """Stop the server once the engine is dead (vLLM: terminate_if_errored)."""
-    while True:
-        await asyncio.sleep(WATCHDOG_TIME_S)
-        if engine.errored:
-            logger.error("EngineCore is dead: shutting the server down.")
-            server.should_exit = True
-            return
 
 
 # --8<-- [end:run_server]

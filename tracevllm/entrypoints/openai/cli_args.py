@@ -10,8 +10,14 @@ unless asked (vLLM binds every interface).
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 from tracevllm.engine.arg_utils import EngineArgs
+
+# vLLM's (vllm/entrypoints/constants.py): the most bytes of a request line and
+# headers h11 buffers before they are complete.
+H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT = 4 * 1024 * 1024
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,4 +49,54 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="info",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
     )
+    # The server under load (entrypoints/launcher.py). The idle keep-alive
+    # timeout is vLLM's environment variable: TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE.
+    parser.add_argument(
+        "--limit-concurrency",
+        type=_whole_number(1),
+        default=None,
+        metavar="N",
+        help="uvicorn's: with N connections or requests at once, a new request gets a 503 "
+        "(default: no limit but the open-file limit)",
+    )
+    parser.add_argument(
+        "--request-read-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="S",
+        help="close a connection that has not sent a whole request (headers and body) "
+        "S seconds after it opened or after its previous response (default 30)",
+    )
+    parser.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=_whole_number(1),
+        default=H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT,
+        metavar="BYTES",
+        help="the most bytes of a request line and headers the server buffers "
+        "(vLLM's; default 4 MiB)",
+    )
     return EngineArgs.add_cli_args(parser)
+
+
+# argparse names the flag before these messages.
+def _whole_number(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"takes a whole number >= {least}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"takes a number of seconds > 0, got {text!r}")
+    return value
