@@ -26,18 +26,6 @@ if TYPE_CHECKING:
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-def _get_tool_schema_from_tool(tool: ChatCompletionToolsParam) -> dict[str, Any]:
-    """One branch of the "required" array's items: this tool's name and parameters."""
-    params = {k: v for k, v in (tool.function.parameters or _NO_PARAMETERS).items() if k != "$defs"}
-    return {
-        "properties": {
-            "name": {"type": "string", "enum": [tool.function.name]},
-            "parameters": params,
-        },
-        "required": ["name", "parameters"],
-    }
-
-
 def _get_tool_schema_defs(tools: list[ChatCompletionToolsParam]) -> dict[str, Any]:
     """Every tool's ``$defs`` in one place (a ``$ref`` resolves from the root)."""
     all_defs: dict[str, Any] = {}
@@ -51,6 +39,19 @@ def _get_tool_schema_defs(tools: list[ChatCompletionToolsParam]) -> dict[str, An
     return all_defs
 
 
+# --8<-- [start:tool_schema]
+def _get_tool_schema_from_tool(tool: ChatCompletionToolsParam) -> dict[str, Any]:
+    """One branch of the "required" array's items: this tool's name and parameters."""
+    params = {k: v for k, v in (tool.function.parameters or _NO_PARAMETERS).items() if k != "$defs"}
+    return {
+        "properties": {
+            "name": {"type": "string", "enum": [tool.function.name]},
+            "parameters": params,
+        },
+        "required": ["name", "parameters"],
+    }
+
+
 def _get_json_schema_from_tools(tools: list[ChatCompletionToolsParam]) -> dict[str, Any]:
     schema: dict[str, Any] = {
         "type": "array",
@@ -60,6 +61,9 @@ def _get_json_schema_from_tools(tools: list[ChatCompletionToolsParam]) -> dict[s
     if defs := _get_tool_schema_defs(tools):
         schema["$defs"] = copy.deepcopy(defs)
     return schema
+
+
+# --8<-- [end:tool_schema]
 
 
 def get_json_schema_from_tools(
