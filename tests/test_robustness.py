@@ -223,6 +223,35 @@ def test_ctrl_c_aborts_this_calls_requests_only(engine: tuple[LLM, list[int]]) -
     assert_still_serving(llm, expected)
 
 
+@pytest.mark.parametrize("where", ["engine_core.add_request", "llm_engine.add_request"])
+def test_ctrl_c_just_after_a_send_withdraws_that_request_too(
+    engine: tuple[LLM, list[int]], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The interrupt lands once the third request is sent, before the call
+    that sent it returns: that request too is aborted in the core, not left
+    to run on (and, in-process, to sit in the scheduler) unseen."""
+    llm, expected = engine
+    owner = llm.llm_engine if where == "llm_engine.add_request" else llm.llm_engine.engine_core
+    real = owner.add_request
+    calls = iter(range(100))
+
+    def add_then_interrupt(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        if next(calls) == 2:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(owner, "add_request", add_then_interrupt)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([f"story number {i}" for i in range(6)], long, use_tqdm=False)
+    monkeypatch.setattr(owner, "add_request", real)
+    # A leaked request would still hold KV blocks after the good one's 6 steps.
+    assert_still_serving(llm, expected)
+    if not llm.llm_engine.multiprocess_mode:
+        assert not llm.llm_engine.engine_core.engine_core.scheduler.has_unfinished_requests()
+
+
 def test_a_failing_step_aborts_cleanly_in_process(
     tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -109,6 +109,11 @@ class EngineCore:
             init_none_hash(hash_fn)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, hash_fn)
 
+        # Aborts that arrive while a step runs (EngineCoreProc's input thread
+        # puts them here as well as in the input queue): applied before the
+        # step's output is made, so an aborted request gets no more tokens.
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+
         # The startup heap (torch, the model, the KV cache's bookkeeping) stays
         # alive until shutdown: leave it out of the garbage collector's walks.
         freeze_gc_heap()
@@ -200,10 +205,24 @@ class EngineCore:
         grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
         if model_output is None:
             model_output = self.model_executor.sample_tokens(grammar_output)
+        # Aborts that arrived during the forward: before the output is made.
+        self._process_aborts_queue()
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         return engine_core_outputs, scheduler_output.total_num_scheduled_tokens > 0
 
     # --8<-- [end:step]
+
+    def _process_aborts_queue(self) -> None:
+        """Apply the aborts that came in while the step ran, as one batch.
+
+        The same aborts also wait in the input queue, in order with the
+        requests they name; applying one twice is harmless.
+        """
+        request_ids: list[str] = []
+        while not self.aborts_queue.empty():
+            request_ids.extend(self.aborts_queue.get_nowait())
+        if request_ids:
+            self.abort_requests(request_ids)
 
     def step_fn(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
         if self.scheduler.only_waiting_for_grammars():
@@ -353,6 +372,10 @@ class EngineCoreProc(EngineCore):
         Returns False when the engine should stop (the frontend is gone).
         """
         while not self.scheduler.has_requests():
+            if self.input_queue.empty():
+                # Idle: every abort queued so far is in the input queue too.
+                with self.aborts_queue.mutex:
+                    self.aborts_queue.queue.clear()
             try:
                 # A timeout, not a plain get(): SIGTERM's Python handler runs
                 # in this (the main) thread between two bytecodes, and the
@@ -453,6 +476,11 @@ class EngineCoreProc(EngineCore):
                         continue
                 else:
                     request = generic_decoder.decode(data_frames)
+                    if request_type == EngineCoreRequestType.ABORT:
+                        # Both queues, as vLLM: the busy loop applies it before
+                        # the running step's output (eager), and in order with
+                        # the requests before it (the input queue).
+                        self.aborts_queue.put_nowait(request)
                 self.input_queue.put_nowait((request_type, request))
 
     # --8<-- [end:process_input_sockets]

@@ -9,6 +9,7 @@ strings). Left out: pooling, LoRA, data parallelism, the stat loggers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -158,17 +159,21 @@ class LLMEngine:
         index: int,
         span: LLMRequestSpan | None,
     ) -> None:
-        """Register the request, then send it; if sending fails, unregister it.
+        """Register the request, then send it; if sending fails, abort it.
 
         Registered first, as in vLLM, so that no output can arrive for a
-        request the output processor does not know; undone on failure, so a
-        request that never reached the core is never waited for.
+        request the output processor does not know; aborted on failure, so a
+        request that never reached the core is never waited for, and one
+        that did (a Ctrl-C that lands just after the send) does not run on.
         """
         self.output_processor.add_request(request, prompt_text, parent_req, index, span=span)
         try:
             self.engine_core.add_request(request)
         except BaseException:
-            self.output_processor.abort_requests([request.request_id], internal=True)
+            request_ids = self.output_processor.abort_requests([request.request_id], internal=True)
+            # The send's own failure is the one to report, not the abort's.
+            with contextlib.suppress(Exception):
+                self.engine_core.abort_requests(request_ids)
             raise
 
     # --8<-- [end:add_request]

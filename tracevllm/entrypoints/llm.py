@@ -145,7 +145,7 @@ class LLM:
                 # Interrupted or failed: withdraw this call's unfinished requests.
                 # (vLLM 0.22's _run_engine leaves them to the next call.)
                 if not self.llm_engine.is_shut_down:
-                    self.llm_engine.abort_request(request_ids, internal=True)
+                    self.llm_engine.abort_request(request_ids)
                 raise
 
     # --8<-- [end:generate]
@@ -187,7 +187,8 @@ class LLM:
         params_list: list[SamplingParams],
         priority: Sequence[int] | None,
     ) -> list[str]:
-        """Add every request; returns their internal ids."""
+        """Add every request; returns their ids (this LLM's numbers, each the
+        user's id of the requests sent under it)."""
         added: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
@@ -199,15 +200,16 @@ class LLM:
                 # LLM.generate returns finished requests only.
                 params = params.clone()
                 params.output_kind = RequestOutputKind.FINAL_ONLY
-                added.append(
-                    self.llm_engine.add_request(
-                        request_id, prompt, params, priority=priority[i] if priority else 0
-                    )
+                # Noted before it is sent: an interrupt (Ctrl-C) may land
+                # after the send, before add_request returns.
+                added.append(request_id)
+                self.llm_engine.add_request(
+                    request_id, prompt, params, priority=priority[i] if priority else 0
                 )
         except BaseException:
             # One bad prompt: withdraw the ones already sent, then report.
             if not self.llm_engine.is_shut_down:
-                self.llm_engine.abort_request(added, internal=True)
+                self.llm_engine.abort_request(added)
             raise
         return added
 
