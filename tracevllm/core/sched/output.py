@@ -6,8 +6,8 @@ scheduled the runner gets everything about it (``NewRequestData``); after
 that only what changed (``CachedRequestData``), because the runner keeps its
 own persistent copy of each request (``InputBatch``). ``GrammarOutput`` is
 the structured requests' token bitmask, made after the schedule
-(``Scheduler.get_grammar_bitmask``). Left out: multimodal, LoRA, pooling,
-spec-decode and KV-connector fields.
+(``Scheduler.get_grammar_bitmask``). Left out: multimodal, LoRA, pooling
+and KV-connector fields, and ``num_invalid_spec_tokens`` (async scheduling).
 Block ids are a tuple with one list per KV cache group; tracevllm has one group.
 """
 
@@ -82,7 +82,8 @@ class SchedulerOutput:
     # req_id -> tokens to compute this step.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # req_id -> draft tokens (speculative decoding; empty for now).
+    # req_id -> the draft tokens to verify this step (speculative decoding);
+    # a request with no drafts this step is not in it.
     scheduled_spec_decode_tokens: dict[str, list[int]]
     # Leading blocks shared by every running request (cascade attention hint).
     num_common_prefix_blocks: list[int]
