@@ -107,6 +107,53 @@ def test_streamed_chat_logprobs_cover_held_back_tokens(client: openai.OpenAI) ->
     assert [p.logprob for p in streamed] == pytest.approx([p.logprob for p in whole])
 
 
+def test_an_engine_error_is_raised_before_its_chunk_is_sent() -> None:
+    """vLLM's order: an output that finishes with "error" is not sent as a
+    chunk (finish_reason "error"); the stream's next event is the error
+    object. The handlers' stream generators, fed the outputs a request that
+    fails after one token would bring (no engine can be made to fail so on
+    purpose)."""
+    import asyncio
+
+    from tracevllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from tracevllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from tracevllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from tracevllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from tracevllm.outputs import CompletionOutput, RequestOutput
+
+    def outputs() -> list[RequestOutput]:
+        def output(text: str, ids: list[int], finish: str | None) -> RequestOutput:
+            completion = CompletionOutput(0, text, ids, None, None, finish_reason=finish)
+            return RequestOutput("r", "p", [1], [completion], finished=finish is not None)
+
+        return [output("Hello", [5], None), output("", [6], "error")]
+
+    async def events(stream: Any) -> list[dict[str, Any] | str]:
+        got: list[dict[str, Any] | str] = []
+        async for event in stream:
+            data = event.removeprefix("data: ").strip()
+            got.append(data if data == "[DONE]" else json.loads(data))
+        return got
+
+    async def each(items: list[Any]) -> Any:
+        for item in items:
+            yield item
+
+    completion = OpenAIServingCompletion.__new__(OpenAIServingCompletion)
+    got = asyncio.run(events(completion.completion_stream_generator(
+        CompletionRequest(prompt="p", stream=True), [{"prompt": "p", "prompt_token_ids": [1]}],
+        each([(0, out) for out in outputs()]), "cmpl-r", "m")))  # fmt: skip
+    assert [e["choices"][0]["text"] for e in got[:-2]] == ["Hello"], got  # type: ignore[index]
+    assert got[-2]["error"]["code"] == 500 and got[-1] == "[DONE]", got  # type: ignore[index]
+    chat = OpenAIServingChat.__new__(OpenAIServingChat)
+    got = asyncio.run(events(chat.chat_completion_stream_generator(
+        ChatCompletionRequest(messages=MESSAGES, stream=True), each(outputs()), "chatcmpl-r",
+        "m", 1)))  # fmt: skip
+    deltas = [e["choices"][0]["delta"] for e in got[:-2]]  # type: ignore[index]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hello"}], got
+    assert got[-2]["error"]["code"] == 500 and got[-1] == "[DONE]", got  # type: ignore[index]
+
+
 # --- logit_bias ---------------------------------------------------------------------
 def test_logit_bias_changes_the_output(server: Server, client: openai.OpenAI) -> None:
     kw = greedy(prompt="The capital of France is", max_tokens=4, extra_body={"ignore_eos": True})
