@@ -96,31 +96,35 @@ def check_body_text(data: dict[str, Any]) -> None:
     JSON can escape a lone surrogate (``"\\ud800"``) that no UTF-8 text holds,
     and the tokenizer, a stop-string check or the response's encoder would
     fail on it later, with a codec's message. One walk, with an explicit
-    stack (a deeply nested body must not exhaust Python's recursion limit).
+    stack (a deeply nested body must not exhaust Python's recursion limit),
+    that passes over numbers without a look (a prompt of token ids can be
+    long) and names the field, top level first, where it fails.
     """
-    for key in data:
-        if isinstance(key, str):
+
+    def check(text: str, name: str, field: str | None) -> None:
+        if not text.isascii():  # ASCII (the common case) is valid as it is
             try:
-                check_text(key, "a field's name")
+                check_text(text, name)
             except ValueError as e:
-                raise VLLMValidationError(str(e)) from None
-    stack: list[tuple[str, Any]] = [(key, value) for key, value in data.items()]
+                raise VLLMValidationError(str(e), parameter=field) from None
+
+    # (the top-level field, the path to the value, the value)
+    stack: list[tuple[str | None, str, Any]] = [(None, "", data)]
     while stack:
-        path, value = stack.pop()
-        try:
-            if isinstance(value, str):
-                check_text(value, path)
-            elif isinstance(value, dict):
-                for key, item in value.items():
-                    if isinstance(key, str):
-                        check_text(key, f"a key in {path}")
-                    stack.append((f"{path}.{key}", item))
-            elif isinstance(value, list):
-                stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
-        except ValueError as e:
-            top = re.match(r"(a key in )?([A-Za-z_]+)", path)
-            parameter = top.group(2) if top else None
-            raise VLLMValidationError(str(e), parameter=parameter) from None
+        field, path, value = stack.pop()
+        if isinstance(value, str):
+            check(value, path, field)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                key_path = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str):
+                    check(key, f"a key in {path}" if path else "a field's name", field)
+                if isinstance(item, (str, dict, list)):
+                    stack.append((field or str(key), key_path, item))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, (str, dict, list)):
+                    stack.append((field, f"{path}[{i}]", item))
 
 
 class GenerateRequest(OpenAIBaseModel):
