@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from tracevllm.sample.logits_processor import (
+    LogitBiasLogitsProcessor,
+    LogitsProcessors,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from tracevllm.sample.metadata import SamplingMetadata
-from tracevllm.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from tracevllm.sample.ops.topk_topp_sampler import apply_top_k_top_p, apply_top_k_top_p_pytorch
 from tracevllm.sample.sampler import Sampler
 
 VOCAB = 50
@@ -26,9 +34,11 @@ def metadata(
         all_random=all(t > 0 for t in temperature),
         top_p=torch.tensor(top_p) if top_p is not None else None,
         top_k=torch.tensor(top_k, dtype=torch.int32) if top_k is not None else None,
-        min_p=torch.tensor(min_p) if min_p is not None else None,
         generators=generators or {},
         max_num_logprobs=max_num_logprobs,
+        logitsprocs=LogitsProcessors(
+            [MinPLogitsProcessor(torch.tensor(min_p) if min_p is not None else None)]
+        ),
     )
 
 
@@ -227,11 +237,219 @@ def test_min_tokens_masks_stop_tokens_until_reached() -> None:
     batch.remove_request("a")
     batch.condense()  # "b" moves to row 0
     md = batch.make_sampling_metadata()
-    assert md.min_tokens == {0: (3, {4, 5})}
+    assert min_toks(md) == {0: (3, [7], {4, 5})}
     x = logits(1, seed=7)
     x[0, 4] = 100.0  # the greedy pick, were it allowed
     assert sample(x, md) != [4] and sample(x, md)[0] not in (4, 5)
     outputs["b"] += [8, 9]  # three tokens now: stop tokens allowed again
     md = batch.make_sampling_metadata()
-    assert md.min_tokens == {}
+    assert min_toks(md) == {}
     assert sample(x, md) == [4]
+
+
+def min_toks(md: SamplingMetadata) -> dict[int, tuple[int, object, set[int]]]:
+    (processor,) = [
+        p for p in md.logitsprocs.non_argmax_invariant if isinstance(p, MinTokensLogitsProcessor)
+    ]
+    return {row: (n, list(out), stop) for row, (n, out, stop) in processor.min_toks.items()}
+
+
+# ------------------------------------------------- vLLM 0.22.0's callable surface
+def vllm_style_metadata(
+    batch: int, output_token_ids: list[list[int]], prompt_token_ids: torch.Tensor
+) -> SamplingMetadata:
+    """Built the way vLLM's own sampler tests build one: every field by name."""
+    return SamplingMetadata(
+        temperature=torch.full((batch,), 0.0),
+        all_greedy=True,
+        all_random=False,
+        top_p=None,
+        top_k=None,
+        generators={},
+        max_num_logprobs=0,
+        no_penalties=True,
+        prompt_token_ids=prompt_token_ids,
+        frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch),
+        output_token_ids=output_token_ids,
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
+
+
+def test_apply_penalties_takes_vllms_arguments() -> None:
+    """``Sampler().apply_penalties(logits, sampling_metadata, output_token_ids)``:
+    the output tokens come as an argument (the bonus token passes its drafts
+    in them), not from the metadata."""
+    outputs = [[3, 3, 5], [7]]
+    md = vllm_style_metadata(2, [[], []], torch.tensor([[1, VOCAB], [2, 4]]))
+    md.frequency_penalties = torch.tensor([1.0, 2.0])
+    md.no_penalties = False
+    x = torch.full((2, VOCAB), 0.5)
+    got = Sampler().apply_penalties(x.clone(), md, outputs)
+    expected = x.clone()
+    expected[0, 3] -= 2.0  # twice, at 1.0 each
+    expected[0, 5] -= 1.0
+    expected[1, 7] -= 2.0
+    torch.testing.assert_close(got, expected)
+    # The metadata's own (empty) lists are not what counts.
+    assert torch.equal(Sampler().apply_penalties(x.clone(), md, [[], []]), x)
+
+
+def test_sample_returns_tokens_and_processed_logprobs() -> None:
+    """vLLM's ``Sampler.sample`` returns (tokens, processed logprobs); tracevllm
+    has only the raw-logprobs mode, so the second is None."""
+    x = logits(2, seed=8)
+    sampled, processed = Sampler().sample(x.clone(), metadata([0.0, 0.0]))
+    assert sampled.tolist() == x.argmax(-1).tolist() and processed is None
+    assert Sampler.greedy_sample(x).tolist() == x.argmax(-1).tolist()
+    assert Sampler().logprobs_mode == "raw_logprobs"
+
+
+def test_left_out_metadata_fields_are_refused_not_ignored() -> None:
+    import pytest
+
+    md = vllm_style_metadata(1, [[]], torch.tensor([[1]]))
+    with pytest.raises(NotImplementedError, match="bad_words_token_ids"):
+        dataclasses.replace(md, bad_words_token_ids={0: [[3]]})
+    with pytest.raises(NotImplementedError, match="allowed_token_ids_mask"):
+        dataclasses.replace(md, allowed_token_ids_mask=torch.zeros(1, VOCAB, dtype=torch.bool))
+
+
+def test_apply_top_k_top_p_pytorch_and_its_dispatch() -> None:
+    """vLLM's names: ``apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync)``,
+    and ``apply_top_k_top_p`` dispatching to it; with or without the CPU sync
+    (top-k without a sort) the mask is the same."""
+    x = logits(4, seed=9)
+    k = torch.tensor([1, 5, VOCAB, 3])
+    p = torch.tensor([1.0, 0.5, 0.9, 0.2])
+    for kk, pp in ((k, None), (None, p), (k, p), (None, None)):
+        sync = apply_top_k_top_p_pytorch(x.clone(), kk, pp, allow_cpu_sync=True)
+        no_sync = apply_top_k_top_p_pytorch(x.clone(), kk, pp)
+        dispatched = apply_top_k_top_p(x.clone(), kk, pp)
+        assert torch.equal(sync, no_sync) and torch.equal(sync, dispatched)
+    assert torch.isfinite(apply_top_k_top_p_pytorch(x.clone(), k, None)).sum(-1).tolist() == [
+        1,
+        5,
+        VOCAB,
+        3,
+    ]
+
+
+# ------------------------------------------------------------------- logit bias
+def bias_metadata(
+    biases: dict[int, dict[int, float]], temperature: list[float]
+) -> SamplingMetadata:
+    md = metadata(temperature)
+    md.logitsprocs = LogitsProcessors([LogitBiasLogitsProcessor(biases)])
+    return md
+
+
+def test_logit_bias_moves_the_greedy_pick() -> None:
+    x = logits(3, seed=10)
+    top = x.argmax(-1).tolist()
+    md = bias_metadata({0: {7: 100.0}, 2: {top[2]: -100.0}}, [0.0, 0.0, 0.0])
+    out = sample(x, md)
+    assert out[0] == 7  # +100 forces it
+    assert out[1] == top[1]  # no bias, no change
+    second = x[2].topk(2).indices[1].item()
+    assert out[2] == second  # -100 bans the argmax: the runner-up wins
+    # In vLLM's order: before the penalties. A token in the prompt with logit
+    # 1.0, bias -3 and repetition penalty 2: (1 - 3) * 2 = -4, not 1 / 2 - 3.
+    row = torch.zeros(1, VOCAB)
+    row[0, 4] = 1.0
+    md = bias_metadata({0: {4: -3.0}}, [0.0])
+    md.no_penalties = False
+    md.prompt_token_ids = torch.tensor([[4]])
+    md.frequency_penalties = md.presence_penalties = torch.zeros(1)
+    md.repetition_penalties = torch.tensor([2.0])
+    processed = Sampler().apply_logits_processors(row.clone(), md, predict_bonus_token=False)
+    assert processed[0, 4].item() == -4.0
+
+
+def test_logit_bias_random_sampling_never_draws_a_banned_token() -> None:
+    x = torch.zeros(1, 4)  # uniform over 4 tokens
+    md = bias_metadata({0: {0: -100.0, 1: -100.0}}, [1.0])
+    seen = set()
+    for seed in range(100):
+        md.generators = {0: torch.Generator().manual_seed(seed)}
+        seen.add(sample(x, md)[0])
+    assert seen == {2, 3}
+
+
+def test_logit_bias_is_validated_by_name() -> None:
+    import pytest
+
+    from tracevllm.sampling_params import SamplingParams
+
+    for bias, error in (
+        ({True: 1.0}, TypeError),  # a bool is not a token id
+        ({"5": 1.0}, TypeError),  # nor a string (the OpenAI layer converts JSON's)
+        ({5: True}, TypeError),
+        ({5: float("nan")}, ValueError),
+        ({5: float("inf")}, ValueError),
+        ({5: 100.5}, ValueError),
+        ({5: -101}, ValueError),
+        ([5], TypeError),
+    ):
+        with pytest.raises(error, match="logit_bias"):
+            SamplingParams(logit_bias=bias)  # type: ignore[arg-type]
+    assert SamplingParams(logit_bias={5: 100, 6: -100.0}).logit_bias == {5: 100, 6: -100.0}
+
+
+def test_temperature_and_penalties_are_checked_as_float32() -> None:
+    """1e308 is a finite float but inf as the sampler's float32: refused by
+    name, as is a repetition penalty that rounds to 0 (a division by zero)."""
+    import pytest
+
+    from tracevllm.sampling_params import SamplingParams
+
+    for kwargs, name in (
+        ({"temperature": 1e308}, "temperature"),
+        ({"temperature": 3.5e38}, "temperature"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-50}, "repetition_penalty"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name} must be .*float32"):
+            SamplingParams(**kwargs)
+    # The largest float32 itself is fine (the logits all but flatten).
+    assert SamplingParams(temperature=3.4e38).temperature == 3.4e38
+
+
+def test_logit_bias_through_the_engine(tiny_model_dir: str) -> None:
+    """Offline, end to end: +100 on a token makes greedy emit only it; -100 on
+    the plain greedy's first token makes it another; the same with n-gram
+    drafts (the bias applies at every draft position and the bonus); an
+    out-of-vocabulary id is refused at the entry, naming it and the vocabulary."""
+    import pytest
+
+    from tracevllm import LLM, SamplingParams
+    from tracevllm.exceptions import VLLMValidationError
+
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False) as llm:
+        vocab_size = llm.llm_engine.model_config.vocab_size
+
+        def greedy(bias: dict[int, float] | None, engine: LLM = llm) -> list[int]:
+            params = SamplingParams(
+                temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias=bias
+            )
+            return list(engine.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+
+        plain = greedy(None)
+        assert greedy({42: 100.0}) == [42] * 12
+        banned = greedy({plain[0]: -100.0})
+        assert banned[0] != plain[0] and plain[0] not in banned
+        with pytest.raises(VLLMValidationError) as info:
+            greedy({5: 1.0, vocab_size: 1.0, -1: 2.0})
+        assert str(info.value).startswith(
+            f"token_id(s) [{vocab_size}, -1] in logit_bias contain out-of-vocab token ids. "
+            f"Vocabulary size: {vocab_size}"
+        )
+        assert info.value.parameter == "logit_bias"
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False, speculative_config=ngram) as llm:
+        assert greedy({42: 100.0}, llm) == [42] * 12
+        assert greedy({plain[0]: -100.0}, llm) == banned

@@ -7,6 +7,8 @@ test_spec_decode_engine.py (tiny models) and test_spec_decode_lossless.py
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -15,12 +17,18 @@ from tests.test_scheduler import BS, EOS, check_blocks, make_request, make_sched
 from tracevllm.config import ModelConfig, SpeculativeConfig
 from tracevllm.core.sched.scheduler import Scheduler
 from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
+from tracevllm.sample.logits_processor import (
+    LogitBiasLogitsProcessor,
+    LogitsProcessors,
+    MinTokensLogitsProcessor,
+)
 from tracevllm.sample.metadata import SamplingMetadata
 from tracevllm.sample.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
     RejectionSampler,
     accept_draft_tokens,
     rejection_sample,
+    sample_recovered_tokens,
 )
 from tracevllm.sample.sampler import Sampler
 from tracevllm.spec_decode.metadata import SpecDecodeMetadata
@@ -143,7 +151,6 @@ def _random_metadata(batch: int, generators: dict[int, torch.Generator]) -> Samp
         all_random=True,
         top_p=None,
         top_k=None,
-        min_p=None,
         generators=generators,
         max_num_logprobs=None,
     )
@@ -209,7 +216,6 @@ def test_rejection_sample_greedy_and_random_in_one_batch() -> None:
         all_random=False,
         top_p=None,
         top_k=None,
-        min_p=None,
         generators={},
         max_num_logprobs=None,
     )
@@ -217,9 +223,10 @@ def test_rejection_sample_greedy_and_random_in_one_batch() -> None:
         torch.tensor([1, 2, 0, 2], dtype=torch.int32),
         [2, 2],
         2,
+        torch.tensor([2, 4], dtype=torch.int32),
         None,
         target,
-        torch.tensor([9, 8]),
+        torch.tensor([[9], [8]]),
         md,
     )
     assert out.tolist() == [[1, 3, PLACEHOLDER_TOKEN_ID], [0, 2, 8]]
@@ -227,7 +234,7 @@ def test_rejection_sample_greedy_and_random_in_one_batch() -> None:
 
 def test_parse_output_drops_placeholders_and_discarded_rows() -> None:
     out = torch.tensor([[4, 5, -1], [6, -1, -1], [7, 8, 9]], dtype=torch.int32)
-    tokens, logprobs = RejectionSampler.parse_output(out, [2, 2, 2], discard_req_indices=[1])
+    tokens, logprobs = RejectionSampler.parse_output(out, 100, discard_req_indices=[1])
     assert tokens == [[4, 5], [], [7, 8, 9]]
     assert logprobs is None
 
@@ -244,7 +251,6 @@ def test_a_draft_counts_in_the_penalties_of_the_positions_after_it() -> None:
         all_random=False,
         top_p=None,
         top_k=None,
-        min_p=None,
         generators={},
         max_num_logprobs=None,
         no_penalties=False,
@@ -258,6 +264,275 @@ def test_a_draft_counts_in_the_penalties_of_the_positions_after_it() -> None:
     sampler = RejectionSampler(Sampler())
     out = sampler(_metadata([2], [1, 1]), None, row.expand(3, 4).clone(), md)
     assert out.sampled_token_ids.tolist() == [[1, 2, PLACEHOLDER_TOKEN_ID]]
+
+
+# ----------------------------------------------- called as vLLM 0.22.0's tests call it
+def test_make_dummy_is_vllms() -> None:
+    md = SpecDecodeMetadata.make_dummy([[1, 2, 3], [], [4, 5]], device="cpu")
+    assert md.draft_token_ids.tolist() == [1, 2, 3, 4, 5]
+    assert md.draft_token_ids.dtype == torch.int32
+    assert md.num_draft_tokens == [3, 0, 2] and md.max_spec_len == 3
+    assert md.cu_num_draft_tokens.tolist() == [3, 3, 5]
+    assert md.cu_num_sampled_tokens.tolist() == [4, 5, 8]
+    assert md.target_logits_indices.tolist() == [0] * 5
+    assert md.bonus_logits_indices.tolist() == [0] * 3
+    assert md.logits_indices.tolist() == [0] * 8
+
+
+def _target_then_bonus_logits(target: list[list[int]], bonus: list[int], vocab: int = 100):
+    """vLLM's test logits: row i's argmax is the i-th target token (100 vs
+    -100), then one row per request for its bonus; and make_dummy's metadata
+    pointed at them."""
+    rows = [t for tokens in target for t in tokens] + bonus
+    logits = torch.full((len(rows), vocab), -100.0)
+    logits[torch.arange(len(rows)), torch.tensor(rows)] = 100.0
+    num_target = len(rows) - len(bonus)
+    return logits, num_target
+
+
+@pytest.mark.parametrize(
+    "spec_tokens, target, bonus, expected",
+    [
+        ([[1, 2, 3]], [[1, 2, 3]], [4], [[1, 2, 3, 4]]),  # perfect match, then the bonus
+        ([[1, 2, 3]], [[1, 5, 3]], [4], [[1, 5, -1, -1]]),  # early mismatch
+        ([[1, 2], [3]], [[1, 2], [3]], [5, 4], [[1, 2, 5], [3, 4, -1]]),
+        ([[]], [[]], [5], [[5]]),  # no drafts: the bonus only
+        ([[1, 2, 3], [4, 5, 6]], [[1, 2, 7], [4, 8, 6]], [6, 9], [[1, 2, 7, -1], [4, 8, -1, -1]]),
+    ],
+)
+def test_greedy_rejection_sampler_as_vllms_tests_call_it(
+    spec_tokens: list[list[int]],
+    target: list[list[int]],
+    bonus: list[int],
+    expected: list[list[int]],
+) -> None:
+    """vLLM's tests/v1/sample/test_rejection_sampler.py calls: make_dummy, its
+    indices set, the sampler called with keywords; a real Sampler draws the
+    bonus token from the bonus rows."""
+    logits, num_target = _target_then_bonus_logits(target, bonus)
+    metadata = SpecDecodeMetadata.make_dummy(spec_tokens, device=logits.device)
+    metadata.target_logits_indices = torch.arange(num_target)
+    metadata.bonus_logits_indices = torch.arange(num_target, len(logits))
+    sampling_metadata = _vllm_sampling_metadata(all_greedy=True)
+    output = RejectionSampler(Sampler())(
+        metadata, draft_probs=None, logits=logits, sampling_metadata=sampling_metadata
+    )
+    assert torch.equal(output.sampled_token_ids, torch.tensor(expected, dtype=torch.int))
+
+
+def _vllm_sampling_metadata(
+    all_greedy: bool,
+    temperature: torch.Tensor | None = None,
+    generators: dict[int, torch.Generator] | None = None,
+    **kwargs: object,
+) -> SamplingMetadata:
+    """As vLLM's test helper builds one: every field by name."""
+    fields: dict[str, Any] = dict(
+        temperature=None if all_greedy else temperature,
+        all_greedy=all_greedy,
+        all_random=not all_greedy,
+        top_p=None,
+        top_k=None,
+        generators=generators or {},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.tensor([]),
+        presence_penalties=torch.tensor([]),
+        repetition_penalties=torch.tensor([]),
+        output_token_ids=[],
+        spec_token_ids=[],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+    )
+    return SamplingMetadata(**{**fields, **kwargs})
+
+
+def test_frequency_penalties_see_the_drafts_before_each_position() -> None:
+    """vLLM's test_frequency_penalties, with make_dummy's all-zero indices:
+    every row is row 0 (token 1 at 100, token 15 at 99). A penalty of 1.5 per
+    earlier 1 turns the pick to 15 after one 1; a penalty of 0.7, after two.
+    Here the bonus comes from a real Sampler (row 0 too): request 1, with no
+    drafts and no 1 in its past, takes 1."""
+    spec_tokens = [[1, 1, 1], [], [1, 1, 1]]
+    logits = torch.full((6, 100), -100.0)
+    logits[:, 1], logits[:, 15] = 100.0, 99.0
+    md = _vllm_sampling_metadata(
+        all_greedy=True,
+        no_penalties=False,
+        output_token_ids=[[2], [3], [4]],
+        spec_token_ids=spec_tokens,
+        prompt_token_ids=torch.tensor([[5, 6, 7], [6, 7, 8], [7, 8, 9]]),
+        frequency_penalties=torch.tensor([1.5, 1.5, 0.7]),
+        presence_penalties=torch.zeros(3),
+        repetition_penalties=torch.ones(3),
+    )
+    metadata = SpecDecodeMetadata.make_dummy(spec_tokens, device=logits.device)
+    output = RejectionSampler(Sampler())(
+        metadata, draft_probs=None, logits=logits, sampling_metadata=md
+    )
+    expected = [[1, 15, -1, -1], [1, -1, -1, -1], [1, 1, 15, -1]]
+    assert output.sampled_token_ids.tolist() == expected
+
+
+def test_the_bonus_token_comes_from_sampler_forward() -> None:
+    """As vLLM: the rejection sampler calls its sampler with
+    ``predict_bonus_token=True`` on the bonus rows; the penalties and
+    min-tokens there count the request's drafts as generated."""
+
+    class WatchedSampler(Sampler):
+        calls: list[tuple[int, bool]] = []
+
+        def forward(self, logits, sampling_metadata, predict_bonus_token=False):  # type: ignore[no-untyped-def, override]
+            self.calls.append((len(logits), predict_bonus_token))
+            return super().forward(logits, sampling_metadata, predict_bonus_token)
+
+    logits, num_target = _target_then_bonus_logits([[1, 2]], [4])
+    metadata = SpecDecodeMetadata.make_dummy([[1, 2]], device="cpu")
+    metadata.target_logits_indices = torch.arange(num_target)
+    metadata.bonus_logits_indices = torch.arange(num_target, len(logits))
+    sampler = WatchedSampler()
+    out = RejectionSampler(sampler)(metadata, None, logits, _vllm_sampling_metadata(True))
+    assert out.sampled_token_ids.tolist() == [[1, 2, 4]]
+    assert sampler.calls == [(1, True)]
+
+    # The bonus row alone: token 4 leads 5 by 0.5; a presence penalty of 1 on
+    # 4 applies only if the drafts (which hold a 4) count as generated.
+    row = torch.zeros(1, 8)
+    row[0, 4], row[0, 5] = 1.0, 0.5
+    md = _vllm_sampling_metadata(
+        all_greedy=True,
+        no_penalties=False,
+        output_token_ids=[[]],
+        spec_token_ids=[[4, 6]],
+        prompt_token_ids=torch.tensor([[7]]),
+        frequency_penalties=torch.zeros(1),
+        presence_penalties=torch.ones(1),
+        repetition_penalties=torch.ones(1),
+    )
+    bonus = Sampler()(row.clone(), md, predict_bonus_token=True).sampled_token_ids.tolist()
+    plain = Sampler()(row.clone(), md).sampled_token_ids.tolist()
+    assert (bonus, plain) == ([[5]], [[4]])
+    # Min-tokens 3 with one token out and two drafts: the bonus is the fourth
+    # token, EOS (4) is allowed; with min-tokens 4 it is not.
+    for min_tokens, expected in ((3, 4), (4, 5)):
+        md = _vllm_sampling_metadata(
+            all_greedy=True,
+            output_token_ids=[[9]],
+            spec_token_ids=[[6, 6]],
+            logitsprocs=LogitsProcessors([MinTokensLogitsProcessor({0: (min_tokens, [9], {4})})]),
+        )
+        out = Sampler()(row.clone(), md, predict_bonus_token=True).sampled_token_ids
+        assert out.item() == expected
+
+
+def test_logit_bias_applies_at_every_draft_position() -> None:
+    """Every row favours token 1 (100) over 15 (99); a +5 bias on 15 for
+    request 0 makes the target pick 15 at its first draft position (so the
+    draft 1 is rejected) and at its bonus; request 1 has no bias."""
+    logits = torch.full((6, 100), -100.0)
+    logits[:, 1], logits[:, 15] = 100.0, 99.0
+    metadata = SpecDecodeMetadata.make_dummy([[1, 1], [1, 1]], device="cpu")
+    metadata.target_logits_indices = torch.tensor([0, 1, 3, 4])
+    metadata.bonus_logits_indices = torch.tensor([2, 5])
+    md = _vllm_sampling_metadata(
+        all_greedy=True,
+        logitsprocs=LogitsProcessors([LogitBiasLogitsProcessor({0: {15: 5.0}})]),
+    )
+    out = RejectionSampler(Sampler())(metadata, None, logits, md)
+    assert out.sampled_token_ids.tolist() == [[15, -1, -1], [1, 1, 1]]
+
+
+def _slow_recovered_tokens(
+    num_draft_tokens: list[int],
+    draft_token_ids: torch.Tensor,  # [num_tokens]
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generators: dict[int, torch.Generator],
+) -> list[int]:
+    """The recovered-token rule one position at a time: argmax over the
+    vocabulary of max(p - q, 0) / E, with E the request's exponential row."""
+    vocab = target_probs.shape[1]
+    out = []
+    pos = 0
+    for req, n in enumerate(num_draft_tokens):
+        e = torch.empty(vocab).exponential_(generator=generators[req])
+        for _ in range(n):
+            prob = target_probs[pos].clone()
+            if draft_probs is None:
+                prob[int(draft_token_ids[pos])] = 0.0
+            else:
+                prob = (prob - draft_probs[pos]).clamp_min(0.0)
+            out.append(int((prob / e).argmax()))
+            pos += 1
+    return out
+
+
+@pytest.mark.parametrize("no_draft_probs", [True, False])
+@pytest.mark.parametrize("shape", ["flat", "column"])
+def test_sample_recovered_tokens_takes_vllms_arguments(no_draft_probs: bool, shape: str) -> None:
+    """``sample_recovered_tokens(max_spec_len, num_draft_tokens,
+    cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs,
+    sampling_metadata, device)`` as vLLM's test calls it (draft ids as
+    [num_tokens, 1] int32 there): the result has the draft ids' shape and
+    dtype, and every request seeded gives the slow rule's tokens."""
+    num_draft_tokens, vocab = [3, 0, 2, 1], 300
+    num_tokens = sum(num_draft_tokens)
+    gen = torch.Generator().manual_seed(0)
+    draft_probs = torch.rand(num_tokens, vocab, generator=gen).softmax(-1)
+    target_probs = torch.rand(num_tokens, vocab, generator=gen).softmax(-1)
+    draft_ids = torch.multinomial(draft_probs, 1, generator=gen).to(torch.int32)
+    if shape == "flat":
+        draft_ids = draft_ids.squeeze(1)
+    metadata = SpecDecodeMetadata.make_dummy([[0] * n for n in num_draft_tokens], "cpu")
+
+    def seeded() -> dict[int, torch.Generator]:
+        return {i: torch.Generator().manual_seed(100 + i) for i in range(len(num_draft_tokens))}
+
+    md = _vllm_sampling_metadata(False, torch.ones(4), generators=seeded())
+    recovered = sample_recovered_tokens(
+        metadata.max_spec_len,
+        metadata.num_draft_tokens,
+        metadata.cu_num_draft_tokens,
+        draft_ids,
+        None if no_draft_probs else draft_probs,
+        target_probs,
+        md,
+        device="cpu",
+    )
+    assert recovered.shape == draft_ids.shape and recovered.dtype == torch.int32
+    expected = _slow_recovered_tokens(
+        num_draft_tokens,
+        draft_ids.reshape(-1),
+        None if no_draft_probs else draft_probs,
+        target_probs,
+        seeded(),
+    )
+    assert recovered.reshape(-1).tolist() == expected
+
+
+def test_seeded_requests_are_deterministic_as_vllms_test_checks() -> None:
+    """vLLM's test_deterministic_when_seeded: a seeded request's output is the
+    same every run, whatever the unseeded ones draw."""
+    batch, k, vocab = 4, 3, 50
+    gen = torch.Generator().manual_seed(3)
+    draft_probs = torch.rand(batch * k, vocab, generator=gen).softmax(-1)
+    logits = torch.rand(batch * k + batch, vocab, generator=gen)
+    drafts = torch.randint(0, vocab, (batch, k), generator=gen).tolist()
+    results = []
+    for rep in range(5):
+        torch.manual_seed(rep)  # the unseeded requests' noise changes
+        generators = {i: torch.Generator().manual_seed(i) for i in (0, 2)}
+        md = _vllm_sampling_metadata(False, torch.ones(batch), generators=generators)
+        metadata = _metadata([k] * batch, [t for d in drafts for t in d])
+        out = RejectionSampler(Sampler())(
+            metadata, draft_probs=draft_probs, logits=logits, sampling_metadata=md
+        )
+        results.append(out.sampled_token_ids)
+    for r in results[1:]:
+        assert torch.equal(r[0], results[0][0]) and torch.equal(r[2], results[0][2])
+    assert any(not torch.equal(r[1], results[0][1]) for r in results[1:])
 
 
 def test_spec_decode_metadata_indices(tmp_path: object) -> None:

@@ -5,21 +5,29 @@ Mirrors vllm/sampling_params.py (``SamplingParams``, ``SamplingType``,
 presence/frequency/repetition penalties, temperature, top_p, top_k, min_p,
 seed, stop/stop_token_ids, ignore_eos, max_tokens/min_tokens, logprobs,
 skip_special_tokens, include_stop_str_in_output, output_kind,
-structured_outputs. Left out: logit bias, allowed/bad words, prompt logprobs,
+structured_outputs, logit_bias. Left out: allowed/bad words, prompt logprobs,
 beam search; of structured outputs, structural tags, Lark grammars and the
 guidance/outlines backends. Like vLLM's, it is a msgspec Struct, so it
 crosses the process boundary inside ``EngineCoreRequest`` as msgpack without
 pickling.
+
+Validation goes further than vLLM's: every field's type; every float as the
+sampler will hold it, a float32 (vLLM checks the Python float, so a
+temperature of 1e308 passes and becomes inf); a logit bias outside
+[-100, 100] is refused (vLLM's ``from_optional`` clamps it).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import struct
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+from tracevllm.exceptions import VLLMValidationError
 
 if TYPE_CHECKING:
     from tracevllm.config import ModelConfig
@@ -33,6 +41,10 @@ MAX_N_SEQUENCES = 16384
 # What a msgpack integer on the wire carries (vLLM's OpenAI layer bounds seed
 # the same way): a larger int would fail to encode after the request was accepted.
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# The largest float32: the sampler's tensors are float32.
+_FLOAT32_MAX = 3.4028234663852886e38
+# OpenAI's bounds on a logit bias.
+_MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(IntEnum):
@@ -85,7 +97,10 @@ class _TypeChecked:
                     f"{name} must be {_type_name(field.type)}, got "
                     f"{type(value).__name__} {value!r} ({e})."
                 ) from None
-            for item in value if isinstance(value, list) else (value,):
+            items = value if isinstance(value, list) else (value,)
+            if isinstance(value, dict):
+                items = [*value.keys(), *value.values()]
+            for item in items:
                 if isinstance(item, float) and math.isnan(item):
                     raise ValueError(f"{name} must be a number, got NaN.")
                 if isinstance(item, int) and not _INT64_MIN <= item <= _INT64_MAX:
@@ -196,6 +211,8 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrain the output to a JSON schema, regex, choice or grammar.
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> added to its logit, in [-100, 100] (a logits processor).
+    logit_bias: dict[int, float] | None = None
     # Characters held back from streamed text so a stop string is never shown
     # half-way (set from ``stop``).
     output_text_buffer_length: int = 0
@@ -256,10 +273,26 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         # vLLM lets infinity through these two; here it would turn logits into
-        # NaN (logits / inf, -inf * inf), so they must be finite.
+        # NaN (logits / inf, -inf * inf), so they must be finite: as float32,
+        # the sampler's dtype, where 1e308 is inf. The other floats have
+        # ranges well inside float32.
         for name in ("temperature", "repetition_penalty"):
-            if math.isinf(getattr(self, name)):
-                raise ValueError(f"{name} must be finite, got {getattr(self, name)}.")
+            value = getattr(self, name)
+            if math.isinf(_float32(value)):
+                raise VLLMValidationError(
+                    f"{name} must be finite as a float32 (the sampler's dtype: at most "
+                    f"{_FLOAT32_MAX:.7g}), got {value}.",
+                    parameter=name,
+                    value=value,
+                )
+        if _float32(self.repetition_penalty) == 0.0:
+            # Positive logits are divided by it.
+            raise VLLMValidationError(
+                f"repetition_penalty must be greater than zero as a float32 (the sampler's "
+                f"dtype: at least 1.4e-45), got {self.repetition_penalty}.",
+                parameter="repetition_penalty",
+                value=self.repetition_penalty,
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:
@@ -289,6 +322,13 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
             raise ValueError("stop cannot contain an empty string.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+                raise VLLMValidationError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}.",
+                    parameter="logit_bias",
+                    value=bias,
+                )
         if self.temperature < _SAMPLING_EPS and self.n > 1:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
@@ -316,6 +356,7 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
                 f"stop_token_ids {bad} are out of the vocabulary: token ids must be in "
                 f"[0, {vocab_size - 1}]."
             )
+        self._validate_logit_bias(vocab_size)
         if self.structured_outputs is not None:
             self.structured_outputs.__post_init__()  # set after construction?
             # Compiled once here, without the tokenizer, so that a schema
@@ -332,6 +373,19 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    def _validate_logit_bias(self, vocab_size: int) -> None:
+        """Every biased token id in the vocabulary (vLLM's, with its message)."""
+        if not self.logit_bias:
+            return
+        invalid_token_ids = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+        if invalid_token_ids:
+            raise VLLMValidationError(
+                f"token_id(s) {invalid_token_ids} in logit_bias contain out-of-vocab token "
+                f"ids. Vocabulary size: {vocab_size}",
+                parameter="logit_bias",
+                value=invalid_token_ids,
+            )
 
     @property
     def all_stop_token_ids(self) -> set[int]:
@@ -373,6 +427,11 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+def _float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (inf past its range, 0 below it)."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _type_name(tp: Any) -> str:

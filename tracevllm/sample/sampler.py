@@ -2,19 +2,27 @@
 
 Mirrors vllm/v1/sample/sampler.py (``Sampler``) with its default
 ``logprobs_mode="raw_logprobs"``: logprobs are those of the model's raw
-distribution, before penalties, temperature and filtering. vLLM's two
-built-in logits processors that can change a greedy pick are plain steps
-here: min-tokens (``apply_min_tokens``) and min-p (in ``sample``). Left out:
-logit bias, allowed/bad words, custom logits processors, prompt logprobs,
-the rejection sampler.
+distribution, before the logits processors, penalties, temperature and
+filtering. The order is vLLM's: float32, the logits processors that can
+change a greedy pick (min-tokens, logit bias), the penalties, greedy, the
+temperature, the argmax-invariant ones (min-p), top-k/top-p, the draw.
+``forward(predict_bonus_token=True)`` samples the bonus token for the
+rejection sampler, as vLLM's does: the penalties then count the request's
+drafts as generated (and so does min-tokens here; see
+logits_processor/builtin.py). Left out: the other logprobs modes (so
+``logprobs_mode_override``), logprobs of chosen token ids, allowed/bad words,
+the thinking budget.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
 
 from tracevllm import tracing
+from tracevllm.sample.logits_processor import MinTokensLogitsProcessor
 from tracevllm.sample.metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
 from tracevllm.sample.ops.penalties import apply_all_penalties
 from tracevllm.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
@@ -24,18 +32,27 @@ _SAMPLING_EPS = 1e-5
 
 
 class Sampler(nn.Module):
+    def __init__(self, logprobs_mode: Literal["raw_logprobs"] = "raw_logprobs") -> None:
+        super().__init__()
+        if logprobs_mode != "raw_logprobs":
+            raise NotImplementedError(f"logprobs_mode {logprobs_mode!r}: tracevllm leaves it out.")
+        self.logprobs_mode = logprobs_mode
+
     # --8<-- [start:sampler_forward]
     @tracing.instrument("Sampler.forward")
-    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
-        """``logits``: [num_reqs, vocab_size], one row per request in batch order."""
+    def forward(
+        self,
+        logits: torch.Tensor,  # [num_reqs, vocab_size], one row per request in batch order
+        sampling_metadata: SamplingMetadata,
+        predict_bonus_token: bool = False,
+    ) -> SamplerOutput:
         num_logprobs = sampling_metadata.max_num_logprobs
-        # Logprobs come from the raw logits, before penalties, temperature and filtering.
+        # Logprobs come from the raw logits, before processors, penalties and temperature.
         raw_logprobs = self.compute_logprobs(logits) if num_logprobs is not None else None
         logits = logits.to(torch.float32)
-        # vLLM's non-argmax-invariant logits processors (here min-tokens), then penalties.
-        logits = self.apply_min_tokens(logits, sampling_metadata)
-        logits = self.apply_penalties(logits, sampling_metadata)
-        sampled = self.sample(logits, sampling_metadata)  # [num_reqs], int64
+        logits = self.apply_logits_processors(logits, sampling_metadata, predict_bonus_token)
+        sampled, _ = self.sample(logits, sampling_metadata)
+        sampled = sampled.long()  # [num_reqs]
         logprobs_tensors = None
         if raw_logprobs is not None and num_logprobs is not None:
             logprobs_tensors = self.gather_logprobs(raw_logprobs, num_logprobs, sampled)
@@ -46,28 +63,37 @@ class Sampler(nn.Module):
 
     # --8<-- [end:sampler_forward]
 
-    @staticmethod
-    def apply_min_tokens(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        """Forbid stop tokens (EOS included) to a request still short of ``min_tokens``.
+    def apply_logits_processors(
+        self,
+        logits: torch.Tensor,  # [num_reqs, vocab_size]
+        sampling_metadata: SamplingMetadata,
+        predict_bonus_token: bool,
+    ) -> torch.Tensor:
+        """The processors that can change a greedy pick, then the penalties.
 
-        vLLM's ``MinTokensLogitsProcessor.apply``: their logits become -inf, so
-        not even greedy can pick them, and the request runs on.
+        For a bonus token the request's drafts come before it: they count as
+        generated tokens.
         """
-        if not sampling_metadata.min_tokens:
-            return logits
-        rows: list[int] = []
-        token_ids: list[int] = []
-        for row, (_, stop_token_ids) in sampling_metadata.min_tokens.items():
-            rows += [row] * len(stop_token_ids)
-            token_ids += stop_token_ids
-        index = (
-            torch.tensor(rows, device=logits.device),
-            torch.tensor(token_ids, device=logits.device),
-        )
-        return logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+        md = sampling_metadata
+        spec_token_ids = md.spec_token_ids if predict_bonus_token else None
+        output_token_ids = md.output_token_ids
+        if spec_token_ids is not None and not md.no_penalties:
+            output_token_ids = self._combine_outputs_with_spec_tokens(
+                output_token_ids, spec_token_ids
+            )
+        for processor in md.logitsprocs.non_argmax_invariant:
+            if spec_token_ids is not None and isinstance(processor, MinTokensLogitsProcessor):
+                logits = processor.apply_to_bonus(logits, [len(s) for s in spec_token_ids])
+            else:
+                logits = processor.apply(logits)
+        return self.apply_penalties(logits, md, output_token_ids)
 
     @staticmethod
-    def apply_penalties(logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
+    def apply_penalties(
+        logits: torch.Tensor,  # [num_reqs, vocab_size]
+        sampling_metadata: SamplingMetadata,
+        output_token_ids: list[list[int]],
+    ) -> torch.Tensor:
         """Repetition, frequency and presence penalties, before any sampling (greedy too)."""
         md = sampling_metadata
         if md.no_penalties:
@@ -81,26 +107,47 @@ class Sampler(nn.Module):
             md.presence_penalties,
             md.frequency_penalties,
             md.repetition_penalties,
-            md.output_token_ids,
+            output_token_ids,
         )
 
-    def sample(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> torch.Tensor:
-        """Greedy rows take the argmax; the others are scaled, filtered and drawn."""
+    @staticmethod
+    def _combine_outputs_with_spec_tokens(
+        output_token_ids: list[list[int]], spec_token_ids: list[list[int]] | None = None
+    ) -> list[list[int]]:
+        if spec_token_ids is None:
+            return output_token_ids
+        return [
+            [*out, *spec] if spec else out for out, spec in zip(output_token_ids, spec_token_ids)
+        ]
+
+    @staticmethod
+    def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+        return logits.argmax(dim=-1).view(-1)
+
+    def sample(
+        self, logits: torch.Tensor, sampling_metadata: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy rows take the argmax; the others are scaled, filtered and drawn.
+
+        Returns the tokens ([num_reqs]) and, as vLLM's, processed logprobs:
+        always None here (the processed-logprobs modes are left out).
+        """
         md = sampling_metadata
-        greedy_sampled = None if md.all_random else logits.argmax(dim=-1).view(-1)
+        assert not (md.all_greedy and md.all_random)
+        greedy_sampled = None if md.all_random else self.greedy_sample(logits)
         if md.all_greedy:
             assert greedy_sampled is not None
-            return greedy_sampled
+            return greedy_sampled, None
         assert md.temperature is not None
         logits = self.apply_temperature(logits, md.temperature, md.all_random)
-        if md.min_p is not None:
-            logits = self.apply_min_p(logits, md.min_p)
+        for processor in md.logitsprocs.argmax_invariant:  # min-p
+            logits = processor.apply(logits)
         logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
         probs = logits.softmax(dim=-1, dtype=torch.float32)  # [num_reqs, vocab_size]
         random_sampled = random_sample(probs, md.generators)  # [num_reqs]
         if greedy_sampled is None:
-            return random_sampled
-        return torch.where(md.temperature < _SAMPLING_EPS, greedy_sampled, random_sampled)
+            return random_sampled, None
+        return torch.where(md.temperature < _SAMPLING_EPS, greedy_sampled, random_sampled), None
 
     @staticmethod
     def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -116,24 +163,18 @@ class Sampler(nn.Module):
         return logits.div_(temp.unsqueeze(dim=1))
 
     @staticmethod
-    def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-        """Drop tokens whose probability is below ``min_p`` times the top one's."""
-        probs = logits.softmax(dim=-1)  # [num_reqs, vocab_size]
-        max_probs = probs.amax(dim=-1, keepdim=True)  # [num_reqs, 1]
-        return logits.masked_fill_(probs < max_probs * min_p.unsqueeze(1), float("-inf"))
-
-    @staticmethod
     def gather_logprobs(
-        logprobs: torch.Tensor,  # [num_reqs, vocab_size]
+        logprobs: torch.Tensor,  # [num_tokens, vocab_size]
         num_logprobs: int,
-        token_ids: torch.Tensor,  # [num_reqs], int64: the sampled tokens
+        token_ids: torch.Tensor,  # [num_tokens], int64: the sampled tokens
     ) -> LogprobsTensors:
         """The sampled token's logprob and rank, then the top ``num_logprobs``."""
+        assert token_ids.dtype == torch.int64
         topk_logprobs, topk_indices = torch.topk(logprobs, num_logprobs, dim=-1)
-        token_ids = token_ids.unsqueeze(-1)  # [num_reqs, 1]
-        token_logprobs = logprobs.gather(-1, token_ids)  # [num_reqs, 1]
+        token_ids = token_ids.unsqueeze(-1)  # [num_tokens, 1]
+        token_logprobs = logprobs.gather(-1, token_ids)  # [num_tokens, 1]
         # Tokens at least as likely, itself included: rank 1 = the most likely.
-        ranks = (logprobs >= token_logprobs).sum(-1)  # [num_reqs]
-        indices = torch.cat((token_ids, topk_indices), dim=1)  # [num_reqs, num_logprobs + 1]
-        values = torch.cat((token_logprobs, topk_logprobs), dim=1)  # [num_reqs, num_logprobs + 1]
+        ranks = (logprobs >= token_logprobs).sum(-1)  # [num_tokens]
+        indices = torch.cat((token_ids, topk_indices), dim=1)  # [num_tokens, num_logprobs + 1]
+        values = torch.cat((token_logprobs, topk_logprobs), dim=1)  # [num_tokens, num_logprobs + 1]
         return LogprobsTensors(indices.to(torch.int32), values, ranks)

@@ -25,8 +25,12 @@ its cache stays in step with the target's:
 
 A request in a partial prefill only runs pass 1 (for its KV) and gets no
 drafts; neither does one whose drafts would pass the draft's
-``max_model_len``. Left out: CUDA graphs, the padded batch and its Triton
-kernels, draft tensor parallelism, parallel drafting, EAGLE's hidden states.
+``max_model_len``. That limit is per request here; vLLM's is batch-wide
+(``input_fits_in_drafter`` in gpu_model_runner.py: when the longest request
+plus k would pass it, no request drafts that step), so near the limit
+tracevllm drafts for the requests that still fit. Left out: CUDA graphs, the
+padded batch and its Triton kernels, draft tensor parallelism, parallel
+drafting, EAGLE's hidden states.
 """
 
 from __future__ import annotations

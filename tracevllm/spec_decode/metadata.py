@@ -1,14 +1,16 @@
 """Where a step's draft tokens sit in the flat batch, and where their logits are.
 
 Mirrors vllm/v1/spec_decode/metadata.py (``SpecDecodeMetadata``), made by
-``ModelRunner._calc_spec_decode_metadata``. Left out: ``make_dummy`` (for
-profiling runs, which tracevllm has none of).
+``ModelRunner._calc_spec_decode_metadata``, or by ``make_dummy`` (vLLM's, for
+its profiling runs and tests: the drafts and their counts are real, every
+index is 0).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -35,3 +37,25 @@ class SpecDecodeMetadata:
 
     def __post_init__(self) -> None:
         self.max_spec_len = max(self.num_draft_tokens)
+
+    @classmethod
+    def make_dummy(
+        cls, draft_token_ids: list[list[int]], device: torch.device | str
+    ) -> SpecDecodeMetadata:
+        """Metadata for the given drafts per request, with every logits index 0."""
+        batch_size = len(draft_token_ids)
+        num_draft_tokens = [len(ids) for ids in draft_token_ids]
+        num_tokens = sum(num_draft_tokens)
+
+        def int32(values: list[int] | np.ndarray) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(values, dtype=np.int32), device=device)
+
+        return cls(
+            draft_token_ids=int32([t for ids in draft_token_ids for t in ids]),
+            num_draft_tokens=num_draft_tokens,
+            cu_num_draft_tokens=int32(np.cumsum(num_draft_tokens)),
+            cu_num_sampled_tokens=int32(np.cumsum([n + 1 for n in num_draft_tokens])),
+            target_logits_indices=int32(np.zeros(num_tokens)),
+            bonus_logits_indices=int32(np.zeros(batch_size)),
+            logits_indices=int32(np.zeros(num_tokens + batch_size)),
+        )

@@ -7,11 +7,12 @@ rows and only edits what changed: new requests take the lowest free row,
 finished ones leave a hole, and ``condense`` moves rows from the end into the
 holes so that rows ``0 .. num_reqs-1`` are the batch.
 
-Left out: logit bias, bad words, allowed token ids, logits
-processors (min-p, a logits processor in vLLM, is a plain per-row value here),
-prompt embeddings, spec-decode token ids, LoRA, pooling, multimodal. vLLM
-rebuilds ``SamplingMetadata`` only when the batch changed; here it is rebuilt
-each step (a few small tensors).
+Left out: bad words, allowed token ids, custom logits processors, prompt
+embeddings, spec-decode token ids, LoRA, pooling, multimodal. vLLM
+rebuilds ``SamplingMetadata`` only when the batch changed, and hands its
+logits processors each change (``BatchUpdate``); here it is rebuilt each
+step (a few small tensors), the built-in processors with it, from the rows'
+min-tokens, logit bias and min-p.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from tracevllm.sample.logits_processor import (
+    LogitBiasLogitsProcessor,
+    LogitsProcessors,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 from tracevllm.sample.metadata import SamplingMetadata
 from tracevllm.sampling_params import SamplingParams, SamplingType
 from tracevllm.worker.block_table import BlockTable
@@ -106,6 +113,8 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         # row -> (min_tokens, stop token ids) of requests with min_tokens > 0.
         self.min_tokens: dict[int, tuple[int, set[int]]] = {}
+        # row -> {token id: bias} of requests with a logit_bias.
+        self.logit_bias: dict[int, dict[int, float]] = {}
         # req_id -> number of top logprobs asked for.
         self.num_logprobs: dict[str, int] = {}
 
@@ -171,6 +180,8 @@ class InputBatch:
             self.repetition_penalties_reqs.add(req_id)
         if params.min_tokens > 0 and params.all_stop_token_ids:
             self.min_tokens[req_index] = (params.min_tokens, set(params.all_stop_token_ids))
+        if params.logit_bias:
+            self.logit_bias[req_index] = params.logit_bias
         if request.generator is not None:
             self.generators[req_index] = request.generator
         if params.logprobs is not None:
@@ -263,7 +274,7 @@ class InputBatch:
     @property
     def _row_keyed(self) -> tuple[dict[int, Any], ...]:
         """The knobs kept only for the rows that use them, keyed by row: they move with it."""
-        return (self.generators, self.min_tokens)
+        return (self.generators, self.min_tokens, self.logit_bias)
 
     @property
     def all_greedy(self) -> bool:
@@ -299,7 +310,6 @@ class InputBatch:
             all_random=self.all_random,
             top_p=rows(self.top_p_cpu) if self.top_p_reqs else None,
             top_k=rows(self.top_k_cpu) if self.top_k_reqs else None,
-            min_p=rows(self.min_p_cpu) if self.min_p_reqs else None,
             generators=dict(self.generators),
             max_num_logprobs=self.max_num_logprobs,
             no_penalties=no_penalties,
@@ -308,11 +318,21 @@ class InputBatch:
             presence_penalties=None if no_penalties else rows(self.presence_penalties_cpu),
             repetition_penalties=None if no_penalties else rows(self.repetition_penalties_cpu),
             output_token_ids=[] if no_penalties else self.req_output_token_ids[:n],  # type: ignore[arg-type]
-            min_tokens={
-                row: (min_tokens, stop_token_ids)
-                for row, (min_tokens, stop_token_ids) in self.min_tokens.items()
-                if len(self.req_output_token_ids[row] or ()) < min_tokens
-            },
+            # vLLM's order: min-tokens, logit bias (these two before the
+            # penalties), min-p (after the temperature).
+            logitsprocs=LogitsProcessors(
+                (
+                    MinTokensLogitsProcessor(
+                        {
+                            row: (min_tokens, self.req_output_token_ids[row] or [], stop_ids)
+                            for row, (min_tokens, stop_ids) in self.min_tokens.items()
+                        },
+                        self.device,
+                    ),
+                    LogitBiasLogitsProcessor(self.logit_bias, self.device),
+                    MinPLogitsProcessor(rows(self.min_p_cpu) if self.min_p_reqs else None),
+                )
+            ),
         )
 
     def _make_prompt_token_ids_tensor(self) -> torch.Tensor:

@@ -505,7 +505,7 @@ class ModelRunner:
         )
         return RejectionSampler.parse_output(
             sampler_output.sampled_token_ids,
-            metadata.num_draft_tokens,
+            self.vocab_size,
             state.discard_request_indices.tolist(),
             sampler_output.logprobs_tensors,
         )

@@ -1,8 +1,12 @@
 """Top-k / top-p filtering and the sampling draw.
 
-Mirrors vllm/v1/sample/ops/topk_topp_sampler.py (``apply_top_k_top_p`` on its
-PyTorch path, ``apply_top_k_only``, ``random_sample``). Left out: the
-FlashInfer, Triton, ROCm and XPU paths, and returning processed logprobs.
+Mirrors vllm/v1/sample/ops/topk_topp_sampler.py (``apply_top_k_top_p``,
+``apply_top_k_top_p_pytorch``, ``apply_top_k_only``, ``random_sample``).
+``apply_top_k_top_p`` dispatches as vLLM's does, minus the Triton kernel
+vLLM takes on a GPU for batches of 8 or more: every batch goes to the
+PyTorch path, which may sync with the CPU (``allow_cpu_sync``, top-k without a
+sort) on a CPU only. Left out: the ``TopKTopPSampler`` module with its
+FlashInfer, ROCm and XPU paths, and returning processed logprobs.
 """
 
 from __future__ import annotations
@@ -19,27 +23,38 @@ def apply_top_k_top_p(
     k: torch.Tensor | None,  # [num_reqs]; vocab_size = no top-k
     p: torch.Tensor | None,  # [num_reqs]; 1.0 = no top-p
 ) -> torch.Tensor:
-    """Set logits outside the top-k / top-p nucleus to -inf (in place).
-
-    Sort ascending once; top-k masks everything below the k-th largest value
-    (ties with it survive), top-p masks the low tail whose probability mass is
-    at most 1 - p. The largest logit always survives.
-    """
-    if k is None and p is None:
+    """Set logits outside the top-k / top-p nucleus to -inf (in place)."""
+    if p is None and k is None:
         return logits
+    # A GPU->CPU sync stalls the GPU; on a CPU it costs nothing.
+    return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=logits.device.type == "cpu")
+
+
+def apply_top_k_top_p_pytorch(
+    logits: torch.Tensor,  # [num_reqs, vocab_size]
+    k: torch.Tensor | None,  # [num_reqs]
+    p: torch.Tensor | None,  # [num_reqs]
+    allow_cpu_sync: bool = False,
+) -> torch.Tensor:
+    """Sort ascending once; top-k masks everything below the k-th largest
+    value (ties with it survive), top-p masks the low tail whose probability
+    mass is at most 1 - p. The largest logit always survives."""
     if p is None:
-        assert k is not None
-        return apply_top_k_only(logits, k)
+        if k is None:
+            return logits
+        if allow_cpu_sync:
+            return apply_top_k_only(logits, k)  # no sort of the whole vocabulary
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)  # [num_reqs, vocab_size]
     if k is not None:
         kth = logits_sort.size(1) - k.to(torch.long)  # [num_reqs]: column of the k-th largest
         kth_value = logits_sort.gather(1, kth.unsqueeze(1))  # [num_reqs, 1]
         logits_sort.masked_fill_(logits_sort < kth_value, float("-inf"))
-    probs_sort = logits_sort.softmax(dim=-1)  # [num_reqs, vocab_size]
-    probs_sum = torch.cumsum(probs_sort, dim=-1)  # [num_reqs, vocab_size]
-    top_p_mask = probs_sum <= 1 - p.unsqueeze(1)  # [num_reqs, vocab_size]
-    top_p_mask[:, -1] = False  # keep at least one
-    logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    if p is not None:
+        probs_sort = logits_sort.softmax(dim=-1)  # [num_reqs, vocab_size]
+        probs_sum = torch.cumsum(probs_sort, dim=-1)  # [num_reqs, vocab_size]
+        top_p_mask = probs_sum <= 1 - p.unsqueeze(1)  # [num_reqs, vocab_size]
+        top_p_mask[:, -1] = False  # keep at least one
+        logits_sort.masked_fill_(top_p_mask, float("-inf"))
     # Undo the sort.
     return logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
 
