@@ -73,7 +73,8 @@ def check_kv_accounting(core: Any) -> None:
     mgr = sched.kv_cache_manager
     for req in sched.running:
         assert req.num_computed_tokens <= req.num_tokens
-        assert len(mgr.req_to_blocks[req.request_id]) * mgr.block_size >= req.num_computed_tokens
+        num_blocks = len(mgr.get_block_ids(req.request_id)[0])
+        assert num_blocks * sched.block_size >= req.num_computed_tokens
 
 
 class StepChecker:
@@ -154,6 +155,7 @@ def test_lossless_with_chunks_prefix_hits_and_preemption(
         speculative_config=spec,
         max_num_batched_tokens=16,
         num_gpu_blocks_override=12,
+        max_model_len=12 * 16,  # what 12 blocks hold: a smaller pool refuses to start
     ) as llm:
         checker = StepChecker(_engine_core(llm))
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -492,12 +494,13 @@ def test_a_request_whose_drafts_cannot_fit_the_cache_is_refused(tied_dir: str) -
     would wait forever: it is refused at the entry."""
     prompt = {"prompt_token_ids": list(range(100, 120))}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with _llm(tied_dir, num_gpu_blocks_override=3) as llm:
+    small = {"num_gpu_blocks_override": 3, "max_model_len": 3 * 16}  # what 3 blocks hold
+    with _llm(tied_dir, **small) as llm:
         plain = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(plain) == 12
-    with _llm(tied_dir, num_gpu_blocks_override=3, speculative_config=NGRAM) as llm:
+    with _llm(tied_dir, **small, speculative_config=NGRAM) as llm:
         assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == plain
-    with _llm(tied_dir, num_gpu_blocks_override=3, speculative_config=_draft(tied_dir)) as llm:
+    with _llm(tied_dir, **small, speculative_config=_draft(tied_dir)) as llm:
         with pytest.raises(ValueError, match="needs up to 3 KV cache blocks"):
             llm.generate(prompt, params, use_tqdm=False)
         short = SamplingParams(temperature=0.0, max_tokens=12 - K, ignore_eos=True)
