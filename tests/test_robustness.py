@@ -389,6 +389,33 @@ def test_dead_engine_says_what_happened(tiny_model_dir: str) -> None:
     llm.shutdown()
 
 
+def test_dead_engine_ends_the_request_spans_with_error(tiny_model_dir: str) -> None:
+    """SIGKILL under a running generate: each request's llm_request span ends
+    with status ERROR and the error on it (it was left open)."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    exporter = InMemorySpanExporter()
+    with LLM(model=tiny_model_dir, num_gpu_blocks_override=64, trace_detail="request",
+             enable_multiprocessing=True) as llm:  # fmt: skip
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        pid = llm.llm_engine.engine_core.engine_pid
+        timer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
+        timer.start()
+        long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        with pytest.raises(EngineDeadError):
+            llm.generate(["one", "two"], long, use_tqdm=False)
+        timer.join()
+        spans = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
+    assert len(spans) == 2
+    for span in spans:
+        assert span.status.status_code == StatusCode.ERROR
+        assert [ev.name for ev in span.events] == ["exception"]
+
+
 @pytest.mark.parametrize("mp", [True, False])
 def test_generate_after_shutdown_says_so(tiny_model_dir: str, mp: bool) -> None:
     llm = LLM(

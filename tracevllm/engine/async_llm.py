@@ -19,6 +19,7 @@ that loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
@@ -29,7 +30,7 @@ from tracevllm.config import ModelConfig, VllmConfig
 from tracevllm.engine import EngineCoreRequest
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.engine.core_client import AsyncMPClient, EngineCoreClient
-from tracevllm.engine.exceptions import EngineDeadError
+from tracevllm.engine.exceptions import EngineDeadError, EngineGenerateError
 from tracevllm.engine.input_processor import InputProcessor, PromptType, request_prompt_text
 from tracevllm.engine.llm_engine import load_tokenizer
 from tracevllm.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -39,7 +40,7 @@ from tracevllm.metrics.stats import IterationStats
 from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import SamplingParams
 from tracevllm.tracing import records
-from tracevllm.tracing.request_span import LLMRequestSpan, llm_request_span
+from tracevllm.tracing.request_span import llm_request_span, record_request_error
 
 logger = logging.getLogger(__name__)
 
@@ -125,66 +126,62 @@ class AsyncLLM:
         priority: int = 0,
     ) -> RequestOutputCollector:
         """Validate, register and send one request; its outputs will come to
-        the returned collector (for n > 1: all n children's)."""
+        the returned collector (for n > 1: all n children's).
+
+        With tracing on, the request's ``llm_request`` span starts here and
+        its context travels in ``trace_headers``.
+        """
         if self.errored:
-            raise self.dead_error
+            raise EngineDeadError()
         arrival_time = arrival_time if arrival_time is not None else time.time()
         n = params.n if isinstance(params, SamplingParams) else 1
-        with llm_request_span(request_id, arrival_time, n, trace_headers) as (span, headers):
-            return await self._add_request(
-                request_id, prompt, params, arrival_time, headers, priority, span
+        with llm_request_span(request_id, arrival_time, n, trace_headers) as trace_headers:
+            request = self.input_processor.process_inputs(
+                request_id, prompt, params, arrival_time, trace_headers, priority
             )
-
-    @tracing.instrument("AsyncLLM.add_request")
-    async def _add_request(
-        self,
-        request_id: str,
-        prompt: PromptType,
-        params: SamplingParams,
-        arrival_time: float,
-        trace_headers: Mapping[str, str] | None,
-        priority: int,
-        span: LLMRequestSpan | None,
-    ) -> RequestOutputCollector:
-        request = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time, trace_headers, priority
-        )
-        self.input_processor.assign_request_id(request)
-        queue = RequestOutputCollector(params.output_kind, request.request_id)
-        prompt_text = request_prompt_text(prompt)
-        params = request.sampling_params
-        if params.n == 1:
-            await self._send(request, prompt_text, None, 0, queue, span)
+            self.input_processor.assign_request_id(request)
+            queue = RequestOutputCollector(params.output_kind, request.request_id)
+            prompt_text = request_prompt_text(prompt)
+            # The params process_inputs cloned and completed.
+            params = request.sampling_params
+            if params.n == 1:
+                await self._add_request(request, prompt_text, None, 0, queue)
+                return queue
+            # Fan out: n children, one collector.
+            parent_request = ParentRequest(request)
+            try:
+                for idx in range(params.n):
+                    child = parent_request.child_request(request, idx)
+                    await self._add_request(child, prompt_text, parent_request, idx, queue)
+                    if idx % 64 == 63:
+                        await asyncio.sleep(0)  # a huge n must not hold the event loop
+            except BaseException:
+                await self.abort(request.request_id, internal=True)
+                raise
             return queue
-        # Fan out: n children, one collector.
-        parent_request = ParentRequest(request)
-        try:
-            for idx in range(params.n):
-                child = parent_request.child_request(request, idx)
-                await self._send(child, prompt_text, parent_request, idx, queue, span)
-                if idx % 64 == 63:
-                    await asyncio.sleep(0)  # a huge n must not hold the event loop
-        except BaseException:
-            await self.abort(request.request_id, internal=True)
-            raise
-        return queue
 
-    async def _send(
+    @tracing.instrument("AsyncLLM._add_request")
+    async def _add_request(
         self,
         request: EngineCoreRequest,
         prompt: str | None,
         parent_req: ParentRequest | None,
         index: int,
         queue: RequestOutputCollector,
-        span: LLMRequestSpan | None,
     ) -> None:
-        # Registered first, so no output can arrive for an unknown request;
-        # undone if the send fails.
-        self.output_processor.add_request(request, prompt, parent_req, index, queue, span)
+        """Register the request with the OutputProcessor, then send it to
+        EngineCore; if the send fails, abort it (it may have gone)."""
+        # Registered first, so no output can arrive for an unknown request.
+        self.output_processor.add_request(request, prompt, parent_req, index, queue)
         try:
             await self.engine_core.add_request_async(request)
-        except BaseException:
-            self.output_processor.abort_requests([request.request_id], internal=True)
+        except BaseException as e:
+            # On the request's span first: the abort ends it.
+            record_request_error(request.trace_headers, e)
+            request_ids = self.output_processor.abort_requests([request.request_id], internal=True)
+            # The send's own failure is the one to report, not the abort's.
+            with contextlib.suppress(Exception):
+                await self.engine_core.abort_requests_async(request_ids)
             raise
 
     # --8<-- [end:async_add_request]
@@ -205,6 +202,9 @@ class AsyncLLM:
 
         If the caller stops reading (a client disconnect cancels its task),
         the request is aborted here, which frees its KV blocks in the core.
+        Raises ``EngineDeadError`` if the engine died, ``ValueError`` or
+        ``TypeError`` for a bad request, and ``EngineGenerateError`` (from
+        the cause) if anything else failed this request.
         """
         q: RequestOutputCollector | None = None
         try:
@@ -225,13 +225,17 @@ class AsyncLLM:
         except EngineDeadError:
             logger.info("Request %s failed (engine dead).", request_id)
             raise
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:
+            # A bad request (vLLM: ValueError; tracevllm's entry checks also
+            # raise TypeError for a wrong type): the server's 400.
             logger.info("Request %s failed (bad request): %s.", request_id, e)
             raise
-        except Exception:
+        except Exception as e:
+            # Anything else failed this request only: the engine goes on.
             if q is not None:
                 await self.abort(q.request_id, internal=True)
-            raise
+            logger.info("Request %s failed due to %s: %s.", request_id, type(e).__name__, e)
+            raise EngineGenerateError() from e
 
     # --8<-- [end:async_generate]
 
@@ -271,7 +275,7 @@ class AsyncLLM:
                     for stat_logger in stat_loggers:
                         stat_logger.record(outputs.scheduler_stats, iteration_stats)
             except Exception as e:
-                logger.error("AsyncLLM output_handler failed: %s", e)
+                logger.exception("AsyncLLM output_handler failed.")
                 # Every waiting generate() raises it (EngineDeadError if the
                 # engine died), instead of waiting forever.
                 output_processor.propagate_error(e)

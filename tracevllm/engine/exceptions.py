@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 
+class EngineGenerateError(Exception):
+    """``AsyncLLM.generate()`` failed for this request; the engine goes on.
+
+    Raised from the cause (``raise ... from e``): anything but a bad request
+    (``ValueError``, ``TypeError``), a dead engine or a cancellation.
+    """
+
+    def __init__(self, message: str = "The request failed; see the cause above.") -> None:
+        super().__init__(message)
+
+
 class EngineDeadError(Exception):
     """The EngineCore process died; the engine cannot serve any more requests.
 

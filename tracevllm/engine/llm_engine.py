@@ -26,7 +26,7 @@ from tracevllm.engine.parallel_sampling import ParentRequest
 from tracevllm.metrics.stats import IterationStats, SchedulerStats
 from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import SamplingParams
-from tracevllm.tracing.request_span import LLMRequestSpan, llm_request_span
+from tracevllm.tracing.request_span import llm_request_span, record_request_error
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +113,9 @@ class LLMEngine:
         self._check_not_shut_down()
         arrival_time = arrival_time if arrival_time is not None else time.time()
         n = params.n if isinstance(params, SamplingParams) else 1
-        with llm_request_span(request_id, arrival_time, n, trace_headers) as (span, headers):
+        with llm_request_span(request_id, arrival_time, n, trace_headers) as trace_headers:
             return self._add_request(
-                request_id, prompt, params, arrival_time, headers, priority, span
+                request_id, prompt, params, arrival_time, trace_headers, priority
             )
 
     @tracing.instrument("LLMEngine.add_request")
@@ -127,7 +127,6 @@ class LLMEngine:
         arrival_time: float,
         trace_headers: Mapping[str, str] | None,
         priority: int,
-        span: LLMRequestSpan | None,
     ) -> str:
         request = self.input_processor.process_inputs(
             request_id, prompt, params, arrival_time, trace_headers, priority
@@ -136,15 +135,13 @@ class LLMEngine:
         prompt_text = request_prompt_text(prompt)
         params = request.sampling_params
         if params.n == 1:
-            self._send(request, prompt_text, None, 0, span)
+            self._send(request, prompt_text, None, 0)
             return request.request_id
         # Fan out: the core sees n independent requests sharing one prompt.
         parent_req = ParentRequest(request)
         try:
             for idx in range(params.n):
-                self._send(
-                    parent_req.child_request(request, idx), prompt_text, parent_req, idx, span
-                )
+                self._send(parent_req.child_request(request, idx), prompt_text, parent_req, idx)
         except BaseException:
             # One child could not be sent: take back the ones that were.
             self.abort_request([request.request_id], internal=True)
@@ -157,7 +154,6 @@ class LLMEngine:
         prompt_text: str | None,
         parent_req: ParentRequest | None,
         index: int,
-        span: LLMRequestSpan | None,
     ) -> None:
         """Register the request, then send it; if sending fails, abort it.
 
@@ -166,10 +162,12 @@ class LLMEngine:
         request that never reached the core is never waited for, and one
         that did (a Ctrl-C that lands just after the send) does not run on.
         """
-        self.output_processor.add_request(request, prompt_text, parent_req, index, span=span)
+        self.output_processor.add_request(request, prompt_text, parent_req, index)
         try:
             self.engine_core.add_request(request)
-        except BaseException:
+        except BaseException as e:
+            # On the request's span first: the abort ends it.
+            record_request_error(request.trace_headers, e)
             request_ids = self.output_processor.abort_requests([request.request_id], internal=True)
             # The send's own failure is the one to report, not the abort's.
             with contextlib.suppress(Exception):
@@ -186,7 +184,11 @@ class LLMEngine:
         # 1) Get EngineCoreOutputs (in-process: this runs the step itself).
         try:
             outputs = self.engine_core.get_output()
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, Exception):
+                # The engine failed (or died): every live request's span ends
+                # with the error.
+                self.output_processor.propagate_error(e)
             if not self.multiprocess_mode:
                 # The in-process core aborted every request of the failed step
                 # (InprocClient.get_output): no output will come for them.

@@ -32,7 +32,7 @@ from tracevllm.metrics.stats import IterationStats, RequestStateStats
 from tracevllm.outputs import CompletionOutput, RequestOutput
 from tracevllm.sampling_params import RequestOutputKind
 from tracevllm.tracing import records
-from tracevllm.tracing.request_span import LLMRequestSpan
+from tracevllm.tracing.request_span import find_request_span
 
 
 # --8<-- [start:request_output_collector]
@@ -93,7 +93,6 @@ class RequestState:
         parent_req: ParentRequest | None,
         request_index: int,
         queue: RequestOutputCollector | None = None,
-        span: LLMRequestSpan | None = None,
     ) -> None:
         assert request.external_req_id is not None
         self.request_id = request.request_id
@@ -112,8 +111,9 @@ class RequestState:
         self.stats = RequestStateStats(arrival_time=request.arrival_time)
         # AsyncLLM: the per-request collector generate() reads from.
         self.queue = queue
-        # The request's llm_request span, when tracing (shared by n children).
-        self.span = span
+        # The request's llm_request span, when tracing (shared by n children):
+        # the one its trace headers name.
+        self.span = find_request_span(request.trace_headers)
 
     def make_request_output(
         self,
@@ -211,10 +211,13 @@ class OutputProcessor:
         return len(self.request_states) > 0
 
     def propagate_error(self, e: Exception) -> None:
-        """Hand an engine error to every waiting generate() (AsyncLLM)."""
+        """Hand an engine error to every waiting generate() (AsyncLLM), and
+        end every live request's span with it (status ERROR)."""
         for state in self.request_states.values():
             if state.queue is not None:
                 state.queue.put(e)
+            if state.span is not None:
+                state.span.fail(e)
 
     def add_request(
         self,
@@ -223,14 +226,11 @@ class OutputProcessor:
         parent_req: ParentRequest | None = None,
         request_index: int = 0,
         queue: RequestOutputCollector | None = None,
-        span: LLMRequestSpan | None = None,
     ) -> None:
         request_id = request.request_id
         if request_id in self.request_states:
             raise ValueError(f"Request id {request_id} already running.")
-        req_state = RequestState(
-            self.tokenizer, request, prompt, parent_req, request_index, queue, span
-        )
+        req_state = RequestState(self.tokenizer, request, prompt, parent_req, request_index, queue)
         self.request_states[request_id] = req_state
         if parent_req is not None:
             self.parent_requests[parent_req.request_id] = parent_req

@@ -6,8 +6,10 @@ the request arrives instead, so that every span made about the request while
 it runs, in either process, can be its child: its context is what
 ``trace_headers`` carry across the boundary. It is ended the same way, with
 vLLM's attributes, when the request finishes (for ``n`` > 1: when the last
-child does). The engine files call two things: ``llm_request_span`` around
-``add_request``, and ``LLMRequestSpan.finish_child`` when a request ends.
+child does), or with status ERROR when it fails (``fail``: the engine died).
+The engine files call ``llm_request_span`` around ``add_request``, and find
+a request's span with ``find_request_span``: by the trace context the request
+carries, which is the span's own, so no signature passes the span along.
 """
 
 from __future__ import annotations
@@ -28,17 +30,55 @@ if TYPE_CHECKING:
     from tracevllm.sampling_params import SamplingParams
 
 
+# This process's live llm_request spans, by span id (find_request_span).
+_live_spans: dict[int, LLMRequestSpan] = {}
+
+
+def find_request_span(trace_headers: Mapping[str, str] | None) -> LLMRequestSpan | None:
+    """The live ``llm_request`` span of the request that carries these trace
+    headers (None with tracing off, or once the span has ended)."""
+    if not _live_spans:
+        return None
+    context = extract_trace_context(trace_headers)
+    if context is None:
+        return None
+    return _live_spans.get(trace.get_current_span(context).get_span_context().span_id)
+
+
 class LLMRequestSpan:
     """The live span of one request (shared by the ``n`` children of a parent)."""
 
     def __init__(self, span: trace.Span, request_id: str, n: int) -> None:
         self.span = span
+        self.span_id = span.get_span_context().span_id
         self.request_id = request_id
         self.n = n
         # When each batch of tokens reached the frontend (inter-token latency).
         self.token_times: list[float] = []
         # Finished children's whole completions, until all n are in.
         self.completions: list[CompletionOutput] = []
+        # The error already recorded on the span, if any.
+        self.error: BaseException | None = None
+        _live_spans[self.span_id] = self
+
+    def record_error(self, error: BaseException) -> None:
+        """Record the error on the span and set status ERROR (once per
+        error); the span ends later (an abort that follows, or ``fail``)."""
+        if error is self.error or not self.span.is_recording():
+            return
+        self.error = error
+        self.span.record_exception(error)
+        self.span.set_status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}")
+
+    def fail(self, error: BaseException) -> None:
+        """End the span now, with the error: adding the request failed, or
+        the engine died under it."""
+        self.record_error(error)
+        self._end()
+
+    def _end(self) -> None:
+        if _live_spans.pop(self.span_id, None) is not None:  # ends once
+            self.span.end()
 
     def finish_child(
         self,
@@ -50,7 +90,10 @@ class LLMRequestSpan:
     ) -> None:
         """Record one finished (or aborted) child; end the span after the last."""
         self.completions.append(completion)
-        if len(self.completions) < self.n or not self.span.is_recording():
+        if len(self.completions) < self.n:
+            return
+        if not self.span.is_recording():
+            self._end()
             return
         completions = sorted(self.completions, key=lambda c: c.index)
         now = time.time()
@@ -119,22 +162,22 @@ class LLMRequestSpan:
         self.span.set_attributes(attrs)
         if any(c.finish_reason == "error" for c in completions):
             self.span.set_status(trace.StatusCode.ERROR, "the engine failed the request")
-        self.span.end()
+        self._end()
 
 
 @contextlib.contextmanager
 def llm_request_span(
     request_id: str, arrival_time: float, n: int, trace_headers: Mapping[str, str] | None
-) -> Iterator[tuple[LLMRequestSpan | None, Mapping[str, str] | None]]:
+) -> Iterator[Mapping[str, str] | None]:
     """Start the request's span (tracing on) and make it current.
 
-    Yields the span (None with tracing off) and the trace headers to send
-    with the request: the span's own context, so the engine core's spans
-    about the request become its children. If adding the request fails, the
-    span ends at once, with the error.
+    Yields the trace headers to send with the request: the span's own
+    context, so the engine core's spans about the request become its
+    children, and ``find_request_span`` finds it. If adding the request
+    fails, the span ends at once, with the error.
     """
     if not is_enabled():
-        yield None, trace_headers
+        yield trace_headers
         return
     # The parent: the span of the code adding the request (LLM.generate,
     # AsyncLLM.generate), else the context the caller brought in
@@ -148,12 +191,16 @@ def llm_request_span(
         start_time=int(arrival_time * 1e9),
         attributes={SpanAttributes.GEN_AI_REQUEST_ID: request_id},
     )
-    headers = inject_trace_context(trace.set_span_in_context(span))
+    request_span = LLMRequestSpan(span, request_id, n)
     try:
         with trace.use_span(span, end_on_exit=False):
-            yield LLMRequestSpan(span, request_id, n), headers
+            yield inject_trace_context(trace.set_span_in_context(span))
     except BaseException as e:
-        span.record_exception(e)
-        span.set_status(trace.StatusCode.ERROR, str(e))
-        span.end()
+        request_span.fail(e)
         raise
+
+
+def record_request_error(trace_headers: Mapping[str, str] | None, error: BaseException) -> None:
+    """Record an error on a request's span, if it has one (before an abort ends it)."""
+    if (request_span := find_request_span(trace_headers)) is not None:
+        request_span.record_error(error)
