@@ -177,3 +177,22 @@ def test_engine_process_says_why_it_did_not_start(tiny_model_dir: str) -> None:
     """The same refusal from the engine's own process reaches the caller."""
     with pytest.raises(RuntimeError, match=re.escape("max seq len (512)")):
         LLM(model=tiny_model_dir, num_gpu_blocks_override=16, enable_multiprocessing=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"block_size": True}, TypeError, "block_size must be an int, got bool"),
+        ({"num_gpu_blocks_override": 2.5}, TypeError, "num_gpu_blocks_override must be an int"),
+        ({"num_gpu_blocks_override": True}, TypeError, "num_gpu_blocks_override must be an int"),
+        ({"num_gpu_blocks_override": 1}, ValueError, "at least 2"),
+        ({"kv_cache_memory_bytes": "1GiB"}, TypeError, "kv_cache_memory_bytes must be an int"),
+        ({"kv_cache_memory_bytes": 0}, ValueError, "kv_cache_memory_bytes must be positive"),
+    ],
+)
+def test_cache_config_sizes_are_checked_at_the_entry(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    """What sizes the pool is refused before any model loads, naming the field."""
+    with pytest.raises(error, match=match):
+        CacheConfig(**kwargs)  # type: ignore[arg-type]

@@ -168,6 +168,13 @@ class CacheConfig:
     num_gpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        # Types first: a bool is not an int (True would pass as block_size 1).
+        ints = {"block_size": self.block_size, "kv_cache_memory_bytes": self.kv_cache_memory_bytes}
+        if self.num_gpu_blocks_override is not None:
+            ints["num_gpu_blocks_override"] = self.num_gpu_blocks_override
+        for name, value in ints.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(
                 f"block_size must be a power of two in [1, 256], got {self.block_size}."
@@ -176,6 +183,10 @@ class CacheConfig:
             raise ValueError(
                 "num_gpu_blocks_override must be at least 2 (block 0 is the null "
                 f"block), got {self.num_gpu_blocks_override}."
+            )
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}."
             )
         if self.prefix_caching_hash_algo != "sha256":
             # vLLM also offers sha256_cbor, xxhash and xxhash_cbor.
