@@ -104,3 +104,40 @@ ARITHMETIC_PROMPT = "Write an arithmetic expression whose result is the number o
 def chat(template: str) -> list[list[dict[str, str]]]:
     """The template's ten chat prompts."""
     return [[{"role": "user", "content": template.format(s)}] for s in SUBJECTS]
+
+
+# Hostile schemas (tests/test_structured_output_limits.py): each makes
+# xgrammar recurse once per link or level, or take time super-linear in it.
+def flat_ref_chain(n: int) -> dict[str, Any]:
+    """``$ref`` to ``$ref`` ... n links, then an integer."""
+    defs: dict[str, Any] = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def object_ref_chain(n: int) -> dict[str, Any]:
+    """n objects, each holding the next by ``$ref``."""
+    defs: dict[str, Any] = {
+        f"d{i}": {
+            "type": "object",
+            "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}},
+            "required": ["n"],
+        }
+        for i in range(n)
+    }
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def nested_objects(n: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {"n": schema}, "required": ["n"]}
+    return schema
+
+
+def nested_arrays(n: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(n):
+        schema = {"type": "array", "items": schema}
+    return schema

@@ -454,17 +454,87 @@ def test_bitmask_goes_to_the_logits_device(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_min_tokens_past_the_grammars_end_is_an_error(tiny_model_dir: str) -> None:
-    """As vLLM's: the grammar allows the stop token alone, min-tokens forbids
-    it, every logit is -inf, token 0 comes out and the grammar refuses it."""
+    """The grammar allows the stop token alone, min-tokens forbids it: every
+    logit is -inf, token 0 comes out and the grammar refuses it. vLLM ends
+    the request with an error and keeps token 0 (a 500 over HTTP); tracevllm
+    drops it and says why (stop_reason; a 400 over HTTP). A plain request in
+    the same batch carries on, and the KV blocks are all freed."""
     so = StructuredOutputsParams(regex="[0-9]")
     with LLM(model=tiny_model_dir, enable_multiprocessing=False) as tiny:
+        scheduler = tiny.llm_engine.engine_core.engine_core.scheduler
         for temperature in (0.0, 1.0):
             params = SamplingParams(
                 temperature=temperature, seed=1, max_tokens=8, min_tokens=3, structured_outputs=so
             )
-            out = tiny.generate(["Pick a digit:"], params, use_tqdm=False)[0].outputs[0]
+            plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            outs = tiny.generate(["Pick a digit:", "Hello"], [params, plain], use_tqdm=False)
+            out = outs[0].outputs[0]
             assert out.finish_reason == "error" and re.fullmatch("[0-9]", out.text), out
-            assert len(out.token_ids) == 2 and out.token_ids[-1] == 0, out
+            assert len(out.token_ids) == 1, out  # the digit; not token 0
+            assert out.stop_reason == (
+                "structured_outputs.regex: after 1 output token the constraint allows only a "
+                "stop token, which min_tokens=3 forbids before 3 tokens; the request ended there."
+            )
+            assert len(outs[1].outputs[0].token_ids) == 8
+            assert scheduler.kv_cache_manager.usage == 0.0
+            assert not scheduler.requests
+
+
+def test_a_constraint_that_allows_no_token_midway_is_a_clear_error(tiny_model_dir: str) -> None:
+    """After "a" nothing can follow, in a grammar too large for the entry's
+    check to compile (over 8 KiB: unused rules): the request ends with an
+    error at that dead end, saying so, not with the grammar refusing token 0."""
+    from tracevllm.structured_output.limits import EMPTINESS_CHECK_MAX_CHARS
+
+    unused = "\n".join(f'pad{i} ::= "x"' for i in range(700))
+    grammar = f'root ::= "a" dead\ndead ::= dead\n{unused}'
+    assert len(grammar) > EMPTINESS_CHECK_MAX_CHARS
+    so = StructuredOutputsParams(grammar=grammar)
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so)
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False) as tiny:
+        out = tiny.generate(["a"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == "a" and out.finish_reason == "error", out
+    assert out.stop_reason == (
+        "structured_outputs.grammar: after 1 output token the constraint allows no token at "
+        "all (no text that begins with the output so far matches it); the request ended there."
+    )
+
+
+@pytest.mark.parametrize("drafts", [False, True])
+def test_ignore_eos_stops_at_the_grammars_end_with_or_without_drafts(
+    tiny_model_dir: str, tokenizer: Any, drafts: bool
+) -> None:
+    """Under ignore_eos the grammar's stop token does not stop a request; its
+    grammar has ended, and tracevllm stops it there. With n-gram drafts the
+    stop token can come as an accepted draft, followed by the bonus token,
+    drawn from a row that allows everything (vLLM's: a terminated grammar
+    masks nothing): that token used to reach the grammar, which refused it
+    (finish reason "error"). The prompt makes the drafter propose the stop
+    token: "7" then the stop token, twice."""
+    seven = tokenizer.convert_tokens_to_ids("7")
+    eos = tokenizer.eos_token_id
+    prompt = {"prompt_token_ids": tokenizer.encode("Pick:") + [seven, eos] * 2}
+    so = StructuredOutputsParams(choice=["7"])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, structured_outputs=so)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    rows: list[list[int]] = []
+    with LLM(
+        model=tiny_model_dir,
+        enable_multiprocessing=False,
+        speculative_config=spec if drafts else None,
+    ) as tiny:
+        scheduler = tiny.llm_engine.engine_core.engine_core.scheduler
+        update = scheduler.update_from_output
+
+        def recording_update(scheduler_output: Any, model_runner_output: Any) -> Any:
+            rows.extend(model_runner_output.sampled_token_ids)
+            return update(scheduler_output, model_runner_output)
+
+        scheduler.update_from_output = recording_update
+        out = tiny.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [seven, eos] and out.finish_reason == "stop", out
+    if drafts:  # the case: the stop token accepted as a draft, a bonus token after it
+        assert any(eos in row[:-1] for row in rows), rows
 
 
 def test_spans_and_the_step_view(tiny_model_dir: str, tmp_path: Path) -> None:

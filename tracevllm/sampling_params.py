@@ -171,6 +171,12 @@ class StructuredOutputsParams(_TypeChecked, msgspec.Struct, omit_defaults=True):
     def all_constraints_none(self) -> bool:
         return self.kind is None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> StructuredOutputsParams:
+        # tracevllm: SamplingParams.clone() shares the constraint, never
+        # changed after the entry: a schema nested past Python's recursion
+        # limit made deepcopy raise RecursionError before the entry's check.
+        return copy.copy(self)
+
 
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 # --8<-- [end:structured_outputs_params]

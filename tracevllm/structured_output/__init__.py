@@ -133,6 +133,48 @@ class StructuredOutputManager:
 
     # --8<-- [end:grammar_bitmask]
 
+    def no_token_allowed_reason(self, request: Request, num_output_tokens: int) -> str | None:
+        """tracevllm: why the grammar refused a sampled token, if its row allowed none.
+
+        The sampler draws a token whose logit is -inf only when every logit of
+        its row is -inf (greedy's argmax, the random draw's probabilities all
+        NaN: token 0): so a token the grammar refuses comes from a row that
+        every mask together emptied. Two masks forbid tokens: the grammar's,
+        and min-tokens' (the stop tokens, EOS included, until ``min_tokens``
+        tokens are out). Both are recomputed here, from where the grammar
+        stands after ``num_output_tokens`` tokens: the reason, for the
+        client, if nothing is left; None if a token was allowed (a bug,
+        vLLM's "Unexpected: grammar rejected tokens").
+        """
+        import numpy as np
+
+        so_request = request.structured_output_request
+        assert so_request is not None and so_request.grammar is not None
+        assert self.backend is not None
+        bitmask = self.backend.allocate_token_bitmask(1)
+        so_request.grammar.fill_bitmask(bitmask, 0)
+        words = bitmask[0].numpy().view(np.uint32).copy()  # bit t % 32 of word t // 32
+        params = request.sampling_params
+        held_back = num_output_tokens < params.min_tokens
+        for token in params.all_stop_token_ids if held_back else ():
+            if token < words.size * 32:
+                words[token >> 5] &= ~np.uint32(1 << (token & 31))
+        if words.any():
+            return None
+        field = f"structured_outputs.{so_request.params.kind}"
+        if held_back and bitmask.any():
+            why = (
+                f"only a stop token, which min_tokens={params.min_tokens} forbids before "
+                f"{params.min_tokens} tokens"
+            )
+        else:
+            why = "no token at all (no text that begins with the output so far matches it)"
+        tokens = "token" if num_output_tokens == 1 else "tokens"
+        return (
+            f"{field}: after {num_output_tokens} output {tokens} the constraint allows {why}; "
+            "the request ended there."
+        )
+
     def wait_for_grammars(self, requests: Iterable[Request], timeout: float) -> None:
         """Block until one of these requests' grammars is compiled, or ``timeout``
         seconds pass (tracevllm's: vLLM's busy loop spins meanwhile)."""

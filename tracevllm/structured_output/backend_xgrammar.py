@@ -13,7 +13,12 @@ Departures: tracevllm also keeps the compilations in flight by key, so the
 request joined one; choice lists reach the backend as ``CHOICE`` (vLLM turns
 them into an EBNF grammar at the entry; tracevllm at compile time, so the
 trace still says "choice"); ``disable_any_whitespace`` is the request's
-(vLLM: the engine's config).
+(vLLM: the engine's config). A user's constraint meets tracevllm's limits at
+the entry, and xgrammar parses and compiles it on a thread with a large
+stack (limits.py: vLLM's segfaults on a long ``$ref`` chain); the entry also
+refuses a (small) constraint that allows no output at all, and
+``has_xgrammar_unsupported_json_features`` walks the schema in a loop, not
+by recursion.
 Left out: Mistral tokenizers, structural tags, Lark grammars, the rollback
 depth (``max_rollback_tokens``: unlimited since xgrammar 0.2, which drafts
 use).
@@ -21,15 +26,25 @@ use).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tracevllm import envs
 from tracevllm.structured_output.backend_types import StructuredOutputKey, StructuredOutputOptions
+from tracevllm.structured_output.limits import (
+    EMPTINESS_CHECK_MAX_CHARS,
+    allows_any_output,
+    check_constraint_size,
+    check_json_schema,
+    run_with_large_stack,
+    walk_json,
+)
 from tracevllm.structured_output.utils import choice_as_grammar
 
 if TYPE_CHECKING:
@@ -97,18 +112,21 @@ class XgrammarBackend:
     def _compile(
         self, request_type: StructuredOutputOptions, spec: str, any_whitespace: bool
     ) -> xgr.CompiledGrammar:
+        # On a thread with a large stack: xgrammar recurses in C++ (limits.py).
+        compiler = self.compiler
         if request_type == StructuredOutputOptions.JSON:
-            return self.compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
-        if request_type == StructuredOutputOptions.JSON_OBJECT:
-            return self.compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=any_whitespace
+            return run_with_large_stack(
+                lambda: compiler.compile_json_schema(spec, any_whitespace=any_whitespace)
             )
+        if request_type == StructuredOutputOptions.JSON_OBJECT:
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
         if request_type == StructuredOutputOptions.REGEX:
-            return self.compiler.compile_regex(spec)
+            return run_with_large_stack(lambda: compiler.compile_regex(spec))
         if request_type == StructuredOutputOptions.CHOICE:
-            return self.compiler.compile_grammar(choice_as_grammar(json.loads(spec)))
+            grammar = choice_as_grammar(json.loads(spec))
+            return run_with_large_stack(lambda: compiler.compile_grammar(grammar))
         if request_type == StructuredOutputOptions.GRAMMAR:
-            return self.compiler.compile_grammar(spec)
+            return run_with_large_stack(lambda: compiler.compile_grammar(spec))
         raise ValueError(f"grammar is not of valid supported types. ({request_type!s})")
 
     # --8<-- [end:compile_grammar]
@@ -192,11 +210,14 @@ STRING_SUPPORTED_FORMATS = {
 
 
 def has_xgrammar_unsupported_json_features(schema: dict[str, Any]) -> bool:
-    """Keywords xgrammar would silently ignore (vLLM refuses them the same way)."""
+    """Keywords xgrammar would silently ignore (vLLM refuses them the same way).
 
-    def check_object(obj: Any) -> bool:
-        if not isinstance(obj, dict):
-            return False
+    vLLM recurses into the schema; tracevllm walks it in a loop (``walk_json``),
+    so that a schema nested past Python's recursion limit is refused for its
+    depth, not with a ``RecursionError``.
+    """
+
+    def unsupported(obj: dict[str, Any]) -> bool:
         kind = obj.get("type")
         if kind in ("integer", "number") and "multipleOf" in obj:
             return True
@@ -204,17 +225,12 @@ def has_xgrammar_unsupported_json_features(schema: dict[str, Any]) -> bool:
             k in obj for k in ("uniqueItems", "contains", "minContains", "maxContains")
         ):
             return True
-        if kind == "string" and "format" in obj and obj["format"] not in STRING_SUPPORTED_FORMATS:
-            return True
-        if kind == "object" and any(k in obj for k in ("patternProperties", "propertyNames")):
-            return True
-        return any(
-            check_object(item)
-            for value in obj.values()
-            for item in (value if isinstance(value, list) else [value])
-        )
+        if kind == "string" and "format" in obj:
+            fmt = obj["format"]  # a list here would make vLLM's `in` raise TypeError
+            return not isinstance(fmt, str) or fmt not in STRING_SUPPORTED_FORMATS
+        return kind == "object" and any(k in obj for k in ("patternProperties", "propertyNames"))
 
-    return check_object(schema)
+    return any(isinstance(node, dict) and unsupported(node) for node, _ in walk_json(schema))
 
 
 def xgrammar_reason(err: BaseException) -> str:
@@ -222,62 +238,67 @@ def xgrammar_reason(err: BaseException) -> str:
     return re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", str(err)).strip()
 
 
+_WHAT = {
+    "json": "JSON schema",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "EBNF grammar",
+}
+
+
 # --8<-- [start:validate_xgrammar_grammar]
 def validate_xgrammar_grammar(sampling_params: SamplingParams) -> None:
     """Refuse, at the entry, a constraint xgrammar cannot compile.
 
-    Each kind is parsed into an xgrammar ``Grammar`` (no tokenizer needed,
-    milliseconds); the error names the field and gives xgrammar's reason.
+    First tracevllm's limits (limits.py: size, and a schema's depth, ``$ref``s
+    and pattern repetitions), which keep xgrammar's time and stack bounded;
+    then the constraint is parsed into an xgrammar ``Grammar`` (no tokenizer
+    needed, milliseconds), on a thread with a large stack. The error names
+    the field and gives the limit or xgrammar's reason. A small constraint
+    is also compiled against a vocabulary of the 256 bytes, to refuse one
+    that allows no output at all (tracevllm's; vLLM would run it, and end it
+    with an error at its first token).
     """
     import xgrammar as xgr
 
     so_params = sampling_params.structured_outputs
-    if so_params is None:
+    name = so_params.kind if so_params is not None else None
+    if so_params is None or name is None or name == "json_object":
         return
-
-    def refuse(name: str, what: str, err: BaseException) -> ValueError:
-        return ValueError(
-            f"structured_outputs.{name}: xgrammar cannot compile this {what}: "
-            f"{xgrammar_reason(err)}"
-        )
-
-    if so_params.regex is not None:
-        try:
-            xgr.Grammar.from_regex(so_params.regex)
-        except Exception as err:
-            raise refuse("regex", "regex", err) from None
-    if so_params.choice is not None:
-        try:
-            xgr.Grammar.from_ebnf(choice_as_grammar(so_params.choice))
-        except Exception as err:
-            raise refuse("choice", "choice list", err) from None
+    field = f"structured_outputs.{name}"
+    what = _WHAT[name]
+    parse: Callable[[], xgr.Grammar]
     if so_params.json is not None:
-        schema = so_params.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {err}") from None
-        if not isinstance(schema, dict):
-            raise ValueError(
-                "structured_outputs.json must be a JSON schema object, got "
-                f"{type(schema).__name__}."
-            )
+        schema, text = check_json_schema(so_params.json, field)
         if has_xgrammar_unsupported_json_features(schema):
             raise ValueError(
-                "structured_outputs.json: the JSON schema uses features xgrammar does not "
-                "support (multipleOf, uniqueItems, contains, patternProperties, propertyNames, "
+                f"{field}: the JSON schema uses features xgrammar does not support "
+                "(multipleOf, uniqueItems, contains, patternProperties, propertyNames, "
                 "or a string format it does not know)."
             )
-        try:
-            xgr.Grammar.from_json_schema(json.dumps(schema))
-        except Exception as err:
-            raise refuse("json", "JSON schema", err) from None
-    if so_params.grammar is not None:
-        try:
-            xgr.Grammar.from_ebnf(so_params.grammar)
-        except Exception as err:
-            raise refuse("grammar", "EBNF grammar", err) from None
+        parse = functools.partial(xgr.Grammar.from_json_schema, text)
+    elif so_params.regex is not None:
+        text = so_params.regex
+        parse = functools.partial(xgr.Grammar.from_regex, text)
+    else:
+        if so_params.choice is not None:
+            text = choice_as_grammar(so_params.choice)
+        else:
+            assert so_params.grammar is not None
+            text = so_params.grammar
+        parse = functools.partial(xgr.Grammar.from_ebnf, text)
+    check_constraint_size(text, field)
+    try:
+        grammar = run_with_large_stack(parse)
+    except Exception as err:
+        raise ValueError(
+            f"{field}: xgrammar cannot compile this {what}: {xgrammar_reason(err)}"
+        ) from None
+    if len(text) <= EMPTINESS_CHECK_MAX_CHARS and not allows_any_output(grammar):
+        raise ValueError(
+            f"{field}: this {what} allows no output at all (no text matches it, not even "
+            "an empty one), so no token could ever be sampled."
+        )
 
 
 # --8<-- [end:validate_xgrammar_grammar]

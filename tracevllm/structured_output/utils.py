@@ -93,6 +93,29 @@ def apply_grammar_bitmask(
 
 
 def choice_as_grammar(choice: list[str]) -> str:
-    """``["yes", "no"]`` -> ``root ::= "yes" | "no"`` (quotes and backslashes escaped)."""
-    escaped = (re.sub(r'(["\\])', r"\\\1", c) for c in choice)
+    """``["yes", "no"]`` -> ``root ::= "yes" | "no"``.
+
+    vLLM 0.22.0 escapes quotes and backslashes only, so a choice holding a
+    newline (or a carriage return, or NUL) breaks xgrammar's EBNF lexer.
+    tracevllm also writes every other control character as an escape
+    (``\\n``, ``\\r``, ``\\t``, ``\\u001b``; never ``\\x``: xgrammar reads
+    hex digits past the two). NUL cannot be written at all (xgrammar ends
+    the string there), nor a lone surrogate (no UTF-8): both are refused.
+    """
+    for i, c in enumerate(choice):
+        if "\0" in c or any("\ud800" <= ch <= "\udfff" for ch in c):
+            raise ValueError(
+                f"structured_outputs.choice[{i}] holds a NUL character or a lone surrogate, "
+                "which an xgrammar grammar cannot hold."
+            )
+    escaped = (_CONTROL_OR_QUOTE.sub(_escape, c) for c in choice)
     return "root ::= " + " | ".join(f'"{c}"' for c in escaped)
+
+
+_CONTROL_OR_QUOTE = re.compile(r'["\\\x00-\x1f\x7f]')
+_SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    ch = match.group()
+    return _SHORT_ESCAPES.get(ch) or f"\\u{ord(ch):04x}"

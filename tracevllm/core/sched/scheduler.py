@@ -440,6 +440,13 @@ class Scheduler:
         except Exception as e:
             logger.error("Grammar for request %s failed to compile: %s", request.request_id, e)
             request.status = RequestStatus.FINISHED_ERROR
+            # tracevllm: the reason goes to the client (stop_reason of an error).
+            from tracevllm.structured_output.backend_xgrammar import xgrammar_reason
+
+            request.stop_reason = (
+                f"structured_outputs.{so_request.params.kind}: the engine could not compile "
+                f"it: {xgrammar_reason(e)}"
+            )
             self._free_request(request)
             self.finished_in_schedule.append(request)
             return False
@@ -511,10 +518,16 @@ class Scheduler:
                 self._observe_draft(num_draft_tokens, num_accepted)
             # --8<-- [end:rollback]
             stopped = False
+            grammar_ending = None
+            if new_token_ids and self.structured_output_manager.should_advance(request):
+                # tracevllm: the grammar first (vLLM: after the stop checks), so
+                # that a token it refuses, or one past its end, is never kept.
+                new_token_ids, grammar_ending = self._advance_grammar(request, new_token_ids)
             if new_token_ids:
                 new_token_ids, stopped = self._update_request_with_output(request, new_token_ids)
-            if new_token_ids and self.structured_output_manager.should_advance(request):
-                stopped = self._advance_grammar(request, new_token_ids) or stopped
+            if grammar_ending is not None and not stopped:
+                request.status, request.stop_reason = grammar_ending
+                stopped = True
             finish_reason = None
             if stopped:
                 finish_reason = request.get_finished_reason()
@@ -548,6 +561,7 @@ class Scheduler:
                     request_id=request.request_id,
                     new_token_ids=[],
                     finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
                     events=request.take_events(),
                     trace_headers=request.trace_headers,
                 )
@@ -572,29 +586,42 @@ class Scheduler:
     # --8<-- [end:update_from_output]
 
     # --8<-- [start:advance_grammar]
-    def _advance_grammar(self, request: Request, new_token_ids: list[int]) -> bool:
-        """Move the request's matcher past its new tokens; True if that ends it.
+    def _advance_grammar(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], tuple[RequestStatus, str | None] | None]:
+        """Move the request's matcher past its new tokens, one at a time.
 
-        The mask allowed only tokens the grammar accepts, so a refusal is a
-        bug: the request finishes with an error, as in vLLM. tracevllm also
-        stops a request whose grammar has terminated but which did not stop
-        on its own (the stop token under ``ignore_eos``; vLLM would refuse
-        the next token instead).
+        Returns the tokens to keep and, if the grammar ends the request, its
+        status and the reason to give. A refused token is dropped, with the
+        rest: the mask allowed only tokens the grammar accepts, so it was
+        drawn from a row that allowed none (``no_token_allowed_reason``), or
+        it is a bug, vLLM's "Unexpected"; either way the request finishes
+        with an error, as in vLLM, which keeps the token. tracevllm also stops a
+        request whose grammar has terminated (its stop token under
+        ``ignore_eos``; vLLM refuses the next token, an error): at once, and
+        with drafts after it too, so drafts change nothing.
         """
         so_request = request.structured_output_request
         assert so_request is not None and so_request.grammar is not None
-        if not so_request.grammar.accept_tokens(request.request_id, new_token_ids):
-            logger.error(
-                "Unexpected: grammar rejected tokens %s for request %s. Terminating request.",
-                new_token_ids,
-                request.request_id,
-            )
-            request.status = RequestStatus.FINISHED_ERROR
-            return True
-        if so_request.grammar.is_terminated() and not request.is_finished():
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        return False
+        grammar = so_request.grammar
+        for i, token in enumerate(new_token_ids):
+            if grammar.is_terminated():  # an accepted draft was its stop token
+                return new_token_ids[:i], (RequestStatus.FINISHED_STOPPED, None)
+            if not grammar.accept_tokens(request.request_id, [token]):
+                num_output_tokens = request.num_output_tokens + i
+                manager = self.structured_output_manager
+                reason = manager.no_token_allowed_reason(request, num_output_tokens)
+                if reason is None:
+                    logger.error(
+                        "Unexpected: grammar rejected tokens %s for request %s. "
+                        "Terminating request.",
+                        new_token_ids[i:],
+                        request.request_id,
+                    )
+                return new_token_ids[:i], (RequestStatus.FINISHED_ERROR, reason)
+        if grammar.is_terminated():
+            return new_token_ids, (RequestStatus.FINISHED_STOPPED, None)
+        return new_token_ids, None
 
     # --8<-- [end:advance_grammar]
 

@@ -42,6 +42,7 @@ from tracevllm.entrypoints.openai.engine.serving import (
     is_template_error,
     usage_info,
 )
+from tracevllm.exceptions import VLLMValidationError
 from tracevllm.outputs import RequestOutput, SampleLogprobs
 from tracevllm.sampling_params import _CONSTRAINTS, RequestOutputKind, SamplingParams
 from tracevllm.tool_parsers.streaming import (
@@ -199,7 +200,8 @@ class OpenAIServingChat(OpenAIServing):
                         delta = DeltaMessage()
                     finish_reason = output.finish_reason
                     if finish_reason is not None:
-                        self._raise_if_error(finish_reason, request_id)  # before it is sent
+                        # Before it is sent.
+                        self._raise_if_error(finish_reason, request_id, output.stop_reason)
                         if tools_streamed[i] and request.named_tool is None:
                             finish_reason = "tool_calls"  # "required" (OpenAI's, vLLM's)
                     if delta.tool_calls and not request.parallel_tool_calls:
@@ -262,7 +264,10 @@ class OpenAIServingChat(OpenAIServing):
         assert final_res is not None
         choices = []
         for output in final_res.outputs:
-            self._raise_if_error(output.finish_reason, request_id)
+            try:
+                self._raise_if_error(output.finish_reason, request_id, output.stop_reason)
+            except VLLMValidationError as e:  # the engine's reason it failed: a 400
+                return self.create_bad_request_response(e, request)
             logprobs = None
             if request.logprobs and output.logprobs is not None:
                 logprobs = self._create_chat_logprobs(output.logprobs, request.top_logprobs or 0)

@@ -33,6 +33,7 @@ from tracevllm.entrypoints.openai.engine.serving import (
     get_max_tokens,
     usage_info,
 )
+from tracevllm.exceptions import VLLMValidationError
 from tracevllm.outputs import RequestOutput, SampleLogprobs
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 from tracevllm.tracing import records
@@ -95,7 +96,12 @@ class OpenAIServingCompletion(OpenAIServing):
         except (ValueError, TypeError) as e:
             return self.create_bad_request_response(e, request)
         outputs = [res for res in final_res_batch if res is not None]
-        return self.request_output_to_completion_response(outputs, request, request_id, model_name)
+        try:
+            return self.request_output_to_completion_response(
+                outputs, request, request_id, model_name
+            )
+        except VLLMValidationError as e:  # the engine's reason a request failed: a 400
+            return self.create_bad_request_response(e, request)
 
     # --8<-- [end:create_completion]
 
@@ -170,7 +176,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     # The text sent so far, not the tokens' own texts (vLLM's offset).
                     previous_text_lens[i] += len(output.text)
                     previous_num_tokens[i] += len(output.token_ids)
-                    self._raise_if_error(output.finish_reason, request_id)  # before it is sent
+                    # Before it is sent.
+                    self._raise_if_error(output.finish_reason, request_id, output.stop_reason)
                     chunk = CompletionStreamResponse(
                         id=request_id,
                         object="text_completion",
@@ -212,7 +219,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt_idx, res in enumerate(final_res_batch):
             num_prompt_tokens += len(res.prompt_token_ids)
             for output in res.outputs:
-                self._raise_if_error(output.finish_reason, request_id)
+                self._raise_if_error(output.finish_reason, request_id, output.stop_reason)
                 text = output.text
                 if request.echo:
                     text = (res.prompt or "") + text

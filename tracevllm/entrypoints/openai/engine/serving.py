@@ -229,7 +229,16 @@ class OpenAIServing:
             ], None
         return None, content
 
-    def _raise_if_error(self, finish_reason: str | None, request_id: str) -> None:
+    def _raise_if_error(
+        self, finish_reason: str | None, request_id: str, stop_reason: int | str | None = None
+    ) -> None:
+        """vLLM's: finish reason "error" is a 500 "Internal server error".
+        tracevllm: one whose stop_reason holds the engine's reason (the
+        request's own constraint allowed no token, or did not compile) is a
+        400 with that reason, naming the field."""
         if finish_reason == "error":
+            if isinstance(stop_reason, str):
+                field = stop_reason.split(":", 1)[0].split(".", 1)[0]
+                raise VLLMValidationError(stop_reason, parameter=field)
             logger.error("Request %s failed with an internal error during generation", request_id)
             raise GenerationError()
