@@ -6,6 +6,21 @@ one ``{"resourceSpans": ...}`` batch per line, from both processes.
 ``trace.perfetto.json`` is Chrome's trace-event format: one process track per
 pid (named frontend / engine_core), and within a process one thread track per
 set of properly nested spans, because slices on one track must nest.
+
+Why an encoder of its own, when OTel ships one: CPU, measured at tracing's
+default ``request`` detail. On ``make bench``'s workload (64 chat prompts,
+4885 tokens, 2211 spans; one generate, the engine in process, one compute
+thread), OTel's encoder took 0.82-1.10 s of CPU to write the spans and
+``encode_spans`` 0.14-0.23 s, against 20-24 s for the generate itself: it
+saves 3.2-3.8 % of the generate's CPU (``python
+benchmarks/bench_span_export.py --detail request``, four runs on a shared
+2-core machine, 2026-12-02, load 1.3 to 6). That is the only hand code
+kept: the line's structure written as text, each attribute's value still
+made an OTLP AnyValue dict (``_encode_value``) for ``json``. Two finer cuts
+it once had were taken out: at ``request`` they saved 0.07 % (each repeated
+attribute encoded once) and 0.23 % (lists of ints and strings joined as
+text) of the generate's CPU; they paid at ``full`` only (9 against 19 µs a
+span there).
 """
 
 from __future__ import annotations
@@ -34,12 +49,11 @@ class OTLPJsonFileExporter(SpanExporter):
     The line is what OTel's own ``FileSpanExporter``
     (opentelemetry-exporter-otlp-json-file) writes, byte for byte
     (tests/test_tracing.py compares them), but written as text by
-    ``encode_spans``: that exporter builds a message object for every
-    attribute value, which costs 3.1 times the CPU on the 90 spans of a
-    ``--detail full`` decode step (``python benchmarks/bench_span_export.py``),
-    CPU taken from the cores the model runs on. Each line is handed whole to
-    ``write(2)`` on an ``O_APPEND`` file, which a regular file takes in one
-    piece, so the two processes' lines do not interleave.
+    ``encode_spans``: OTel's encoder builds a message object for every
+    attribute value first. See the module docstring for what that saves.
+    Each line is handed whole to ``write(2)`` on an ``O_APPEND`` file, which
+    a regular file takes in one piece, so the two processes' lines do not
+    interleave.
     """
 
     def __init__(self, path: str) -> None:
@@ -78,11 +92,9 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> str:
     """An OTLP ``ExportTraceServiceRequest`` as one line of JSON: spans grouped
     by resource (the process), then by instrumentation scope.
 
-    Written as text rather than as dicts for ``json.dumps``, so that what
-    repeats is encoded once: a decode step at ``--detail full`` puts the same
-    ``code.*`` and layer attributes on ninety spans (``_attribute``). That
-    takes 40% off the instructions a span costs to write, against dicts
-    (counted under valgrind's callgrind).
+    Written as text, field by field, rather than as OTel's message objects
+    turned into dicts for ``json.dumps`` (the module docstring says what
+    that saves).
     """
     # Grouped by identity: one provider per process, so one resource object.
     by_resource: dict[int, tuple[Any, dict[int, tuple[Any, list[str]]]]] = {}
@@ -229,66 +241,13 @@ def _flags(context: SpanContext | None) -> str:
     return "768" if context is not None and context.is_remote else "256"
 
 
-# The JSON of an attribute, by (key, type, value): a step's ninety spans at
-# ``--detail full`` repeat the same code.* and layer attributes, so each is
-# encoded once. Kept only where equal keys mean equal JSON: a short str, an
-# int or a bool (the type is in the key, so True and 1 stay apart), or a
-# short tuple of ints only (a shape); not a float (-0.0 == 0.0), nor a tuple
-# holding a bool ((True,) == (1,)). Long strings (a step's view, a
-# completion's text) seldom repeat and are not kept. At most _MAX_CACHED.
-_cached: dict[tuple[str, type, Any], str] = {}
-_MAX_CACHED = 4096
-_MAX_CACHED_STR = 256
-
-
 def _attribute_list(attributes: Mapping[str, Any] | None) -> str:
-    return _array([_attribute(key, value) for key, value in (attributes or {}).items()])
-
-
-def _attribute(key: str, value: Any) -> str:
-    if not _cacheable(value):
-        return _key_value(key, value)
-    cache_key = (key, type(value), value)
-    text = _cached.get(cache_key)
-    if text is None:
-        if len(_cached) >= _MAX_CACHED:
-            _cached.clear()
-        text = _cached[cache_key] = _key_value(key, value)
-    return text
+    return _array([_key_value(key, value) for key, value in (attributes or {}).items()])
 
 
 def _key_value(key: str, value: Any) -> str:
     """One OTLP KeyValue."""
-    return f'{{"key":{_string(key)},"value":{_any_value_json(value)}}}'
-
-
-def _any_value_json(value: Any) -> str:
-    """An OTLP AnyValue as JSON. The engine's lists (token ids, positions,
-    request ids) are joined as text, without a dict per element; anything
-    else goes through _encode_value."""
-    if type(value) is str:  # a step's view is a long one
-        return f'{{"stringValue":{_string(value)}}}'
-    if type(value) is tuple and value:  # OTel keeps a list attribute as a tuple
-        kinds = set(map(type, value))
-        # (1, 2) -> {"arrayValue":{"values":[{"intValue":"1"},{"intValue":"2"}]}}:
-        # the items joined by what lies between two of them.
-        if kinds == {int}:  # exactly int: a bool is written apart
-            items = '"},{"intValue":"'.join(map(str, value))
-            return f'{{"arrayValue":{{"values":[{{"intValue":"{items}"}}]}}}}'
-        if kinds == {str}:
-            items = '},{"stringValue":'.join(map(_string, value))
-            return f'{{"arrayValue":{{"values":[{{"stringValue":{items}}}]}}}}'
-    return _dumps(_encode_value(value))
-
-
-def _cacheable(value: Any) -> bool:
-    """Whether equal (key, type, value) keys always mean the same JSON."""
-    kind = type(value)
-    if kind is str:
-        return len(value) <= _MAX_CACHED_STR
-    if kind is tuple:
-        return len(value) <= 8 and all(type(v) is int for v in value)
-    return kind is int or kind is bool
+    return f'{{"key":{_string(key)},"value":{_dumps(_encode_value(value))}}}'
 
 
 def _encode_value(value: Any) -> dict[str, Any]:
