@@ -11,12 +11,14 @@ Departure: vLLM imports Triton with the module. Here Triton is imported only
 when a Triton path is taken (a kernel launched, ``triton.cdiv`` called,
 ``interpreter_active()`` asked), never for the torch backend, which imports
 the same kernel files for their ``*_torch`` references. Importing Triton
-loads its compiler (a second or so), and its nanobind extension prints
-"leaked functions" warnings at the exit of a process that loaded it without
-launching anything. Until then ``@triton.jit`` gives a ``_DeferredKernel``,
-and the first use swaps the real ``JITFunction`` (and the real ``triton`` and
-``tl``) into every kernel module's globals, where Triton's compiler and its
-interpreter look them up.
+loads its compiler (a second or so), and kernels made (``JITFunction``) and
+never launched leave its nanobind extension printing some fifty lines of
+"leaked functions" at the exit of an in-process script. So until a first
+use ``@triton.jit`` gives a ``_DeferredKernel``, even when something else
+imported Triton already (torch's compiler does, and transformers imports
+that); the first use swaps the real ``JITFunction`` (and the real ``triton``
+and ``tl``) into every kernel module's globals, where Triton's compiler and
+its interpreter look them up.
 
 ``TRITON_INTERPRET=1`` runs the kernels on the CPU, in Python. Triton reads it
 when ``triton`` is first imported (``triton.language`` itself is made of
@@ -108,9 +110,11 @@ class _LazyTriton(types.ModuleType):
     def jit(self, fn: Any = None, **options: Any) -> Any:
         if fn is None:  # @triton.jit(...) with arguments
             return lambda fn: self.jit(fn, **options)
-        if _loaded is None and "triton" not in sys.modules:
+        if _loaded is None:
+            # Even when something else imported Triton (torch's compiler
+            # does): a JITFunction made and never launched is enough for the
+            # leak warnings at exit.
             return _DeferredKernel(fn, options)
-        # Imported already (a kernel ran, or torch's compiler imported it).
         real = _load()
         kernel = real.jit(fn, **options)
         _swap(fn.__globals__)

@@ -91,6 +91,23 @@ print("TRITON", "triton" in sys.modules)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_kernels_wait_for_a_launch_even_when_triton_is_already_imported() -> None:
+    """torch's compiler (which transformers imports) may have imported Triton
+    first: the kernels are still made only at a first launch, since a
+    kernel made and never launched is what leaves nanobind's warnings."""
+    code = """
+import triton
+from kernels import triton_utils, unified_attention
+assert isinstance(unified_attention.kernel_unified_attention, triton_utils._DeferredKernel)
+assert triton_utils._loaded is None
+print("OK")
+"""
+    result = _python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "OK" in result.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_a_deferred_kernel_loads_triton_at_its_first_launch() -> None:
     """Launched, a deferred kernel imports Triton (here its CPU interpreter)
     and runs; after, the kernel module holds the real kernel, ``triton`` and
