@@ -46,7 +46,6 @@ class CachedRequestState:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
-    trace_headers: dict[str, str] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -211,7 +211,6 @@ class ModelRunner:
                 block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=[],
-                trace_headers=new.trace_headers,
             )
             self.requests[new.req_id] = state
             reqs_to_add.append(state)

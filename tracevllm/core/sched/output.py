@@ -31,8 +31,6 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
-    # tracevllm: trace context of the request, so runner spans can link to it.
-    trace_headers: dict[str, str] | None = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> NewRequestData:
@@ -42,7 +40,6 @@ class NewRequestData:
             sampling_params=request.sampling_params,
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
-            trace_headers=dict(request.trace_headers) if request.trace_headers else None,
         )
 
 
