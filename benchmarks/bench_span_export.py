@@ -114,8 +114,8 @@ def bench_request(num_prompts: int, repeats: int) -> None:
                 encode(batch)
             written[name] = min(written[name], time.thread_time() - start)
     load = os.getloadavg()[0]
-    print(f"# --detail request: {num_prompts} chat prompts, {tokens} tokens, {len(spans)} spans; "
-          f"the generate: {cpu:.2f} s of CPU ({wall:.2f} s wall), load {load:.2f}")  # fmt: skip
+    print(f"# --detail request: {num_prompts} chat prompts, {tokens} tokens, {len(spans)} spans\n"
+          f"# the generate: {cpu:.2f} s of CPU ({wall:.2f} s wall), load {load:.2f}")  # fmt: skip
     for name, seconds in written.items():
         print(f"written ({name}): {seconds:.3f} s = {seconds / len(spans) * 1e6:6.1f} us/span, "
               f"{seconds / cpu * 100:.2f}% of the generate's CPU")  # fmt: skip
