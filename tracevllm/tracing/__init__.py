@@ -197,6 +197,23 @@ def _tracing_failed(func: Callable[..., Any], span_name: str, error: Exception) 
     )
 
 
+def _parent_context(
+    parent: Callable[..., Context | None] | None,
+    span_name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Context | None:
+    """``parent(*args, **kwargs)``, or None (the current span) if there is
+    none or it raises: a span with the wrong parent beats a dead engine."""
+    if parent is None:
+        return None
+    try:
+        return parent(*args, **kwargs)
+    except Exception as e:
+        _tracing_failed(parent, span_name, e)
+        return None
+
+
 class _Recorded:
     """What a ``record`` function puts on a span, held until it has returned."""
 
@@ -254,12 +271,7 @@ def instrument(
         attributes = code_attributes(func)
 
         def start(*args: Any, **kwargs: Any) -> Any:
-            context = None
-            if parent is not None:
-                try:
-                    context = parent(*args, **kwargs)
-                except Exception as e:
-                    _tracing_failed(parent, name, e)
+            context = _parent_context(parent, name, args, kwargs)
             return _state.tracer.start_as_current_span(name, context=context, attributes=attributes)
 
         def finish(span: Span, result: Any, *args: Any, **kwargs: Any) -> None:
@@ -326,12 +338,7 @@ def _instrument_async_generator(
                 async for item in agen:
                     yield item
             return
-        context = None
-        if parent is not None:
-            try:
-                context = parent(*args, **kwargs)
-            except Exception as e:
-                _tracing_failed(parent, name, e)
+        context = _parent_context(parent, name, args, kwargs)
         span = _state.tracer.start_span(name, context=context, attributes=attributes)
         span_context = trace.set_span_in_context(span, context)
         agen = func(*args, **kwargs)
