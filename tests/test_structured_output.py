@@ -308,6 +308,9 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_only(
     good = SamplingParams(temperature=0.0, max_tokens=8)
     outputs = inproc.generate(["Hello", "Hello"], [bad, good], use_tqdm=False)
     assert outputs[0].outputs[0].finish_reason == "error"
+    assert outputs[0].outputs[0].stop_reason == (
+        "structured_outputs.regex: the engine could not compile it: the compiler broke"
+    )
     assert outputs[0].outputs[0].token_ids == []
     assert outputs[1].outputs[0].finish_reason in ("stop", "length")
     assert len(outputs[1].outputs[0].token_ids) > 0

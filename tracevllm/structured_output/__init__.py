@@ -72,12 +72,26 @@ class StructuredOutputManager:
         record=records.create_grammar,
     )
     def _create_grammar(self, request: Request) -> XgrammarGrammar:
-        """On a pool thread: the request's own matcher on its compiled grammar."""
+        """On a pool thread: the request's own matcher on its compiled grammar.
+
+        A compilation that fails raises a ``ValueError`` whose text is the
+        reason for the client (tracevllm's: the scheduler finishes the
+        request with it as an error's ``stop_reason``, knowing no backend).
+        """
         so_request = request.structured_output_request
         assert so_request is not None and self.backend is not None
         request_type, grammar_spec = so_request.structured_output_key
         any_whitespace = not so_request.params.disable_any_whitespace
-        return self.backend.compile_grammar(request_type, grammar_spec, any_whitespace)
+        try:
+            return self.backend.compile_grammar(request_type, grammar_spec, any_whitespace)
+        except Exception as e:
+            # Loaded with the backend above.
+            from tracevllm.structured_output.backend_xgrammar import xgrammar_reason
+
+            raise ValueError(
+                f"structured_outputs.{so_request.params.kind}: the engine could not compile "
+                f"it: {xgrammar_reason(e)}"
+            ) from e
 
     # --8<-- [end:grammar_init]
 

@@ -440,13 +440,9 @@ class Scheduler:
         except Exception as e:
             logger.error("Grammar for request %s failed to compile: %s", request.request_id, e)
             request.status = RequestStatus.FINISHED_ERROR
-            # tracevllm: the reason goes to the client (stop_reason of an error).
-            from tracevllm.structured_output.backend_xgrammar import xgrammar_reason
-
-            request.stop_reason = (
-                f"structured_outputs.{so_request.params.kind}: the engine could not compile "
-                f"it: {xgrammar_reason(e)}"
-            )
+            # tracevllm: the reason goes to the client (stop_reason of an error);
+            # the manager's _create_grammar wrote it.
+            request.stop_reason = str(e)
             self._free_request(request)
             self.finished_in_schedule.append(request)
             return False
