@@ -10,6 +10,9 @@ JSON with whitespace up to max_tokens.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,10 @@ import openai
 import pytest
 
 from tests.test_serving import API_KEY, MESSAGES, Server, greedy
-from tracevllm.tool_parsers.streaming import extract_required_tool_call_streaming
+from tracevllm.tool_parsers.streaming import (
+    RequiredToolCallScanner,
+    extract_required_tool_call_streaming,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -292,6 +298,137 @@ def test_required_tool_calls_stream_piece_by_piece() -> None:
         assert {i: (n, json.loads(a)) for i, (n, a) in calls.items()} == expected, step
 
 
+def test_required_tool_calls_scan_each_character_once() -> None:
+    """A stream's scanner resumes where the last delta ended: fed a reply
+    one character at a time, it goes through each character once (it
+    rescanned the whole reply twice per delta: quadratic, on the event
+    loop), and streams what the whole reply holds."""
+    calls_in = [{"name": f"f{i}", "parameters": {"s": "x" * i, "n": [i, {"k": None}]}}
+                for i in range(60)]  # fmt: skip
+    text = json.dumps(calls_in)
+    scanner = RequiredToolCallScanner()
+    calls: dict[int, tuple[str, str]] = {}
+    for ch in text:
+        delta = scanner.feed(ch)
+        for piece in delta.tool_calls if delta else []:
+            assert piece.function is not None
+            if piece.id is not None:
+                calls[piece.index] = (piece.function.name or "", "")
+            name, arguments = calls[piece.index]
+            calls[piece.index] = (name, arguments + (piece.function.arguments or ""))
+    assert scanner.scanned == len(text)
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [
+        (c["name"], c["parameters"]) for c in calls_in
+    ]
+
+
+def test_the_server_imports_no_private_name() -> None:
+    """The chat handler took sampling_params' private _CONSTRAINTS; what the
+    server needs from another module is that module's public surface."""
+    import ast
+
+    root = Path(__file__).parent.parent / "tracevllm"
+    for path in [*(root / "entrypoints").rglob("*.py"), *(root / "tool_parsers").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tracevllm"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{path.relative_to(root)} imports {private} from {node.module}"
+
+
+def _deep_schema(levels: int) -> dict[str, Any]:
+    """An object schema whose properties nest ``levels`` objects deep (2 JSON levels each)."""
+    schema: dict[str, Any] = {"type": "object"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+NAMED = {"type": "function", "function": {"name": "deep"}}
+
+
+@pytest.mark.parametrize("levels", [20, 400])  # past 32 JSON levels; past Python's recursion
+@pytest.mark.parametrize("tool_choice", [NAMED, "required", "none", None])
+def test_deep_tool_parameters_are_refused_naming_them(
+    server: Server, client: openai.OpenAI, tool_choice: Any, levels: int
+) -> None:
+    """Whatever the tool_choice, a tool's parameters are held to structured
+    outputs' limits when the request is read: nested 400 objects deep, a
+    named choice was a 500 (a copy recursed), "required" and "none" a 400
+    naming messages (the template's tojson recursed); 20 deep, a 400 naming
+    structured_outputs."""
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": _deep_schema(
+        levels)}}]  # fmt: skip
+    body = {"messages": MESSAGES, "tools": tools, "max_tokens": 2}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    response = post(server, "chat/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools", error
+    assert error["message"].startswith("tools[0].function.parameters: the schema nests more "
+                                       "than 32 levels"), error  # fmt: skip
+    assert client.completions.create(prompt="still there?", **greedy(max_tokens=2)).choices
+
+
+def test_required_tool_choice_refuses_tools_too_deep_in_its_array(client: openai.OpenAI) -> None:
+    """Each tool's parameters within the limits (29 levels), but the
+    "required" array holds them 5 levels deeper: a 400 naming tools."""
+    tools = [{"type": "function", "function": {"name": "deep", "parameters": _deep_schema(14)}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(messages=MESSAGES, tools=tools, tool_choice="required",
+                                       **greedy(max_tokens=2))  # fmt: skip
+    assert e.value.body["param"] == "tools"
+    assert 'tool_choice "required" nests them' in e.value.body["message"], e.value.body
+    named = client.chat.completions.create(messages=MESSAGES, tools=tools, tool_choice=NAMED,
+                                           **greedy(max_tokens=2))  # fmt: skip
+    assert named.choices[0].message.tool_calls
+
+
+# An earlier assistant turn whose call's arguments nest past Python's parser.
+DEEP_ARGUMENTS = [
+    *MESSAGES,
+    {"role": "assistant", "tool_calls": [{"id": "call-1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "[" * 5000 + "]" * 5000}}]},
+    {"role": "tool", "tool_call_id": "call-1", "content": "18 degrees, dry"},
+]  # fmt: skip
+
+
+def test_deep_tool_call_arguments_are_a_400(client: openai.OpenAI) -> None:
+    """json.loads raised RecursionError: a 500."""
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(messages=DEEP_ARGUMENTS, tools=TOOLS,
+                                           tool_choice="none", stream=stream,
+                                           **greedy(max_tokens=2))  # fmt: skip
+        assert e.value.body["param"] == "messages"
+        assert "messages[1].tool_calls[0].function.arguments nests" in e.value.body["message"]
+    assert client.completions.create(prompt="still there?", **greedy(max_tokens=2)).choices
+
+
+def test_deep_tool_call_arguments_offline(tiny_model_dir: str) -> None:
+    """LLM.chat raised a bare RecursionError; now a ValueError naming the
+    arguments, and the same LLM serves the next call. In a child process,
+    under a timeout."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        from tracevllm import LLM, SamplingParams
+        llm = LLM(model={tiny_model_dir!r}, num_gpu_blocks_override=64,
+                  enable_multiprocessing=False)
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        try:
+            llm.chat(json.loads(sys.stdin.read()), params, use_tqdm=False)
+        except ValueError as e:
+            print("ValueError:", e)
+        print("next:", len(llm.chat({MESSAGES!r}, params, use_tqdm=False)[0].outputs[0].token_ids))
+        llm.shutdown()
+    """)
+    result = subprocess.run([sys.executable, "-c", script], input=json.dumps(DEEP_ARGUMENTS),
+                            capture_output=True, text=True, timeout=150)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ValueError: messages[1].tool_calls[0].function.arguments nests" in result.stdout
+    assert "next: 2" in result.stdout, result.stdout
+
+
 # --- fields tracevllm does not implement ------------------------------------------------
 REFUSED = [
     # (endpoint, field, value)
@@ -355,6 +492,53 @@ def test_n_null_is_the_default(client: openai.OpenAI) -> None:
     assert len(client.completions.create(prompt="x", n=None, **greedy(max_tokens=2)).choices) == 1
     chat = client.chat.completions.create(messages=MESSAGES, n=None, **greedy(max_tokens=2))
     assert len(chat.choices) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_past_the_longest_choice_is_refused_at_the_entry(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    """A choice is at most one token per byte, then only a stop token, which
+    min_tokens forbids: past the longest choice's bytes no token can follow.
+    Found at the entry, a stream is a 400 too (it was a 200, then an error
+    event); within the bound the request is served."""
+    kw = greedy(max_tokens=8, stream=stream)
+    for endpoint, extra in (("completions", {}), ("chat", {})):
+        with pytest.raises(openai.BadRequestError) as e:
+            _create_streamed(client, endpoint, kw, {"structured_outputs": {"choice": ["a", "bc"]},
+                                                    "min_tokens": 3, **extra})  # fmt: skip
+        assert e.value.body["param"] == "min_tokens", e.value.body
+        assert "the longest choice is 2 bytes" in e.value.body["message"]
+    # One byte, one token: min_tokens=1 is met by the choice itself.
+    out = _create_streamed(client, "completions", kw, {"structured_outputs": {"choice": ["a"]},
+                                                       "min_tokens": 1})  # fmt: skip
+    assert out == "a"
+
+
+def test_min_tokens_past_the_longest_choice_offline() -> None:
+    from tracevllm import SamplingParams
+    from tracevllm.sampling_params import StructuredOutputsParams
+
+    choice = StructuredOutputsParams(choice=["no", "é"])  # "é": 2 bytes in UTF-8
+    SamplingParams(min_tokens=2, structured_outputs=choice)
+    with pytest.raises(ValueError, match="min_tokens=3 cannot be reached") as e:
+        SamplingParams(min_tokens=3, structured_outputs=choice)
+    assert getattr(e.value, "parameter", None) == "min_tokens"
+
+
+def _create_streamed(
+    client: openai.OpenAI, endpoint: str, kw: dict[str, Any], extra: dict[str, Any]
+) -> str:
+    """The text of one request, streamed or not."""
+    if endpoint == "chat":
+        out = client.chat.completions.create(messages=MESSAGES, extra_body=extra, **kw)
+        if not kw.get("stream"):
+            return out.choices[0].message.content or ""
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+    out = client.completions.create(prompt="x", extra_body=extra, **kw)
+    if not kw.get("stream"):
+        return out.choices[0].text
+    return "".join(c.choices[0].text for c in out if c.choices)
 
 
 SURROGATE = b'"\\ud800"'  # JSON can escape a lone surrogate; UTF-8 cannot carry it

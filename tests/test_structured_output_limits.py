@@ -313,14 +313,15 @@ def test_hostile_constraints_over_http(server: Any) -> None:
 
 
 def test_a_row_that_allows_no_token_is_a_clear_error_over_http(server: Any) -> None:
-    """``choice`` with ``min_tokens`` past its length: after the choice, the
-    grammar allows the stop token alone and min-tokens forbids it. Was a 500
+    """A one-digit ``regex`` with ``min_tokens`` past it: after the digit, the
+    grammar allows the stop token alone and min-tokens forbids it (a
+    ``choice`` past its bytes is refused at the entry instead). Was a 500
     "Internal server error"; now a 400 saying why (whole and streamed: an
     error event in the stream), and the server serves on."""
     from tests.test_serving import MODEL
 
     client = server.client(timeout=60)
-    so, min_tokens = {"choice": ["7"]}, {"min_tokens": 3}
+    so, min_tokens = {"regex": "[0-9]"}, {"min_tokens": 3}
     with pytest.raises(openai.BadRequestError) as e:
         _complete(client, so, max_tokens=8, extra_body=min_tokens)
     assert "min_tokens=3" in e.value.body["message"], e.value.body

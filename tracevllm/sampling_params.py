@@ -139,7 +139,7 @@ class StructuredOutputsParams(_TypeChecked, msgspec.Struct, omit_defaults=True):
 
     def __post_init__(self) -> None:
         self._verify_types("structured_outputs.")
-        kinds = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        kinds = [name for name in CONSTRAINT_KINDS if getattr(self, name) is not None]
         if len(kinds) > 1:
             raise ValueError(
                 f"structured_outputs: only one kind of constraint may be set, got "
@@ -148,7 +148,7 @@ class StructuredOutputsParams(_TypeChecked, msgspec.Struct, omit_defaults=True):
         if not kinds:
             raise ValueError(
                 "structured_outputs: one kind of constraint must be set: "
-                f"{', '.join(_CONSTRAINTS)}."
+                f"{', '.join(CONSTRAINT_KINDS)}."
             )
         if self.choice is not None and not self.choice:
             raise ValueError("structured_outputs.choice cannot be an empty list.")
@@ -166,7 +166,7 @@ class StructuredOutputsParams(_TypeChecked, msgspec.Struct, omit_defaults=True):
     @property
     def kind(self) -> str | None:
         """The constraint set (``"json"``, ``"regex"`` ...), None if none is."""
-        return next((name for name in _CONSTRAINTS if getattr(self, name) is not None), None)
+        return next((name for name in CONSTRAINT_KINDS if getattr(self, name) is not None), None)
 
     def all_constraints_none(self) -> bool:
         return self.kind is None
@@ -178,7 +178,10 @@ class StructuredOutputsParams(_TypeChecked, msgspec.Struct, omit_defaults=True):
         return copy.copy(self)
 
 
-_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+# The fields of StructuredOutputsParams that are constraints (the rest are
+# options); public: a request's options are kept when the server replaces its
+# constraint (tool calls), and vLLM spells these out wherever it needs them.
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # --8<-- [end:structured_outputs_params]
 
 
@@ -316,6 +319,23 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
+        so = self.structured_outputs
+        if so is not None and so.choice and self.min_tokens:
+            # tracevllm: a choice's text is at most one token per byte (xgrammar
+            # never allows a token of no text), and once it is out the grammar
+            # allows only a stop token, which min_tokens masks: past the
+            # longest choice's bytes the request certainly allows no token.
+            # Shorter cases depend on the tokens sampled (found in the engine).
+            longest = max(len(c.encode("utf-8", "surrogatepass")) for c in so.choice)
+            if self.min_tokens > longest:
+                raise VLLMValidationError(
+                    f"min_tokens={self.min_tokens} cannot be reached under "
+                    f"structured_outputs.choice: the longest choice is {longest} bytes, so at "
+                    f"most {longest} tokens, and after it only a stop token is allowed, which "
+                    "min_tokens forbids until then.",
+                    parameter="min_tokens",
+                    value=self.min_tokens,
+                )
         if self.logprobs is not None and self.logprobs < -1:
             raise ValueError(
                 f"logprobs must be non-negative or -1 (the whole vocabulary), got {self.logprobs}."

@@ -89,10 +89,19 @@ def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
             )
         arguments = function.get("arguments")
         if isinstance(arguments, str):
+            field = f"{where}[{j}].function.arguments"
             try:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}[{j}].function.arguments is not JSON: {e}.") from None
+                raise VLLMValidationError(
+                    f"{field} is not JSON: {e}.", parameter="messages"
+                ) from None
+            except RecursionError:
+                # Python's parser recurses once per bracket: ~1000 deep is past its limit.
+                raise VLLMValidationError(
+                    f"{field} nests its JSON arrays and objects too deep for Python's parser.",
+                    parameter="messages",
+                ) from None
         calls.append({**call, "function": {**function, "arguments": arguments}})
     return calls
 

@@ -6,15 +6,20 @@ Mirrors vllm/tool_parsers/utils.py (``get_json_schema_from_tools``,
 puts into ``structured_outputs`` for ``tool_choice`` = a named function (its
 parameters' schema) or ``"required"`` (an array of one or more
 ``{"name": ..., "parameters": ...}`` calls, one ``anyOf`` branch per tool).
-Two departures: a named function without ``parameters`` is held to an
-object (vLLM leaves its arguments unconstrained text), and the tools'
-``$defs`` are copied, not popped out of the request's tools.
+Departures: a named function without ``parameters`` is held to an object
+(vLLM leaves its arguments unconstrained text); the tools' ``$defs`` are
+shared, not popped out of the request's tools; and the ``"required"``
+schema, which holds each tool's parameters five levels deeper than they
+are, is checked against structured outputs' limits naming ``tools`` (each
+tool's own parameters were checked when the request was parsed). Nothing
+is copied (vLLM's way): a copy of a schema recurses once per level.
 """
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any
+
+from tracevllm.structured_output.limits import check_json_schema
 
 if TYPE_CHECKING:
     from tracevllm.entrypoints.openai.chat_completion.protocol import (
@@ -59,7 +64,7 @@ def _get_json_schema_from_tools(tools: list[ChatCompletionToolsParam]) -> dict[s
         "items": {"type": "object", "anyOf": [_get_tool_schema_from_tool(t) for t in tools]},
     }
     if defs := _get_tool_schema_defs(tools):
-        schema["$defs"] = copy.deepcopy(defs)
+        schema["$defs"] = defs
     return schema
 
 
@@ -73,9 +78,15 @@ def get_json_schema_from_tools(
     if tool_choice in ("none", None) or tools is None:
         return None
     if isinstance(tool_choice, str):
-        return _get_json_schema_from_tools(tools) if tool_choice == "required" else None
+        if tool_choice != "required":
+            return None
+        schema = _get_json_schema_from_tools(tools)
+        # tracevllm: the array of calls around the tools adds 5 levels, and
+        # its $refs, patterns and text are all the tools' together.
+        check_json_schema(schema, 'tools, as tool_choice "required" nests them in its array')
+        return schema
     name = tool_choice.function.name
     tool = next((t for t in tools if t.function.name == name), None)
     if tool is None:
         raise ValueError(f"Tool '{name}' has not been passed in `tools`.")
-    return copy.deepcopy(tool.function.parameters or _NO_PARAMETERS)
+    return tool.function.parameters or _NO_PARAMETERS

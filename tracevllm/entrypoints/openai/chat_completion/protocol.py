@@ -37,6 +37,7 @@ from tracevllm.entrypoints.openai.engine.protocol import (
     random_uuid,
 )
 from tracevllm.exceptions import VLLMValidationError
+from tracevllm.structured_output.limits import check_json_schema
 
 _USE_TOOLS = "deprecated by OpenAI; send tools and tool_choice instead"
 
@@ -97,6 +98,19 @@ class ChatCompletionRequest(GenerateRequest):
                 "omit the field entirely.",
                 parameter="tools",
             )
+        for i, tool in enumerate(self.tools or ()):
+            # tracevllm: the limits a constraint is held to, whatever the
+            # tool_choice. The parameters become the schema a named or
+            # "required" choice is generated under, and every choice hands
+            # them to the chat template: nested past Python's recursion
+            # limit, a copy, a comparison or the template's tojson raised
+            # RecursionError (a 500, or a 400 naming another field).
+            if tool.function.parameters is not None:
+                field = f"tools[{i}].function.parameters"
+                try:
+                    check_json_schema(tool.function.parameters, field)
+                except ValueError as e:
+                    raise VLLMValidationError(str(e), parameter="tools") from None
         if "tool_choice" not in self.model_fields_set and self.tools:
             self.tool_choice = "auto"  # OpenAI's default when tools are given
         choice = self.tool_choice

@@ -44,10 +44,10 @@ from tracevllm.entrypoints.openai.engine.serving import (
 )
 from tracevllm.exceptions import VLLMValidationError
 from tracevllm.outputs import RequestOutput, SampleLogprobs
-from tracevllm.sampling_params import _CONSTRAINTS, RequestOutputKind, SamplingParams
+from tracevllm.sampling_params import CONSTRAINT_KINDS, RequestOutputKind, SamplingParams
 from tracevllm.tool_parsers.streaming import (
+    RequiredToolCallScanner,
     extract_named_tool_call_streaming,
-    extract_required_tool_call_streaming,
 )
 from tracevllm.tool_parsers.utils import get_json_schema_from_tools
 from tracevllm.tracing import records
@@ -92,7 +92,9 @@ class OpenAIServingChat(OpenAIServing):
             # response_format): tracevllm reads disable_any_whitespace from the
             # request, vLLM from the server's config.
             options = {
-                k: v for k, v in (request.structured_outputs or {}).items() if k not in _CONSTRAINTS
+                k: v
+                for k, v in (request.structured_outputs or {}).items()
+                if k not in CONSTRAINT_KINDS
             }
             request.structured_outputs, request.response_format = options | {"json": schema}, None
         request_id = f"{self.request_id_prefix}-{self._base_request_id(raw_request)}"
@@ -153,7 +155,9 @@ class OpenAIServingChat(OpenAIServing):
         reason, the usage chunk if asked for, and ``data: [DONE]``."""
         num_choices = request.num_choices
         previous_num_tokens = [0] * num_choices
-        previous_texts = [""] * num_choices
+        # A "required" reply's calls, scanned as they come (one scanner per choice).
+        required = request.tool_choice == "required"
+        scanners = [RequiredToolCallScanner() for _ in range(num_choices if required else 0)]
         tools_streamed = [False] * num_choices
         created = int(time.time())
 
@@ -189,10 +193,7 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = self._create_chat_logprobs(
                             output.logprobs, request.top_logprobs or 0
                         )
-                    delta = self._delta_message(
-                        request, i, delta_text, previous_texts, tools_streamed
-                    )
-                    previous_texts[i] += delta_text
+                    delta = self._delta_message(request, i, delta_text, scanners, tools_streamed)
                     previous_num_tokens[i] += len(output.token_ids)
                     if delta is None:  # a tool call not announced yet
                         if output.finish_reason is None and logprobs is None:
@@ -231,7 +232,7 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         i: int,
         delta_text: str,
-        previous_texts: list[str],
+        scanners: list[RequiredToolCallScanner],
         tools_streamed: list[bool],
     ) -> DeltaMessage | None:
         """Choice ``i``'s new text as a delta: content, or, under a forced
@@ -242,8 +243,7 @@ class OpenAIServingChat(OpenAIServing):
             )
             return delta
         if request.tool_choice == "required":
-            previous = previous_texts[i]
-            required = extract_required_tool_call_streaming(previous, previous + delta_text)
+            required = scanners[i].feed(delta_text)
             tools_streamed[i] |= required is not None
             return required
         return DeltaMessage(content=delta_text)
