@@ -71,7 +71,7 @@ def child(name: str, compile_too: bool) -> None:
     """One case, on the stack it names; prints its figures as JSON."""
     import xgrammar as xgr
 
-    from tracevllm.structured_output.limits import run_with_large_stack
+    from tracevllm.structured_output.large_stack import run_with_large_stack
 
     build, stack = CASES[name]
     text = json.dumps(build())

@@ -146,26 +146,120 @@ def test_the_worst_schemas_the_limits_allow_parse_quickly() -> None:
 def test_xgrammar_runs_on_a_large_stack() -> None:
     """A 16000-link chain, which segfaults on the default 8 MiB stack, past
     the entry (the engine compiles what reaches it without the entry's
-    checks): parsed by ``run_with_large_stack``, and compiled by the
-    engine's backend on a grammar-pool thread, as the engine does."""
+    checks): parsed by ``run_with_large_stack``, compiled by the engine's
+    grammar pool as the engine does (``grammar_init``), and parsed on a pool
+    thread by a bare call: the pool's threads have the large stack."""
     code = """if True:
         import json
-        from concurrent.futures import ThreadPoolExecutor
         import xgrammar as xgr
-        from transformers import AutoTokenizer
         from tests import structured_cases as cases
+        from tracevllm import SamplingParams
+        from tracevllm.engine.arg_utils import EngineArgs
         from tracevllm.model_executor.model_loader import resolve_model
-        from tracevllm.structured_output.backend_types import StructuredOutputOptions
-        from tracevllm.structured_output.backend_xgrammar import XgrammarBackend
-        from tracevllm.structured_output.limits import run_with_large_stack
+        from tracevllm.request import Request
+        from tracevllm.sampling_params import StructuredOutputsParams
+        from tracevllm.structured_output import StructuredOutputManager
+        from tracevllm.structured_output.large_stack import run_with_large_stack
         text = json.dumps(cases.flat_ref_chain(16000))
         run_with_large_stack(lambda: xgr.Grammar.from_json_schema(text))
-        backend = XgrammarBackend(AutoTokenizer.from_pretrained(resolve_model(None)), 49152)
-        with ThreadPoolExecutor(1) as pool:  # the manager's grammar pool
-            pool.submit(backend.compile_grammar, StructuredOutputOptions.JSON, text).result()
+        config = EngineArgs(model=resolve_model(None)).create_engine_config()
+        manager = StructuredOutputManager(config)
+        so = StructuredOutputsParams(json=text)
+        request = Request("r", [1], SamplingParams(max_tokens=1, structured_outputs=so))
+        manager.grammar_init(request)
+        request.structured_output_request._grammar.result()
+        manager.executor.submit(xgr.Grammar.from_json_schema, text).result()
         print(json.dumps("compiled"))
     """
     assert _in_child(code, timeout=180) == "compiled"
+
+
+# A thread's own stack size, as glibc gave it (Linux).
+_STACK_BYTES = """
+import ctypes, threading
+_libc = ctypes.CDLL(None)
+def stack_bytes():
+    attr = ctypes.create_string_buffer(256)  # a pthread_attr_t (56 bytes on x86-64)
+    assert _libc.pthread_getattr_np(ctypes.c_ulong(threading.get_ident()), attr) == 0
+    size = ctypes.c_size_t()
+    assert _libc.pthread_attr_getstacksize(attr, ctypes.byref(size)) == 0
+    _libc.pthread_attr_destroy(attr)
+    return size.value
+"""
+
+
+def test_no_other_thread_gets_the_large_stack() -> None:
+    """``threading.stack_size`` is process-wide: a thread that other code
+    starts while it is set gets the 256 MiB stack too (and under strict
+    overcommit may fail to start). It is set once, when the worker starts,
+    not on each parse: threads started while parses run get the default."""
+    code = f"""if True:
+        import json, threading
+        {_STACK_BYTES.strip().replace(chr(10), chr(10) + " " * 8)}
+        from tracevllm.structured_output.large_stack import run_with_large_stack
+        run_with_large_stack(lambda: None)  # the worker, before the other threads
+        sizes, stop = [], threading.Event()
+        def start_threads():
+            while not stop.is_set():
+                thread = threading.Thread(target=lambda: sizes.append(stack_bytes()))
+                thread.start()
+                thread.join()
+        starter = threading.Thread(target=start_threads)
+        starter.start()
+        large = [run_with_large_stack(stack_bytes) for _ in range(300)]
+        stop.set()
+        starter.join()
+        print(json.dumps([min(large), sorted(set(sizes)), len(sizes)]))
+    """
+    from tracevllm.structured_output.large_stack import GRAMMAR_THREAD_STACK_BYTES
+
+    smallest_large, other_sizes, num_others = _in_child(code, timeout=120)
+    assert smallest_large >= GRAMMAR_THREAD_STACK_BYTES
+    assert num_others > 0 and max(other_sizes) < GRAMMAR_THREAD_STACK_BYTES, other_sizes
+
+
+def test_validation_from_several_threads_and_after_a_fork() -> None:
+    """An offline user's threads validate at once, half of them constraints
+    xgrammar refuses (an exception on the worker): each gets its own answer,
+    none waits forever. A process forked after the worker started (which
+    the fork left behind) parses on a worker of its own."""
+    code = """if True:
+        import json, multiprocessing, threading
+        from tracevllm import SamplingParams
+        from tracevllm.sampling_params import StructuredOutputsParams
+        from tracevllm.structured_output.backend_xgrammar import validate_xgrammar_grammar
+        def outcome(regex):
+            params = SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex))
+            try:
+                validate_xgrammar_grammar(params)
+                return "ok"
+            except ValueError as e:
+                return "cannot compile" if "cannot compile" in str(e) else str(e)
+        results = {}
+        def validate(i):
+            results[i] = [outcome("(" if (i + j) % 2 else "[a-z]+") for j in range(6)]
+        threads = [threading.Thread(target=validate, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        def in_fork(queue):
+            queue.put([outcome("[0-9]+"), outcome(")")])
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=in_fork, args=(queue,))
+        child.start()
+        child.join(timeout=60)
+        forked = queue.get(timeout=1) if child.exitcode == 0 else child.exitcode
+        if child.is_alive():
+            child.kill()
+        print(json.dumps([results, forked]))
+    """
+    results, forked = _in_child(code, timeout=180)
+    for i in range(8):
+        expected = ["cannot compile" if (i + j) % 2 else "ok" for j in range(6)]
+        assert results[str(i)] == expected, (i, results.get(str(i)))
+    assert forked == ["ok", "cannot compile"]
 
 
 def test_unsupported_features_are_found_at_any_depth() -> None:

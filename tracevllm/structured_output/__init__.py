@@ -10,17 +10,21 @@ matcher. Lives in the engine-core process, beside the scheduler. Left out:
 reasoning parsers (constraints that start after the model's reasoning), the
 parallel bitmask fill for batches over 128 structured requests, backends
 other than xgrammar. The backend is
-made (and the tokenizer loaded) with the first structured request, as vLLM's.
+made (and the tokenizer loaded) with the first structured request, as vLLM's;
+the pool too (vLLM's: in ``__init__``), as its threads start at once, with a
+256 MiB stack (large_stack.py; vLLM's have the default one, and xgrammar
+recurses in C++).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING
 
 from tracevllm import tracing
+from tracevllm.structured_output.large_stack import LargeStackExecutor
 from tracevllm.tracing import records
 
 if TYPE_CHECKING:
@@ -40,9 +44,8 @@ class StructuredOutputManager:
         self.vllm_config = vllm_config
         self.backend: XgrammarBackend | None = None
         self._grammar_bitmask: torch.Tensor | None = None
-        # Compilation is CPU-bound: half the cores (vLLM's choice).
-        max_workers = max(1, (multiprocessing.cpu_count() + 1) // 2)
-        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        # Made with the backend: its threads start at once (large_stack.py).
+        self.executor: LargeStackExecutor | None = None
 
     # --8<-- [start:grammar_init]
     def grammar_init(self, request: Request) -> None:
@@ -63,6 +66,12 @@ class StructuredOutputManager:
             model_config = self.vllm_config.model_config
             tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
             self.backend = XgrammarBackend(tokenizer, model_config.vocab_size)
+            # Compilation is CPU-bound: half the cores (vLLM's choice). On
+            # threads with a large stack (vLLM's ThreadPoolExecutor: the
+            # default one), as xgrammar recurses in C++.
+            max_workers = max(1, (multiprocessing.cpu_count() + 1) // 2)
+            self.executor = LargeStackExecutor(max_workers, thread_name_prefix="grammar")
+        assert self.executor is not None
         grammar = self.executor.submit(self._create_grammar, request)
         request.structured_output_request.grammar = grammar
 
@@ -207,6 +216,7 @@ class StructuredOutputManager:
         return request.use_structured_output
 
     def clear_backend(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
         if self.backend is not None:
             self.backend.destroy()

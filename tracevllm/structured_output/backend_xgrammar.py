@@ -15,7 +15,7 @@ them into an EBNF grammar at the entry; tracevllm at compile time, so the
 trace still says "choice"); ``disable_any_whitespace`` is the request's
 (vLLM: the engine's config). A user's constraint meets tracevllm's limits at
 the entry, and xgrammar parses and compiles it on a thread with a large
-stack (limits.py: vLLM's segfaults on a long ``$ref`` chain); the entry also
+stack (large_stack.py: vLLM's segfaults on a long ``$ref`` chain); the entry also
 refuses a (small) constraint that allows no output at all, and
 ``has_xgrammar_unsupported_json_features`` walks the schema in a loop, not
 by recursion.
@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 from tracevllm import envs
 from tracevllm.structured_output.backend_types import StructuredOutputKey, StructuredOutputOptions
+from tracevllm.structured_output.large_stack import run_with_large_stack
 from tracevllm.structured_output.limits import (
     EMPTINESS_CHECK_MAX_CHARS,
     allows_any_output,
     check_constraint_size,
     check_json_schema,
-    run_with_large_stack,
     walk_json,
 )
 from tracevllm.structured_output.utils import choice_as_grammar
@@ -112,7 +112,8 @@ class XgrammarBackend:
     def _compile(
         self, request_type: StructuredOutputOptions, spec: str, any_whitespace: bool
     ) -> xgr.CompiledGrammar:
-        # On a thread with a large stack: xgrammar recurses in C++ (limits.py).
+        # On a thread with a large stack (in place on the grammar pool's):
+        # xgrammar recurses in C++ (large_stack.py).
         compiler = self.compiler
         if request_type == StructuredOutputOptions.JSON:
             return run_with_large_stack(

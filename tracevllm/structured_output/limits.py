@@ -1,4 +1,4 @@
-"""What a user's constraint may be, and the stack xgrammar runs on.
+"""What a user's constraint may be.
 
 tracevllm's own: vLLM 0.22.0 hands a user's JSON schema, regex or grammar to
 xgrammar as it comes. xgrammar parses and compiles it in C++, recursing once
@@ -34,11 +34,9 @@ constraint (schema, regex, grammar, choice list) is at most
 measured the same way: 0.05 s to parse at the entry, 0.43 s to compile in
 the engine (80 chains of 28 nested arrays), all on an 8 MiB stack.
 
-And every parse or compile of a user's constraint runs on its own thread
-with a ``GRAMMAR_THREAD_STACK_BYTES`` (256 MiB) stack (``run_with_large_stack``):
-address space, not memory, as pages are only touched when used. The worst
-the checks allow fits in 8 MiB; 256 MiB is 32 times that, for what the
-measurements did not try.
+And every parse or compile of a user's constraint runs on a thread with a
+256 MiB stack all the same, for what the measurements did not try
+(large_stack.py).
 """
 
 from __future__ import annotations
@@ -47,21 +45,20 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from tracevllm.structured_output.large_stack import run_with_large_stack
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 MAX_JSON_SCHEMA_DEPTH = 32
 MAX_JSON_SCHEMA_REFS = 1000
 MAX_PATTERN_REPETITIONS = 1000
 MAX_CONSTRAINT_CHARS = 64 * 1024
-GRAMMAR_THREAD_STACK_BYTES = 256 * 1024 * 1024
 
 # {n}, {n,} and {n,m} in a regex: the counts xgrammar unrolls.
 _REPETITION = re.compile(r"\{(\d+)(?:,(\d*))?\}")
@@ -160,45 +157,6 @@ def _too_deep(field: str) -> ValueError:
         f"{field}: the schema nests more than {MAX_JSON_SCHEMA_DEPTH} levels of JSON objects "
         f"and arrays, the most allowed (xgrammar's time grows with the cube of the depth)."
     )
-
-
-_stack_size_lock = threading.Lock()
-
-
-def run_with_large_stack(fn: Callable[[], T]) -> T:
-    """``fn()`` on a new thread with a ``GRAMMAR_THREAD_STACK_BYTES`` stack.
-
-    ``threading.stack_size`` applies to every thread started while it is
-    set, so it is set, the thread started and the size put back under a lock.
-    Where the system refuses that much address space (strict overcommit),
-    ``fn`` runs on a default thread: the limits alone keep it within 8 MiB.
-    """
-    outcome: list[Any] = []
-
-    def target() -> None:
-        try:
-            outcome.append((True, fn()))
-        except BaseException as err:  # handed to the caller's thread
-            outcome.append((False, err))
-
-    thread = threading.Thread(target=target, name="xgrammar", daemon=True)
-    with _stack_size_lock:
-        previous = threading.stack_size(GRAMMAR_THREAD_STACK_BYTES)
-        try:
-            thread.start()
-        except RuntimeError:
-            logger.warning("no thread with a %d-byte stack; xgrammar runs on a default one",
-                           GRAMMAR_THREAD_STACK_BYTES)  # fmt: skip
-            thread = threading.Thread(target=target, name="xgrammar", daemon=True)
-            threading.stack_size(previous)
-            thread.start()
-        finally:
-            threading.stack_size(previous)
-    thread.join()
-    ok, value = outcome[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
 
 
 # Compiling against 257 tokens costs at most ~0.1 s up to this size (the
