@@ -409,6 +409,14 @@ class SyncMPClient(MPClient):
                 while True:
                     socks = dict(poller.poll())
                     if shutdown_socket in socks:
+                        # Whoever still waits (a generate in another thread
+                        # when shutdown() stopped an engine that did not
+                        # answer) wakes with an error, as AsyncMPClient's.
+                        closed = EngineDeadError("The engine client was shut down.")
+                        outputs_queue.put_nowait(closed)
+                        for future in list(utility_results.values()):
+                            if not future.done():
+                                future.set_exception(closed)
                         break
                     _process_output_frame(
                         out_socket.recv(),

