@@ -4,6 +4,8 @@ client), aborted requests counted."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import random
 import sys
@@ -91,6 +93,67 @@ def test_a_request_aborted_before_it_was_scheduled_has_no_negative_intervals() -
     intervals = (finished.queued_time, finished.prefill_time, finished.inference_time,
                  finished.decode_time, finished.mean_time_per_output_token)  # fmt: skip
     assert intervals == (0, 0, 0, 0, 0)
+
+
+def test_a_request_aborted_while_waiting_counts_no_prompt_work(tiny_model_dir: str) -> None:
+    """A request aborted before its first token (waiting behind another:
+    one sequence at a time) computed no prompt: it counts in
+    ``request_success{abort}``, the end-to-end latency, the generated tokens
+    (none) and its ``max_tokens``, not in ``request_prefill_kv_computed_tokens``
+    or ``request_prompt_tokens`` (was: its whole prompt) nor the phase times.
+    The running request, aborted after its first tokens, counts in all."""
+    from tracevllm import SamplingParams
+    from tracevllm.engine.arg_utils import EngineArgs
+    from tracevllm.engine.async_llm import AsyncLLM
+
+    logger = PrometheusStatLogger(MODEL, max_model_len=MAX_MODEL_LEN)
+    running_prompt, waiting_prompt = "A long story about a cat", "Waiting in line " * 6
+
+    async def run() -> tuple[int, int, int]:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=tiny_model_dir, max_num_seqs=1, num_gpu_blocks_override=64,
+                       max_model_len=MAX_MODEL_LEN),
+            stat_loggers=[logger],
+        )  # fmt: skip
+        try:
+            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            running = engine.generate(running_prompt, long, "running")
+            first = await anext(running)  # it runs; the next one waits for its turn
+            waiting_tokens: list[int] = []
+
+            async def wait_in_line() -> None:
+                async for out in engine.generate(waiting_prompt, long, "waiting"):
+                    waiting_tokens.extend(out.outputs[0].token_ids)
+
+            waiting = asyncio.create_task(wait_in_line())
+            for _ in range(5):  # steps of the running request, the other sent and waiting
+                out = await anext(running)
+            waiting.cancel()  # a client that hangs up: AsyncLLM.generate aborts it
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await running.aclose()  # the running one, aborted the same way
+            tokenizer = engine.get_tokenizer()
+            assert len(out.outputs[0].token_ids) >= 5 and first.outputs[0].token_ids
+            return (len(tokenizer(running_prompt).input_ids),
+                    len(tokenizer(waiting_prompt).input_ids), len(waiting_tokens))  # fmt: skip
+        finally:
+            engine.shutdown()
+
+    num_running_prompt, num_waiting_prompt, num_waiting_tokens = asyncio.run(run())
+    assert num_waiting_tokens == 0 and num_waiting_prompt != num_running_prompt
+    samples = parse(logger.render().decode())[1]
+    assert value(samples, "vllm:request_success_total", finished_reason="abort") == 2
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:request_generation_tokens",
+                 "vllm:request_params_max_tokens"):  # fmt: skip
+        assert value(samples, f"{name}_count") == 2, name
+    assert value(samples, "vllm:request_params_max_tokens_sum") == 800
+    for name in ("vllm:request_prefill_kv_computed_tokens", "vllm:request_prompt_tokens"):
+        assert value(samples, f"{name}_count") == 1, name
+        assert value(samples, f"{name}_sum") == num_running_prompt, name
+    for name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                 "vllm:request_time_per_output_token_seconds"):  # fmt: skip
+        assert value(samples, f"{name}_count") == 1, name
 
 
 # --- a real server ------------------------------------------------------------------

@@ -14,7 +14,9 @@ lifetime, sleep state, corrupted requests, waiting-by-reason, config info.
 Each logger has its own registry (vLLM uses the global one), so that several
 can live in one process. Departure: ``finished_reason="abort"`` counts the
 requests whose client hung up (vLLM 0.22.0 never counts them, see
-``metrics/stats.py``).
+``metrics/stats.py``); one that ends before its prefill (aborted while
+waiting) is left out of the prompt-token and phase-time histograms, which
+would count a prompt it never computed.
 """
 
 from __future__ import annotations
@@ -280,6 +282,13 @@ class PrometheusStatLogger(StatLoggerBase):
         for finished in iteration_stats.finished_requests:
             self.counter_request_success[str(finished.finish_reason)].inc()
             self.histogram_e2e_time_request.observe(finished.e2e_latency)
+            self.histogram_num_generation_tokens_request.observe(finished.num_generation_tokens)
+            if finished.max_tokens_param:
+                self.histogram_max_tokens_request.observe(finished.max_tokens_param)
+            if not finished.prefilled:
+                # tracevllm: ended before its prefill (aborted while waiting):
+                # no prompt token was computed, no phase reached.
+                continue
             self.histogram_queue_time_request.observe(finished.queued_time)
             self.histogram_prefill_time_request.observe(finished.prefill_time)
             self.histogram_inference_time_request.observe(finished.inference_time)
@@ -288,12 +297,9 @@ class PrometheusStatLogger(StatLoggerBase):
                 finished.num_prompt_tokens - max(finished.num_cached_tokens, 0)
             )
             self.histogram_num_prompt_tokens_request.observe(finished.num_prompt_tokens)
-            self.histogram_num_generation_tokens_request.observe(finished.num_generation_tokens)
             self.histogram_request_time_per_output_token.observe(
                 finished.mean_time_per_output_token
             )
-            if finished.max_tokens_param:
-                self.histogram_max_tokens_request.observe(finished.max_tokens_param)
 
     # --8<-- [end:prometheus_record]
 

@@ -7,7 +7,11 @@ connector, cudagraph and perf stats, KV eviction events, corrupted-request
 counts. A request aborted in the frontend (its client hung up) is a finished
 request too, with ``FinishReason.ABORT`` and the intervals it lived to see:
 vLLM 0.22.0 drops it from every per-request stat (vllm-project/vllm#31503),
-so that its ``request_success{finished_reason="abort"}`` never moves. The
+so that its ``request_success{finished_reason="abort"}`` never moves. One
+that ends before its prefill's first token (``prefilled`` False: aborted
+while waiting) counts in ``request_success``, the end-to-end latency, its
+generated tokens (none) and its parameters, not in the prompt-token and
+phase-time histograms: it computed no prompt the frontend knows of. The
 ones that cross the process boundary inside ``EngineCoreOutputs``
 (``SchedulerStats``, ``PrefillStats``) are plain dataclasses, which msgspec
 encodes as they are.
@@ -115,6 +119,10 @@ class RequestStateStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # tracevllm: its prefill's stats came (with its first token), so its
+    # prompt was computed; a request that ends before (aborted while waiting,
+    # a grammar that failed to compile) did no prompt work to count.
+    prefilled: bool = False
 
 
 @dataclass
@@ -133,6 +141,10 @@ class FinishedRequestStats:
     decode_time: float = 0.0
     mean_time_per_output_token: float = 0.0
     num_cached_tokens: int = 0
+    # tracevllm: False for a request that ended before its prefill (its
+    # prompt tokens and phase times are not observed; vLLM's finished
+    # requests all have them).
+    prefilled: bool = True
 
 
 @dataclass
@@ -209,6 +221,7 @@ class IterationStats:
         if is_prefilling:
             if output.prefill_stats is not None:
                 self.prompt_token_stats.update_from_output(output.prefill_stats)
+                req_stats.prefilled = True
             first_token_latency = self._time_since(req_stats.arrival_time)
             self.time_to_first_tokens_iter.append(first_token_latency)
             req_stats.first_token_latency = first_token_latency
@@ -277,6 +290,7 @@ class IterationStats:
                     else 0.0
                 ),
                 num_cached_tokens=num_cached_tokens,
+                prefilled=req_stats.prefilled,
             )
         )
 
