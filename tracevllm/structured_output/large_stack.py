@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -58,10 +59,15 @@ class LargeStackExecutor:
         self._queue: queue.SimpleQueue[_WorkItem | None] = queue.SimpleQueue()
         self._pid = os.getpid()
         self._shutdown = False
+        # The threads hold the queue, not the executor: once it is dropped
+        # unshut, the finalizer stops them.
         self._threads = [
-            threading.Thread(target=self._work, name=f"{thread_name_prefix}_{i}", daemon=True)
+            threading.Thread(
+                target=_work, args=(self._queue,), name=f"{thread_name_prefix}_{i}", daemon=True
+            )
             for i in range(max_workers)
         ]
+        weakref.finalize(self, _stop, self._queue, max_workers)
         with _stack_size_lock:
             previous = threading.stack_size(GRAMMAR_THREAD_STACK_BYTES)
             try:
@@ -77,22 +83,6 @@ class LargeStackExecutor:
                         thread.start()
             finally:
                 threading.stack_size(previous)
-
-    def _work(self) -> None:
-        """A thread's loop: each item's outcome on its future, whatever it
-        raises, until a ``None``."""
-        _on_large_stack.active = True
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            del item  # hold no result past its future
-            if future.set_running_or_notify_cancel():
-                try:
-                    result = fn(*args)
-                except BaseException as e:  # handed to whoever waits on the future
-                    future.set_exception(e)
-                else:
-                    future.set_result(result)
-            del future, fn, args
 
     def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
         if self._shutdown:
@@ -115,11 +105,32 @@ class LargeStackExecutor:
                     break
                 if item is not None:
                     item[0].cancel()
-        for _ in self._threads:
-            self._queue.put(None)
+        _stop(self._queue, len(self._threads))
         if wait:
             for thread in self._threads:
                 thread.join()
+
+
+def _work(work: queue.SimpleQueue[_WorkItem | None]) -> None:
+    """A thread's loop: each item's outcome on its future, whatever it
+    raises, until a ``None``."""
+    _on_large_stack.active = True
+    while (item := work.get()) is not None:
+        future, fn, args = item
+        del item  # hold no result past its future
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn(*args)
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+        del future, fn, args
+
+
+def _stop(work: queue.SimpleQueue[_WorkItem | None], num_threads: int) -> None:
+    for _ in range(num_threads):
+        work.put(None)
 
 
 _shared: LargeStackExecutor | None = None
