@@ -5,7 +5,9 @@ Every kernel is compiled ahead of time as its launcher calls it
 per thread, shared memory per program, local memory (spills), and from those
 how many programs one SM can hold at once. Two attention shapes: the default
 model (SmolLM2-135M: 9 query heads, 3 KV heads, head size 64) and a
-Llama-3-8B layer (32, 8, 128). Timings need the GPU itself: ``make bench-kernels``.
+Llama-3-8B layer (32, 8, 128). The MoE layer's grouped GEMM (``fused_moe_kernel``)
+at two expert shapes, Qwen3-30B-A3B's and Mixtral-8x7B's, for a decode batch
+and a prefill chunk. Timings need the GPU itself: ``make bench-kernels``.
 
 Run: ``make kernel-resources`` (or ``python benchmarks/kernel_resources.py``).
 """
@@ -19,9 +21,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kernels.aot import MAX_SHARED_BYTES_PER_PROGRAM, compile_kernels
+from kernels.aot import MAX_SHARED_BYTES_PER_PROGRAM, compile_kernels, compile_moe_kernels
 
 SHAPES = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # heads, KV heads, head size
+# experts, top-k, hidden size, expert intermediate size
+MOE_SHAPES = {"Qwen3-30B-A3B": (128, 8, 2048, 768), "Mixtral-8x7B": (8, 2, 4096, 14336)}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -53,6 +57,27 @@ def main() -> None:
                     kind = {2: "2D", 3: "3D"}[len(launch.grid)]
                     if launch.kernel == "kernel_unified_attention":
                         kind += " (decode)" if len(launch.grid) == 3 else " (mixed)"
+                    table.add_row(
+                        shape_name,
+                        dtype_name,
+                        launch.kernel,
+                        kind,
+                        str(launch.num_warps),
+                        str(launch.registers),
+                        f"{launch.shared_bytes / 1024:.1f}",
+                        str(launch.local_bytes),
+                        str(launch.programs_per_sm()),
+                    )
+                table.add_section()
+        for shape_name, (experts, top_k, hidden, intermediate) in MOE_SHAPES.items():
+            for dtype_name in args.dtype:
+                launches = compile_moe_kernels(
+                    arch, DTYPES[dtype_name], experts, hidden, intermediate, top_k
+                )
+                # Per batch size: the gate/up GEMM, then the down GEMM.
+                for launch, kind in zip(
+                    launches, ["decode w13", "decode w2", "prefill w13", "prefill w2"], strict=True
+                ):
                     table.add_row(
                         shape_name,
                         dtype_name,

@@ -232,3 +232,45 @@ def compile_kernels(
         kv = torch.zeros(1, num_kv_heads, 64, head_size, dtype=dtype)
         flash_attention.flash_attention_triton(q, kv, kv)
     return record + r
+
+
+def compile_moe_kernels(
+    arch: int,
+    dtype: torch.dtype,
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    top_k: int,
+    num_tokens: tuple[int, ...] = (8, 512),
+) -> list[CompiledLaunch]:
+    """Compile the MoE layer's two grouped GEMMs as ``fused_experts`` launches them.
+
+    For each batch size (a decode batch and a prefill chunk, whose tiles
+    differ: ``get_default_config``): the gate/up GEMM (``top_k`` rows per
+    token, no router weight) and the down GEMM (one row per (token, k), the
+    router's weight applied). The expert weights are one element expanded to
+    their full shape: only their dtype and sizes reach the compiler.
+    """
+    from kernels import fused_moe
+
+    n, k = 2 * intermediate_size, hidden_size
+    w1 = torch.zeros(1, dtype=dtype).expand(num_experts, n, k)
+    w2 = torch.zeros(1, dtype=dtype).expand(num_experts, k, intermediate_size)
+    with compile_launches(fused_moe, ["fused_moe_kernel"], arch) as record:
+        for m in num_tokens:
+            config = fused_moe.get_default_config(m, num_experts, n, k, top_k, dtype)
+            rows = m * top_k + num_experts * (config["BLOCK_SIZE_M"] - 1)
+            sorted_ids = torch.zeros(rows, dtype=torch.int32)
+            expert_ids = torch.zeros(-(-rows // config["BLOCK_SIZE_M"]), dtype=torch.int32)
+            routing = (
+                torch.zeros(m, top_k, dtype=torch.float32),
+                sorted_ids,
+                expert_ids,
+                torch.zeros(1, dtype=torch.int32),
+            )
+            a1, c1 = torch.zeros(m, k, dtype=dtype), torch.zeros(m, top_k, n, dtype=dtype)
+            fused_moe.invoke_fused_moe_triton_kernel(a1, w1, c1, *routing, False, top_k, config)
+            a2 = torch.zeros(m * top_k, intermediate_size, dtype=dtype)
+            c2 = torch.zeros(m, top_k, k, dtype=dtype)
+            fused_moe.invoke_fused_moe_triton_kernel(a2, w2, c2, *routing, True, 1, config)
+    return record

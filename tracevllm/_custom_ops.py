@@ -3,17 +3,25 @@
 Mirrors vllm/_custom_ops.py, which wraps the compiled ``torch.ops._C`` kernels
 behind Python functions; the Triton versions mirror the ops that vLLM's
 Triton backend calls directly (``triton_reshape_and_cache_flash``,
-``unified_attention``). Each op takes ``backend``: ``"torch"`` runs the
-plain-PyTorch reference, ``"triton"`` the Triton kernel beside it; the
-attention backend picks one (torch_attn.py, triton_attn.py). Importing this
+``unified_attention``, the MoE layer's ``fused_moe_kernel``). Each op takes
+``backend``: ``"torch"`` runs the plain-PyTorch reference, ``"triton"`` the
+Triton kernel beside it; the attention backend picks one (torch_attn.py,
+triton_attn.py), the FusedMoE layer its own. Importing this
 module does not import Triton: the kernel files get ``triton`` from
 kernels/triton_utils.py, which imports it at the first launch of a kernel.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from kernels.fused_moe import (
+    fused_moe_kernel_torch,
+    get_default_config,
+    invoke_fused_moe_triton_kernel,
+)
 from kernels.reshape_and_cache_flash import (
     reshape_and_cache_flash_torch,
     reshape_and_cache_flash_triton,
@@ -22,7 +30,15 @@ from kernels.triton_utils import HAS_TRITON, interpreter_active
 from kernels.unified_attention import unified_attention_torch, unified_attention_triton
 from tracevllm.labs import lab_override
 
-__all__ = ["HAS_TRITON", "interpreter_active", "reshape_and_cache_flash", "unified_attention"]
+__all__ = [
+    "HAS_TRITON",
+    "dispatch_fused_moe_kernel",
+    "get_default_config",
+    "interpreter_active",
+    "moe_sum",
+    "reshape_and_cache_flash",
+    "unified_attention",
+]
 
 # Lab 04 (chapters/04-paged-attention) can stand in for the paged read.
 unified_attention_torch = lab_override("unified_attention_torch", unified_attention_torch)
@@ -52,16 +68,64 @@ def unified_attention(
     softmax_scale: float,
     backend: str = "torch",
     seq_threshold_3D: int | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> None:
     """Paged causal attention for a mixed batch of prefill chunks and decodes.
 
+    ``window_size`` is vLLM's ``(W - 1, 0)`` for a sliding window of W tokens,
+    ``(-1, -1)`` for none; ``softcap`` > 0 caps the scores (Gemma-2).
     ``seq_threshold_3D`` (Triton only): decode-only batches of at most this
     many requests take the split-softmax launch; None never does.
     """
     args = (q, kv_cache, out, query_start_loc, seq_lens, max_query_len, max_seq_len)
     if backend == "triton":
         unified_attention_triton(
-            *args, block_table, softmax_scale, seq_threshold_3D=seq_threshold_3D
+            *args,
+            block_table,
+            softmax_scale,
+            window_size=window_size,
+            softcap=softcap,
+            seq_threshold_3D=seq_threshold_3D,
+        )
+    elif window_size[0] >= 0 or softcap > 0:
+        unified_attention_torch(
+            *args, block_table, softmax_scale, window_size=window_size, softcap=softcap
         )
     else:
+        # Lab 04's version takes vLLM's plain causal read only.
         unified_attention_torch(*args, block_table, softmax_scale)
+
+
+def dispatch_fused_moe_kernel(
+    A: torch.Tensor,  # [num_rows, K]
+    B: torch.Tensor,  # [num_experts, N, K]
+    C: torch.Tensor,  # [num_tokens, top_k, N]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    sorted_token_ids: torch.Tensor,  # [max_num_tokens_padded]
+    expert_ids: torch.Tensor,  # [max_num_m_blocks]
+    num_tokens_post_padded: torch.Tensor,  # [1]
+    mul_routed_weight: bool,
+    top_k: int,
+    config: dict[str, Any],
+    backend: str = "torch",
+) -> None:
+    """One expert GEMM over the routed rows (vLLM's ``dispatch_fused_moe_kernel``)."""
+    fn = invoke_fused_moe_triton_kernel if backend == "triton" else fused_moe_kernel_torch
+    fn(
+        A,
+        B,
+        C,
+        topk_weights,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_padded,
+        mul_routed_weight,
+        top_k,
+        config,
+    )
+
+
+def moe_sum(input: torch.Tensor, output: torch.Tensor) -> None:
+    """Each token's top_k expert outputs summed: [num_tokens, top_k, H] -> [num_tokens, H]."""
+    torch.sum(input, dim=1, out=output)
