@@ -81,6 +81,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # How long `tracevllm serve` keeps an idle connection open after a
     # response, in seconds (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE).
     "TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE": _count("TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"),
+    # How many decoder layers each pipeline stage runs, comma-separated, e.g.
+    # "8,8,8,6" (vLLM's VLLM_PP_LAYER_PARTITION); unset: an even split.
+    "TRACEVLLM_PP_LAYER_PARTITION": lambda: os.environ.get("TRACEVLLM_PP_LAYER_PARTITION") or None,
 }
 
 if TYPE_CHECKING:  # the names above, as module attributes
@@ -97,6 +100,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_CPU_ONEDNN_GEMM: bool
     TRACEVLLM_XGRAMMAR_CACHE_MB: int
     TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE: int
+    TRACEVLLM_PP_LAYER_PARTITION: str | None
 
 
 def __getattr__(name: str) -> Any:
