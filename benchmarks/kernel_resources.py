@@ -57,6 +57,8 @@ def main() -> None:
                     kind = {2: "2D", 3: "3D"}[len(launch.grid)]
                     if launch.kernel == "kernel_unified_attention":
                         kind += " (decode)" if len(launch.grid) == 3 else " (mixed)"
+                    if launch.variant:
+                        kind += f", {launch.variant}"
                     table.add_row(
                         shape_name,
                         dtype_name,

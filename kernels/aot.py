@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -65,6 +65,7 @@ class CompiledLaunch:
     registers: int  # per thread
     shared_bytes: int  # per program: static + dynamic
     local_bytes: int  # per thread; > 0 means registers spilled to local memory
+    variant: str = ""  # compile-time options that make it a kernel of its own
 
     def programs_per_sm(self) -> int:
         """How many of these programs one SM can hold at once: the tightest of its limits.
@@ -190,9 +191,11 @@ def compile_kernels(
     """Compile each kernel as its launcher calls it, for one attention shape and dtype.
 
     The paged write; the paged read's 2D launch (a prefill chunk beside a
-    decode) and 3D launch with ``reduce_segments`` (decodes only); and the
-    contiguous FlashAttention kernel. The tensors are small and stay on the
-    CPU: only their dtypes and strides reach the compiler.
+    decode) and 3D launch with ``reduce_segments`` (decodes only), plain and
+    with a sliding window and a soft cap (Gemma-2's sliding layers: both are
+    compile-time constants, so a kernel of their own); and the contiguous
+    FlashAttention kernel. The tensors are small and stay on the CPU: only
+    their dtypes and strides reach the compiler.
     """
     from kernels import flash_attention, reshape_and_cache_flash, unified_attention
 
@@ -209,22 +212,28 @@ def compile_kernels(
     record += r
 
     read = ["kernel_unified_attention", "reduce_segments"]
+    variants = {"": ((-1, -1), 0.0), "window 4096, soft cap 50": ((4095, 0), 50.0)}
     with compile_launches(unified_attention, read, arch) as r:
-        for query_lens, seq_threshold_3D in (([9, 1], None), ([1, 1], 64)):
-            q = torch.zeros(sum(query_lens), num_heads, head_size, dtype=dtype)
-            qsl = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
-            unified_attention.unified_attention_triton(
-                q,
-                kv_cache,
-                torch.empty_like(q),
-                qsl,
-                seq_lens,
-                max(query_lens),
-                int(seq_lens.max()),
-                block_table,
-                head_size**-0.5,
-                seq_threshold_3D=seq_threshold_3D,
-            )
+        for variant, (window_size, softcap) in variants.items():
+            for query_lens, seq_threshold_3D in (([9, 1], None), ([1, 1], 64)):
+                q = torch.zeros(sum(query_lens), num_heads, head_size, dtype=dtype)
+                qsl = torch.tensor([0, query_lens[0], sum(query_lens)], dtype=torch.int32)
+                num_before = len(r)
+                unified_attention.unified_attention_triton(
+                    q,
+                    kv_cache,
+                    torch.empty_like(q),
+                    qsl,
+                    seq_lens,
+                    max(query_lens),
+                    int(seq_lens.max()),
+                    block_table,
+                    head_size**-0.5,
+                    window_size=window_size,
+                    softcap=softcap,
+                    seq_threshold_3D=seq_threshold_3D,
+                )
+                r[num_before:] = [replace(x, variant=variant) for x in r[num_before:]]
     record += r
 
     with compile_launches(flash_attention, ["flash_attention_kernel"], arch) as r:

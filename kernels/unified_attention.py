@@ -4,8 +4,10 @@ Mirrors vllm/v1/attention/ops/triton_unified_attention.py (``unified_attention``
 ``kernel_unified_attention``): one call serves every request of the step,
 whatever its query length, reading K/V through the block table. First a
 plain-PyTorch reference, then the Triton kernel and its launcher, tested
-against it. Left out: sliding windows, ALiBi, soft-capping, attention sinks,
-fp8 descales and tensor descriptors.
+against it. Both take vLLM's sliding window (``window_size = (W - 1, 0)``:
+each query sees its last W keys, itself included) and logit soft-capping
+(``softcap``, Gemma-2). Left out: ALiBi, attention sinks, chunked local
+attention, fp8 descales and tensor descriptors.
 
 The same kernel has two launches, as in vLLM. The 2D grid (query block, KV
 head) serves any batch. A decode-only batch of few requests would give that
@@ -59,6 +61,46 @@ def _gather_kv(
     return key.transpose(1, 2), value.transpose(1, 2)
 
 
+def _attend(
+    query: torch.Tensor,  # [batch, num_heads, q_len, head_size]
+    key: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_size]
+    value: torch.Tensor,  # [batch, num_kv_heads, kv_len, head_size]
+    allowed: torch.Tensor | None,  # bool, broadcast to [batch, num_heads, q_len, kv_len]
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [batch, num_heads, q_len, head_size]
+    """softmax(cap(scale * q k^T), masked) v; plain causal when ``allowed`` is None.
+
+    Without a soft cap this is one SDPA call. Gemma-2's soft cap,
+    ``softcap * tanh(s / softcap)``, bends the scores before the softmax, which
+    SDPA cannot do: the scores are then spelled out, in fp32.
+    """
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=allowed,
+            is_causal=allowed is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+    batch, num_heads, q_len, head_size = query.shape
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
+    if allowed is None:
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+    # GQA: the query heads that share a KV head side by side.
+    # [batch, num_kv_heads, num_heads // num_kv_heads, q_len, head_size]
+    grouped = query.float().view(batch, num_kv_heads, -1, q_len, head_size)
+    scores = grouped @ key.float().unsqueeze(2).transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    # [batch, num_heads, q_len, kv_len], -inf where a key is not allowed
+    scores = scores.view(batch, num_heads, q_len, kv_len).masked_fill(~allowed, float("-inf"))
+    probs = scores.softmax(-1).view(batch, num_kv_heads, -1, q_len, kv_len)
+    out = probs @ value.float().unsqueeze(2)  # [batch, num_kv_heads, group, q_len, head_size]
+    return out.view(batch, num_heads, q_len, head_size).to(query.dtype)
+
+
 # --8<-- [start:unified_attention_torch]
 def unified_attention_torch(
     q: torch.Tensor,  # [num_tokens, num_heads, head_size]
@@ -70,15 +112,22 @@ def unified_attention_torch(
     max_seq_len: int,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
     softmax_scale: float,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> None:
     """Causal attention of each request's queries over its paged keys and values.
 
     Query token i of a request with ``seq_len`` L and query length Q sits at
-    position L - Q + i and sees keys 0 .. L - Q + i. GQA: query head h reads KV
-    head h // (num_heads // num_kv_heads). ``max_query_len`` and ``max_seq_len``
+    position p = L - Q + i and sees keys 0 .. p. With a sliding window of W
+    tokens, vLLM's ``window_size = (W - 1, 0)``, it sees keys p - W + 1 .. p
+    only: W keys, itself included (HF's ``kv_idx > q_idx - sliding_window``).
+    ``softcap`` > 0 bends each score s into ``softcap * tanh(s / softcap)``
+    before the softmax (Gemma-2). GQA: query head h reads KV head
+    h // (num_heads // num_kv_heads). ``max_query_len`` and ``max_seq_len``
     size the GPU kernel's grid; the loops here find their own bounds.
     """
     block_size = kv_cache.shape[2]
+    window = window_size[0] + 1 if window_size[0] >= 0 else None
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     num_reqs = len(lens)
@@ -97,43 +146,59 @@ def unified_attention_torch(
             idx = torch.tensor(decodes, dtype=torch.long, device=q.device)  # [num_decodes]
             tok = query_start_loc.to(torch.long)[idx]  # [num_decodes]
             decode_tables, decode_lens = block_table[idx], seq_lens[idx]
-        max_len = max(lens[r] for r in decodes)
-        num_blocks = -(-max_len // block_size)
+        decode_lens = decode_lens.to(torch.long)
+        if window is None:
+            num_blocks = -(-max(lens[r] for r in decodes) // block_size)
+            key_start = torch.zeros_like(decode_lens)  # [num_decodes]
+        else:
+            # Only the pages of each decode's last W keys (those before were
+            # freed: SlidingWindowManager), from the page holding key L - W on.
+            first = (decode_lens - window).clamp(min=0) // block_size  # [num_decodes]
+            # At most cdiv(W, block_size) + 1 pages hold W keys; never more than the longest needs.
+            num_blocks = min(
+                -(-window // block_size) + 1, -(-max(lens[r] for r in decodes) // block_size)
+            )
+            cols = first[:, None] + torch.arange(num_blocks, device=q.device)
+            # A column past the table holds keys past seq_len: masked below.
+            cols = cols.clamp(max=decode_tables.shape[1] - 1)
+            decode_tables = decode_tables.gather(1, cols)  # [num_decodes, num_blocks]
+            key_start = first * block_size
         key, value = _gather_kv(kv_cache, decode_tables, num_blocks)
         # GQA without copying K/V: the query heads that share a KV head become
         # that head's query rows. [num_decodes, num_heads, head_size] ->
         # [num_decodes, num_kv_heads, num_heads // num_kv_heads, head_size]
         query = q[tok].view(num_decodes, num_kv_heads, -1, head_size)
-        key_pos = torch.arange(num_blocks * block_size, device=q.device)  # [max_kv_len]
-        padding = key_pos[None, :] >= decode_lens.to(torch.long)[:, None]
-        # [num_decodes, 1, 1, max_kv_len]: -inf on the padding past each seq_len
-        mask = torch.zeros(padding.shape, dtype=q.dtype, device=q.device)
-        mask = mask.masked_fill_(padding, float("-inf"))[:, None, None, :]
-        o = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=softmax_scale)
+        key_pos = key_start[:, None] + torch.arange(num_blocks * block_size, device=q.device)
+        allowed = key_pos < decode_lens[:, None]  # [num_decodes, max_kv_len]: not padding
+        if window is not None:
+            allowed &= key_pos >= (decode_lens - window)[:, None]
+        o = _attend(query, key, value, allowed[:, None, None, :], softmax_scale, softcap)
         out[tok] = o.reshape(num_decodes, num_heads, head_size)
 
     for r in range(num_reqs):
         q_len, seq_len = query_lens[r], lens[r]
         if q_len <= 1:
             continue
-        num_blocks = -(-seq_len // block_size)
-        key, value = _gather_kv(kv_cache, block_table[r : r + 1], num_blocks)
-        # [1, num_kv_heads, seq_len, head_size]
-        key, value = key[:, :, :seq_len], value[:, :, :seq_len]
+        context = seq_len - q_len  # tokens cached before this chunk
+        # The first page any of the chunk's queries sees (0 without a window).
+        first = max(context - window + 1, 0) // block_size if window else 0
+        num_blocks = -(-seq_len // block_size) - first
+        key, value = _gather_kv(kv_cache, block_table[r : r + 1, first:], num_blocks)
+        key_start = first * block_size
+        # [1, num_kv_heads, seq_len - key_start, head_size]
+        key, value = key[:, :, : seq_len - key_start], value[:, :, : seq_len - key_start]
         # [q_len, num_heads, head_size] -> [1, num_heads, q_len, head_size]
         query = q[qsl[r] : qsl[r + 1]].transpose(0, 1).unsqueeze(0)
-        if q_len == seq_len:
-            # A whole prompt: plain causal, no context before it.
-            o = F.scaled_dot_product_attention(
-                query, key, value, is_causal=True, scale=softmax_scale, enable_gqa=True
-            )
-        else:
-            # A later chunk: query i sees keys up to context + i (bottom-right aligned).
-            context = seq_len - q_len
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(context)
-            o = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=mask, scale=softmax_scale, enable_gqa=True
-            )
+        allowed = None  # a whole prompt without a window: plain causal
+        if q_len != seq_len or window is not None:
+            # Query i sits at context + i and sees keys up to it (bottom-right
+            # aligned), and with a window none W or more positions behind it.
+            q_pos = torch.arange(context, seq_len, device=q.device)[:, None]  # [q_len, 1]
+            k_pos = torch.arange(key_start, seq_len, device=q.device)[None, :]  # [1, kv_len]
+            allowed = k_pos <= q_pos
+            if window is not None:
+                allowed &= k_pos > q_pos - window
+        o = _attend(query, key, value, allowed, softmax_scale, softcap)
         # [1, num_heads, q_len, head_size] -> [q_len, num_heads, head_size]
         out[qsl[r] : qsl[r + 1]] = o.squeeze(0).transpose(0, 1)
 
@@ -170,6 +235,16 @@ def find_seq_idx(
     return left - 1
 
 
+@triton.jit
+def apply_softcap(S, x):
+    """``x * tanh(S / x)``, from ``tanh(y) = 1 - 2 / (exp(2y) + 1)``.
+
+    vLLM's helper writes ``(e^y - e^-y) / (e^y + e^-y)``, which is inf / inf =
+    NaN once e^y overflows (y > 88 in fp32); this form saturates at +-1.
+    """
+    return x * (1.0 - 2.0 / (tl.exp(2.0 * S / x) + 1.0))
+
+
 # --8<-- [start:kernel_unified_attention]
 @triton.jit
 def kernel_unified_attention(
@@ -184,6 +259,7 @@ def kernel_unified_attention(
     seq_lens_ptr,  # [num_seqs]
     query_start_len_ptr,  # [num_seqs + 1]
     scale,  # float: softmax_scale
+    softcap,  # float: logits soft cap (read when USE_SOFTCAP)
     num_seqs,  # int
     block_table_stride,
     query_stride_0,
@@ -205,6 +281,8 @@ def kernel_unified_attention(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32 rounding), else None: the default
     NUM_SEGMENTS_PER_SEQ: tl.constexpr,  # 3D: segments per context; 2D: 1
     IS_3D: tl.constexpr,  # the split-softmax launch: grid axis 2 is the segment
+    USE_SOFTCAP: tl.constexpr,  # scores become softcap * tanh(score / softcap)
+    SLIDING_WINDOW: tl.constexpr,  # W: a query sees its last W keys; 0: every earlier key
 ):
     """Causal attention of one (query block, KV head) pair over its request's paged keys.
 
@@ -225,6 +303,11 @@ def kernel_unified_attention(
     Causality with a query offset: the request's ``context_len = seq_len -
     query_len`` tokens were cached before this step, so query token i sits at
     position ``context_len + i`` and sees keys ``0 .. context_len + i``.
+
+    Sliding window (``SLIDING_WINDOW`` = W > 0): query position p also needs
+    ``p - key < W``. The block's first row sees the earliest key, so the walk
+    starts at the tile holding key ``context_len + first_row - W + 1``: the
+    tiles before it (pages the KV manager may have freed) are never read.
 
     3D (``IS_3D``, grid ``(total_num_q_blocks, num_kv_heads,
     NUM_SEGMENTS_PER_SEQ)``): program ``(b, h, s)`` walks only the tiles of
@@ -273,9 +356,15 @@ def kernel_unified_attention(
     max_seq_prefix_len = context_len + last_query_pos + 1
     num_tiles = tl.cdiv(max_seq_prefix_len, TILE_SIZE)
     tile_lo = 0
+    if SLIDING_WINDOW > 0:
+        first_key = context_len + q_block_local_idx * BLOCK_Q - SLIDING_WINDOW + 1
+        tile_lo = tl.maximum(first_key, 0) // TILE_SIZE
     if IS_3D:
-        tile_lo = segm_idx * tiles_per_segment
-        num_tiles = tl.minimum(num_tiles, tile_lo + tiles_per_segment)
+        # A segment's tiles before the window stay unread: it stores an empty
+        # partial (M = -inf, L = 0), which reduce_segments weighs by 0.
+        segment_lo = segm_idx * tiles_per_segment
+        num_tiles = tl.minimum(num_tiles, segment_lo + tiles_per_segment)
+        tile_lo = tl.maximum(tile_lo, segment_lo)
     block_table_row = block_tables_ptr + seq_idx.to(tl.int64) * block_table_stride
 
     for j in range(tile_lo, num_tiles):
@@ -302,8 +391,13 @@ def kernel_unified_attention(
 
         # S: [BLOCK_M, TILE_SIZE]
         S = scale * tl.dot(Q, K, input_precision=DOT_PRECISION)
-        causal_mask = seq_offset[None, :] <= (context_len + query_pos)[:, None]
-        S = tl.where(row_mask[:, None] & tile_mask[None, :] & causal_mask, S, float("-inf"))
+        if USE_SOFTCAP:
+            S = apply_softcap(S, softcap)
+        query_abs_pos = (context_len + query_pos)[:, None]  # [BLOCK_M, 1]
+        seq_mask = seq_offset[None, :] <= query_abs_pos  # causal
+        if SLIDING_WINDOW > 0:
+            seq_mask = seq_mask & (query_abs_pos - seq_offset[None, :] < SLIDING_WINDOW)
+        S = tl.where(row_mask[:, None] & tile_mask[None, :] & seq_mask, S, float("-inf"))
 
         # Online softmax: fold this tile into (M, L, acc).
         M_new = tl.maximum(M, tl.max(S, axis=1))  # [BLOCK_M]
@@ -313,6 +407,11 @@ def kernel_unified_attention(
         P = tl.exp(S - M_new[:, None])  # [BLOCK_M, TILE_SIZE]
         alpha = tl.exp(M - M_new)  # [BLOCK_M]: rescales what was summed under the old max
         L = L * alpha + tl.sum(P, axis=1)
+        if SLIDING_WINDOW > 0:
+            # Keys before every row's window may sit in pages the KV manager
+            # freed and handed on: their P is 0, but 0 * NaN is not (vLLM's guard).
+            first_row_pos = context_len + q_block_local_idx * BLOCK_Q
+            V = tl.where((first_row_pos - seq_offset < SLIDING_WINDOW)[:, None], V, 0.0)
         acc = acc * alpha[:, None] + tl.dot(P.to(V.dtype), V, input_precision=DOT_PRECISION)
         M = M_new
 
@@ -415,12 +514,16 @@ def unified_attention_triton(
     max_seq_len: int,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
     softmax_scale: float,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     seq_threshold_3D: int | None = None,
     num_par_softmax_segments: int = NUM_PAR_SOFTMAX_SEGMENTS,
 ) -> None:
     """Launch ``kernel_unified_attention`` over every request of the step at once.
 
-    Same contract as ``unified_attention_torch``. As in vLLM, a decode-only
+    Same contract as ``unified_attention_torch``. The window and the soft cap
+    are compile-time constants (``SLIDING_WINDOW``, ``USE_SOFTCAP``), as in
+    vLLM: each window size is its own compiled kernel. As in vLLM, a decode-only
     batch (``max_query_len == 1``) of at most ``seq_threshold_3D`` requests
     takes the 3D split-softmax launch plus ``reduce_segments``; everything
     else, and every batch when ``seq_threshold_3D`` is None, the 2D launch.
@@ -475,6 +578,7 @@ def unified_attention_triton(
         seq_lens,
         query_start_loc,
         softmax_scale,
+        softcap,
         num_seqs,
         block_table.stride(0),
         q.stride(0),
@@ -496,6 +600,8 @@ def unified_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         NUM_SEGMENTS_PER_SEQ=segments,
         IS_3D=use_3d,
+        USE_SOFTCAP=softcap > 0,
+        SLIDING_WINDOW=1 + window_size[0],  # vLLM's: (-1, -1) -> 0, no window
     )
     if use_3d:
         reduce_segments[(num_tokens, num_query_heads)](

@@ -14,16 +14,28 @@ def naive_attention(
     k: torch.Tensor,  # [seq_len, num_kv_heads, head_size]
     v: torch.Tensor,  # [seq_len, num_kv_heads, head_size]
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(QK^T) V with an explicit bottom-right causal mask, in float64."""
+    """softmax(QK^T) V with an explicit bottom-right causal mask, in float64.
+
+    A sliding window of W lets the query at position p see keys p - W + 1 .. p
+    (HF's ``kv_idx > q_idx - sliding_window``); a soft cap c turns each
+    score s into ``c * tanh(s / c)`` (HF's Gemma-2), before the mask.
+    """
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.repeat_interleave(group, dim=1).double()
     v = v.repeat_interleave(group, dim=1).double()
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale  # [heads, q_len, seq_len]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(q_len)[:, None] + (seq_len - q_len)
-    allowed = torch.arange(seq_len)[None, :] <= q_pos  # [q_len, seq_len]
+    k_pos = torch.arange(seq_len)[None, :]
+    allowed = k_pos <= q_pos  # [q_len, seq_len]
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
@@ -166,3 +178,89 @@ def test_gather_kv_reads_each_page_of_each_row(contiguous: bool) -> None:
             rows = slice(b * block_size, (b + 1) * block_size)
             assert torch.equal(key[r, :, rows], page[0].transpose(0, 1))
             assert torch.equal(value[r, :, rows], page[1].transpose(0, 1))
+
+
+# Windows: one key (itself), shorter than a block of 4, one and two blocks,
+# and wider than every sequence here (a no-op).
+WINDOWS = [1, 3, 4, 8, 100]
+
+
+@pytest.mark.parametrize("softcap", [None, 1.0], ids=["window", "window+softcap"])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_unified_attention_sliding_window_matches_naive(
+    window: int, softcap: float | None, heads: tuple[int, int], case: int
+) -> None:
+    """vLLM's window_size = (W - 1, 0): each query sees its last W keys, itself included."""
+    num_heads, num_kv_heads = heads
+    q_lens, seq_lens = CASES[case]
+    c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, 64, 4, seed=case)
+    _check_against_naive(c, q_lens, seq_lens, window, softcap)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_unified_attention_softcap_matches_naive(block_size: int, case: int) -> None:
+    """Gemma-2's soft cap alone: c * tanh(s / c) on every score, causal as before."""
+    q_lens, seq_lens = CASES[case]
+    c = build_case(q_lens, seq_lens, 6, 2, 64, block_size, seed=case)
+    _check_against_naive(c, q_lens, seq_lens, None, 1.0)
+
+
+def _check_against_naive(
+    c: dict,
+    q_lens: list[int],
+    seq_lens: list[int],
+    window: int | None,
+    softcap: float | None,
+) -> None:
+    head_size = c["q"].shape[-1]
+    scale = head_size**-0.5
+    out = torch.full_like(c["q"], float("nan"))
+    unified_attention_torch(
+        c["q"],
+        c["kv_cache"],
+        out,
+        c["qsl"],
+        c["seq_lens"],
+        max(q_lens),
+        max(seq_lens),
+        c["block_table"],
+        scale,
+        window_size=(window - 1, 0) if window is not None else (-1, -1),
+        softcap=softcap or 0.0,
+    )
+    for r in range(len(q_lens)):
+        a, b = int(c["qsl"][r]), int(c["qsl"][r + 1])
+        ref = naive_attention(c["q"][a:b], c["ks"][r], c["vs"][r], scale, window, softcap)
+        torch.testing.assert_close(out[a:b], ref, atol=1e-5, rtol=1e-5)
+
+
+def free_pages_before_window(
+    c: dict, q_lens: list[int], seq_lens: list[int], window: int, block_size: int, fill: float
+) -> torch.Tensor:
+    """The cache with every page that lies wholly before each request's first
+    window filled with ``fill``: pages the KV manager freed and may hand on."""
+    cache = c["kv_cache"].clone()
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        first_key = max(seq_len - q_len - window + 1, 0)  # the first query's window
+        for page in range(first_key // block_size):
+            cache[int(c["block_table"][r, page])] = fill
+    return cache
+
+
+def test_unified_attention_window_reads_no_page_before_it() -> None:
+    """Pages wholly before every query's window are never read: NaN there changes nothing."""
+    q_lens, seq_lens, window, block_size = [1, 6, 1], [40, 30, 9], 8, 4
+    c = build_case(q_lens, seq_lens, 4, 2, 64, block_size, seed=7)
+    outs = []
+    for fill in (0.0, float("nan")):
+        cache = free_pages_before_window(c, q_lens, seq_lens, window, block_size, fill)
+        out = torch.empty_like(c["q"])
+        unified_attention_torch(
+            c["q"], cache, out, c["qsl"], c["seq_lens"], 6, 40, c["block_table"], 0.125,
+            window_size=(window - 1, 0),
+        )  # fmt: skip
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+from typing import Any
 
 if "triton" not in sys.modules:  # still in time: see tests/test_kernels.py
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -23,11 +24,13 @@ if "triton" not in sys.modules:  # still in time: see tests/test_kernels.py
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kernels.fused_moe import fused_moe_kernel_torch, invoke_fused_moe_triton_kernel
 from kernels.triton_utils import HAS_TRITON, interpreter_active
 from tracevllm import _custom_ops as ops
 from tracevllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+from tracevllm.model_executor.layers.fused_moe.layer import FusedMoE
 from tracevllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 from tracevllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
 
@@ -256,15 +259,16 @@ def test_fused_moe_kernel_matches_torch(name: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fused_experts_triton_matches_torch_on_random_routings(seed: int) -> None:
     """The whole expert computation, routed by ``fused_topk`` on random logits; one expert's
-    logit pushed down so no token picks it, one pushed up so every token does."""
+    logit set below the others so no token picks it, one above so every token does."""
     gen = torch.Generator().manual_seed(10 + seed)
     rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
     num_tokens, num_experts = rand(1, 40), rand(3, 8)
     top_k, hidden, intermediate = rand(1, min(3, num_experts - 1)), 16 * rand(1, 4), 8 * rand(1, 6)
     x = torch.randn(num_tokens, hidden, generator=gen)
     logits = torch.randn(num_tokens, num_experts, generator=gen)
-    logits[:, 0] -= 100.0
-    logits[:, -1] += 100.0
+    # Expert 0 below every other, the last above: the router's weights stay far from 0 and 1.
+    logits[:, 0] = logits.min(dim=1).values - 0.5
+    logits[:, -1] = logits.max(dim=1).values + 0.5
     w13, w2 = _weights(num_experts, hidden, intermediate, gen)
     topk_weights, topk_ids, _ = fused_topk(x, logits, top_k, renormalize=True)
     counts = torch.bincount(topk_ids.flatten(), minlength=num_experts)
@@ -322,3 +326,288 @@ def test_fused_moe_kernel_compiles_for_gpus_and_fits(tmp_path: os.PathLike) -> N
         timeout=600,
     )
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# --- the layer ------------------------------------------------------------------------------
+
+
+def make_checkpoint(
+    num_experts: int, hidden: int, intermediate: int, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """One expert MLP per id, named as a Qwen3-MoE / Mixtral-style HF checkpoint names them."""
+    checkpoint = {}
+    for e in range(num_experts):
+        checkpoint[f"experts.{e}.gate_proj.weight"] = torch.randn(
+            intermediate, hidden, generator=gen
+        )
+        checkpoint[f"experts.{e}.up_proj.weight"] = torch.randn(intermediate, hidden, generator=gen)
+        checkpoint[f"experts.{e}.down_proj.weight"] = torch.randn(
+            hidden, intermediate, generator=gen
+        )
+    return {k: v / v.shape[1] ** 0.5 for k, v in checkpoint.items()}
+
+
+def load_checkpoint(layer: FusedMoE, checkpoint: dict[str, torch.Tensor]) -> set[str]:
+    """What a model's ``load_weights`` does with the layer's expert mapping."""
+    mapping = FusedMoE.make_expert_params_mapping(
+        layer, "gate_proj", "down_proj", "up_proj", layer.global_num_experts
+    )
+    params = {f"experts.{n}": p for n, p in layer.named_parameters()}
+    loaded = set()
+    for name, tensor in checkpoint.items():
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name not in name:
+                continue
+            name = name.replace(weight_name, param_name)  # experts.3.gate_proj. -> experts.w13_
+            param = params[name]
+            param.weight_loader(param, tensor, name, shard_id=shard_id, expert_id=expert_id)
+            loaded.add(name)
+            break
+        else:
+            raise AssertionError(f"no mapping for {name}")
+    return loaded
+
+
+def stacked(
+    checkpoint: dict[str, torch.Tensor], num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint as vLLM stacks it: w13 [E, 2I, H] (gate rows, then up), w2 [E, H, I]."""
+    w13 = torch.stack(
+        [
+            torch.cat(
+                [
+                    checkpoint[f"experts.{e}.gate_proj.weight"],
+                    checkpoint[f"experts.{e}.up_proj.weight"],
+                ]
+            )
+            for e in range(num_experts)
+        ]
+    )
+    w2 = torch.stack([checkpoint[f"experts.{e}.down_proj.weight"] for e in range(num_experts)])
+    return w13, w2
+
+
+def test_make_expert_params_mapping_names_vllms_way() -> None:
+    mapping = FusedMoE.make_expert_params_mapping(nn.Module(), "w1", "w2", "w3", num_experts=2)
+    assert mapping == [
+        ("experts.w13_", "experts.0.w1.", 0, "w1"),
+        ("experts.w2_", "experts.0.w2.", 0, "w2"),
+        ("experts.w13_", "experts.0.w3.", 0, "w3"),
+        ("experts.w13_", "experts.1.w1.", 1, "w1"),
+        ("experts.w2_", "experts.1.w2.", 1, "w2"),
+        ("experts.w13_", "experts.1.w3.", 1, "w3"),
+    ]
+
+
+def test_weight_loader_fills_each_expert_by_id() -> None:
+    """Loaded in a shuffled order, each expert's gate, up and down land in its own slot."""
+    gen = torch.Generator().manual_seed(5)
+    num_experts, hidden, intermediate = 5, 12, 8
+    layer = FusedMoE(num_experts, 2, hidden, intermediate, tp_size=1)
+    layer.w13_weight.data.fill_(float("nan"))
+    layer.w2_weight.data.fill_(float("nan"))
+    checkpoint = make_checkpoint(num_experts, hidden, intermediate, gen)
+    names = list(checkpoint)
+    shuffled = {names[i]: checkpoint[names[i]] for i in torch.randperm(len(names), generator=gen)}
+    assert load_checkpoint(layer, shuffled) == {"experts.w13_weight", "experts.w2_weight"}
+    for e in range(num_experts):
+        assert torch.equal(
+            layer.w13_weight[e, :intermediate], checkpoint[f"experts.{e}.gate_proj.weight"]
+        )
+        assert torch.equal(
+            layer.w13_weight[e, intermediate:], checkpoint[f"experts.{e}.up_proj.weight"]
+        )
+        assert torch.equal(layer.w2_weight[e], checkpoint[f"experts.{e}.down_proj.weight"])
+
+    # A 3-D tensor fills every expert at once (vLLM's full load).
+    w13, w2 = stacked(checkpoint, num_experts)
+    other = FusedMoE(num_experts, 2, hidden, intermediate, tp_size=1)
+    other.weight_loader(other.w13_weight, w13[:, :intermediate], "w13_weight", "w1", 0)
+    other.weight_loader(other.w13_weight, w13[:, intermediate:], "w13_weight", "w3", 0)
+    assert other.weight_loader(other.w2_weight, w2, "w2_weight", "w2", 0, return_success=True)
+    assert torch.equal(other.w13_weight, layer.w13_weight) and torch.equal(other.w2_weight, w2)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("w13_weight", "w4", 0), "shard_id must be \\['w1','w2','w3'\\] but got w4"),
+        (("w13_weight", "w1", 5), "expert_id 5 of 'w13_weight' is out of range: this layer has 5"),
+        (("w13_weight", "w1", -1), "expert_id -1"),
+        (("w13_weight", "w1", True), "expert_id must be an int"),
+    ],
+)
+def test_weight_loader_refuses_bad_ids(args: tuple, match: str) -> None:
+    layer = FusedMoE(5, 2, 12, 8, tp_size=1)
+    with pytest.raises(ValueError, match=match):
+        layer.weight_loader(layer.w13_weight, torch.zeros(8, 12), *args)
+
+
+def test_weight_loader_refuses_wrong_shapes() -> None:
+    """A transposed or truncated tensor is named, not broadcast into the slot."""
+    layer = FusedMoE(5, 2, 12, 8, tp_size=1)
+    with pytest.raises(
+        ValueError, match="'gate.weight' has shape \\(8, 1\\) for a slot of shape \\(8, 12\\)"
+    ):
+        layer.weight_loader(layer.w13_weight, torch.zeros(8, 1), "gate.weight", "w1", 0)
+    with pytest.raises(ValueError, match="'down.weight' has 12 along its intermediate dimension"):
+        layer.weight_loader(layer.w2_weight, torch.zeros(8, 12), "down.weight", "w2", 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_experts": 0}, "num_experts must be a positive int, got 0"),
+        ({"top_k": True}, "top_k must be a positive int, got True"),
+        ({"top_k": 9}, "top_k \\(9\\) must not exceed num_experts \\(8\\)"),
+        ({"hidden_size": 2.0}, "hidden_size must be a positive int"),
+        ({"intermediate_size": 6, "tp_size": 4}, "intermediate_size \\(6\\) is not divisible by"),
+        ({"scoring_func": "softplus"}, "Unsupported scoring function: softplus"),
+        ({"activation": "gelu"}, "Unsupported FusedMoe activation: gelu"),
+        ({"quant_config": object()}, "quant_config must be None"),
+    ],
+)
+def test_fused_moe_refuses_bad_arguments(kwargs: dict, match: str) -> None:
+    args = {"num_experts": 8, "top_k": 2, "hidden_size": 16, "intermediate_size": 8, "tp_size": 1}
+    with pytest.raises(ValueError, match=match):
+        FusedMoE(**{**args, **kwargs})
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=live)])
+def test_fused_moe_layer_matches_a_dense_per_token_loop(backend: str) -> None:
+    """Loaded by expert id, routed and run: the loop over tokens and experts, on a routing with
+    an expert no token picks and one every token picks."""
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, num_experts, top_k, hidden, intermediate = 21, 6, 2, 32, 16
+    layer = FusedMoE(
+        num_experts, top_k, hidden, intermediate, tp_size=1, prefix="model.layers.1.mlp.experts"
+    )
+    checkpoint = make_checkpoint(num_experts, hidden, intermediate, gen)
+    load_checkpoint(layer, checkpoint)
+    layer.moe_backend = backend
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    logits[:, 2] = logits.min(dim=1).values - 0.5  # never picked
+    logits[:, 4] = logits.max(dim=1).values + 0.5  # always picked, not by a landslide
+    counts = torch.bincount(layer.select_experts(x, logits)[1].flatten(), minlength=num_experts)
+    assert counts[2] == 0 and counts[4] == num_tokens
+    out = layer.to(DEVICE)(x.to(DEVICE), logits.to(DEVICE)).cpu()
+    expected = dense_moe(x, logits, *stacked(checkpoint, num_experts), top_k, renormalize=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_forward_span_counts_tokens_per_expert() -> None:
+    """At detail "full" one FusedMoE.forward span per call, with each expert's token count;
+    at "request" none."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tracevllm import tracing
+    from tracevllm.config import TraceConfig
+
+    gen = torch.Generator().manual_seed(8)
+    layer = FusedMoE(4, 2, 16, 8, tp_size=1, prefix="model.layers.3.mlp.experts")
+    load_checkpoint(layer, make_checkpoint(4, 16, 8, gen))
+    x = torch.randn(5, 16, generator=gen)
+    # Experts 3 and 1 for three tokens, 0 and 1 for two: counts [2, 5, 0, 3].
+    logits = torch.tensor([[0, 5, -9, 9]] * 3 + [[9, 5, -9, 0]] * 2, dtype=torch.float32)
+    try:
+        for detail in ("request", "full"):
+            exporter = InMemorySpanExporter()  # a shut-down exporter takes no more spans
+            tracing.init_tracer(
+                "engine_core",
+                TraceConfig(detail=detail),
+                span_processors=[SimpleSpanProcessor(exporter)],
+            )
+            with tracing.forward_spans():
+                out = layer(x, logits)
+            tracing.shutdown_tracer()
+            spans = [s for s in exporter.get_finished_spans() if s.name == "FusedMoE.forward"]
+            assert len(spans) == (detail == "full")
+    finally:
+        tracing.shutdown_tracer()
+    attributes = spans[0].attributes
+    assert list(attributes["tracevllm.moe.tokens_per_expert"]) == [2, 5, 0, 3]
+    assert attributes["tracevllm.layer"] == 3 and attributes["tracevllm.moe.top_k"] == 2
+    assert attributes["code.function.name"] == "FusedMoE.forward"
+    torch.testing.assert_close(out, layer.forward_impl(x, logits))
+
+
+def _tp_rank_main(rank: int, port: int, reduce_results: bool, queue: Any) -> None:
+    """One of two TP ranks: load the whole checkpoint, keep its half of the intermediate dim."""
+    from tracevllm.distributed.parallel_state import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    init_distributed_environment(2, rank, f"tcp://127.0.0.1:{port}", backend="gloo")
+    initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        gen = torch.Generator().manual_seed(9)
+        checkpoint = make_checkpoint(6, 16, 12, gen)
+        x, logits = torch.randn(7, 16, generator=gen), torch.randn(7, 6, generator=gen)
+        layer = FusedMoE(6, 2, 16, 12, reduce_results=reduce_results)  # TP size from the group
+        load_checkpoint(layer, checkpoint)
+        queue.put(
+            (
+                rank,
+                layer.tp_size,
+                layer.w13_weight.clone(),
+                layer.w2_weight.clone(),
+                layer(x, logits),
+            )
+        )
+    finally:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+@pytest.mark.parametrize("reduce_results", [True, False])
+def test_fused_moe_tensor_parallel_over_two_processes(reduce_results: bool) -> None:
+    """Two real ranks (gloo): each holds every expert's slice of the intermediate dimension
+    (gate and up rows, down columns) and, all-reduced, gives the one-process output; without
+    ``reduce_results`` the two partial outputs sum to it."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_tp_rank_main, args=(r, port, reduce_results, queue)) for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(queue.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+    gen = torch.Generator().manual_seed(9)
+    checkpoint = make_checkpoint(6, 16, 12, gen)
+    x, logits = torch.randn(7, 16, generator=gen), torch.randn(7, 6, generator=gen)
+    w13, w2 = stacked(checkpoint, 6)
+    whole = FusedMoE(6, 2, 16, 12, tp_size=1)
+    load_checkpoint(whole, checkpoint)
+    expected = whole(x, logits)
+    for rank, tp_size, rank_w13, rank_w2, _ in results:
+        assert tp_size == 2
+        half = slice(6 * rank, 6 * rank + 6)
+        assert torch.equal(rank_w13[:, :6], w13[:, :12][:, half])  # gate rows
+        assert torch.equal(rank_w13[:, 6:], w13[:, 12:][:, half])  # up rows
+        assert torch.equal(rank_w2, w2[:, :, half])  # down columns
+    outs = [r[4] for r in results]
+    if reduce_results:
+        for out in outs:
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:
+        assert not torch.allclose(outs[0], expected, atol=1e-3)
+        torch.testing.assert_close(outs[0] + outs[1], expected, atol=1e-5, rtol=1e-5)

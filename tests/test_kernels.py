@@ -141,18 +141,35 @@ def _run_read(
     head_size: int,
     dtype: torch.dtype = torch.float32,
     tol: float = 1e-5,
+    window: int | None = None,
+    softcap: float = 0.0,
+    triton_cache: torch.Tensor | None = None,
     **launch: int | None,
 ) -> torch.Tensor:
-    """The Triton read against the torch reference on case ``c``; returns the Triton output."""
+    """The Triton read against the torch reference on case ``c``; returns the Triton output.
+
+    ``window`` / ``softcap``: vLLM's sliding window (as ``window_size``) and
+    soft cap, for both. ``triton_cache``: another cache for the Triton read
+    (stale pages), the reference reading ``c``'s.
+    """
     scale = head_size**-0.5
     q, kv_cache = c["q"].to(dtype), c["kv_cache"].to(dtype)
     expected = torch.full_like(q, float("nan"))
     args = (c["qsl"], c["seq_lens"], max(q_lens), max(seq_lens), c["block_table"], scale)
-    unified_attention_torch(q, kv_cache, expected, *args)
+    window_size = (window - 1, 0) if window is not None else (-1, -1)
+    unified_attention_torch(q, kv_cache, expected, *args, window_size=window_size, softcap=softcap)
+    if triton_cache is not None:
+        kv_cache = triton_cache.to(dtype)
     q, kv_cache = q.to(DEVICE), kv_cache.to(DEVICE)
     out = torch.full_like(q, float("nan"))
     unified_attention_triton(
-        q, kv_cache, out, *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args), **launch
+        q,
+        kv_cache,
+        out,
+        *(a.to(DEVICE) if torch.is_tensor(a) else a for a in args),
+        window_size=window_size,
+        softcap=softcap,
+        **launch,
     )
     torch.testing.assert_close(out.cpu(), expected, atol=tol, rtol=tol)
     return out.cpu()
@@ -164,6 +181,60 @@ def test_unified_attention_triton_matches_torch(name: str) -> None:
     q_lens, seq_lens, (num_heads, num_kv_heads), head_size, block_size = READ_CASES[name]
     c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=1)
     _run_read(c, q_lens, seq_lens, head_size)
+
+
+# (q_lens, seq_lens, (num_heads, num_kv_heads), head_size, block_size, window, softcap)
+WINDOW_CASES = {
+    # a window shorter than a page, beside a chunk and decodes
+    "mixed_window3": ([5, 1, 1, 3], [5, 17, 4, 19], (4, 4), 64, 4, 3, 0.0),
+    # a later chunk whose first query's window starts past the first 32-key tile
+    "chunk_past_first_tile_gqa3": ([7, 1], [80, 70], (6, 2), 64, 4, 20, 0.0),
+    # a long prefill over several query blocks, window of one page, soft cap
+    "long_prefill_softcap": ([1, 21, 1], [40, 50, 9], (2, 2), 64, 8, 8, 1.0),
+    # the query alone (W = 1), GQA 8
+    "window1_gqa8": ([1, 9, 1, 2], [64, 40, 5, 2], (8, 1), 64, 16, 1, 0.0),
+    # soft cap without a window (Gemma-2's global layers)
+    "softcap_only": ([16, 7], [16, 23], (6, 2), 64, 4, None, 1.0),
+}
+
+
+@live
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_unified_attention_triton_window_and_softcap(name: str) -> None:
+    """SLIDING_WINDOW and USE_SOFTCAP against the torch reference, 2D launch."""
+    q_lens, seq_lens, (num_heads, num_kv_heads), head_size, block_size, window, softcap = (
+        WINDOW_CASES[name]
+    )
+    c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=5)
+    _run_read(c, q_lens, seq_lens, head_size, window=window, softcap=softcap)
+
+
+@live
+@pytest.mark.parametrize("softcap", [0.0, 1.0])
+def test_split_softmax_with_window(softcap: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """3D launch: segments wholly before the window read nothing and weigh 0 in the merge."""
+    seq_lens, window = [300, 17, 700], 50
+    q_lens = [1] * len(seq_lens)
+    c = build_case(q_lens, seq_lens, 4, 2, 64, 16, seed=6)
+    reduce = _CountLaunches(ua.reduce_segments)
+    monkeypatch.setattr(ua, "reduce_segments", reduce)
+    _run_read(c, q_lens, seq_lens, 64, window=window, softcap=softcap, seq_threshold_3D=3)
+    assert reduce.launches == 1
+
+
+@live
+@pytest.mark.parametrize("split", [False, True], ids=["2D", "3D"])
+def test_unified_attention_triton_window_ignores_freed_pages(split: bool) -> None:
+    """Pages wholly before every query's window may be freed and reused: NaN there
+    must not reach the output (a tile can straddle them; V is zeroed there, as vLLM's)."""
+    from tests.test_attention import free_pages_before_window
+
+    q_lens = [1, 1, 1] if split else [1, 6, 1]
+    seq_lens, window, block_size = [40, 30, 9], 8, 4
+    c = build_case(q_lens, seq_lens, 4, 2, 64, block_size, seed=7)
+    stale = free_pages_before_window(c, q_lens, seq_lens, window, block_size, float("nan"))
+    launch = {"seq_threshold_3D": 3} if split else {}
+    _run_read(c, q_lens, seq_lens, 64, window=window, triton_cache=stale, **launch)
 
 
 @live
@@ -373,20 +444,24 @@ def test_kernels_compile_for_gpus_and_fit(
 
     The interpreter never runs Triton's compiler; this does, with each
     launcher's own arguments, at a Llama-3-8B layer's shape (32 query heads, 8
-    KV heads, head size 128), in fp16, bf16 and fp32. No GPU needed
-    (kernels/aot.py).
+    KV heads, head size 128), in fp16, bf16 and fp32, the paged read also with
+    a sliding window and a soft cap. No GPU needed (kernels/aot.py).
     """
     from kernels.aot import MAX_SHARED_BYTES_PER_PROGRAM, compile_kernels
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile, do not reuse
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         launches = compile_kernels(arch, dtype, num_heads=32, num_kv_heads=8, head_size=128)
-        assert [(x.kernel, len(x.grid)) for x in launches] == [
-            ("reshape_and_cache_kernel_flash", 2),
-            ("kernel_unified_attention", 2),
-            ("kernel_unified_attention", 3),
-            ("reduce_segments", 2),
-            ("flash_attention_kernel", 2),
+        window = "window 4096, soft cap 50"
+        assert [(x.kernel, len(x.grid), x.variant) for x in launches] == [
+            ("reshape_and_cache_kernel_flash", 2, ""),
+            ("kernel_unified_attention", 2, ""),
+            ("kernel_unified_attention", 3, ""),
+            ("reduce_segments", 2, ""),
+            ("kernel_unified_attention", 2, window),
+            ("kernel_unified_attention", 3, window),
+            ("reduce_segments", 2, window),
+            ("flash_attention_kernel", 2, ""),
         ]
         for x in launches:
             assert x.shared_bytes <= MAX_SHARED_BYTES_PER_PROGRAM[arch], x

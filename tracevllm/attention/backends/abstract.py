@@ -4,19 +4,26 @@ Mirrors vllm/v1/attention/backend.py (``AttentionBackend``, ``AttentionImpl``,
 ``AttentionMetadata``) and the common fields of the per-backend metadata
 (e.g. ``TritonAttentionMetadata`` in v1/attention/backends/triton_attn.py).
 Left out: metadata builders (the runner builds the one metadata type
-directly), cascade attention, cudagraph support levels, KV cache stride
+directly, one per KV cache group), cascade attention, cudagraph support levels, KV cache stride
 orders, quantized KV caches, encoder and cross attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from tracevllm.model_executor.layers.attention import Attention
+
+
+class AttentionType(StrEnum):
+    """vLLM's attention types (v1/attention/backend.py); tracevllm runs decoders only."""
+
+    DECODER = "decoder"
 
 
 @dataclass(slots=True)
@@ -44,7 +51,12 @@ class AttentionMetadata:
 
 
 class AttentionImpl:
-    """Computes attention for one layer (vLLM's ``AttentionImpl``)."""
+    """Computes attention for one layer (vLLM's ``AttentionImpl``).
+
+    vLLM's constructor: ``sliding_window`` W is kept as flash-attention's
+    ``window_size = (W - 1, 0)`` (W - 1 keys to the left, none to the right;
+    ``(-1, -1)``: no window), ``logits_soft_cap`` None as 0 (no cap).
+    """
 
     def __init__(
         self,
@@ -52,11 +64,28 @@ class AttentionImpl:
         head_size: int,
         scale: float,
         num_kv_heads: int,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
     ) -> None:
+        if alibi_slopes is not None:
+            raise NotImplementedError("tracevllm's attention backends have no ALiBi.")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError("tracevllm's KV cache is in the model's dtype.")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError("tracevllm's attention backends are decoder-only.")
+        if kv_sharing_target_layer_name is not None:
+            raise NotImplementedError("tracevllm has no KV sharing between layers.")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.sliding_window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        # flash-attention's convention, which vLLM keeps: 0 means no soft cap.
+        self.logits_soft_cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
 
     def launch_name(self, attn_metadata: AttentionMetadata) -> str:
         """Which kernel launch ``forward`` will take for this batch (for the trace)."""

@@ -4,7 +4,8 @@ Plays the part of vllm/v1/attention/backends/triton_attn.py
 (``TritonAttentionBackend``, ``TritonAttentionImpl``) with the kernels of
 kernels/*.py's ``*_torch`` references, reached through ``_custom_ops``. It is
 the default on CPU. Same KV cache layout as the Triton backend, so the two
-are interchangeable. Left out: fp8 KV caches, sliding windows, ALiBi, sinks.
+are interchangeable. With vLLM's sliding window (``window_size``) and logit
+soft cap. Left out: fp8 KV caches, ALiBi, sinks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 class TorchAttentionImpl(AttentionImpl):
     def launch_name(self, attn_metadata: AttentionMetadata) -> str:
+        if self.logits_soft_cap:
+            # SDPA cannot bend the scores: they are spelled out.
+            return "unified_attention_torch (soft-capped scores, decodes in one padded batch)"
         return "unified_attention_torch (SDPA: one padded call for the decodes, one per prefill)"
 
     def do_kv_cache_update(
@@ -64,6 +68,8 @@ class TorchAttentionImpl(AttentionImpl):
             max_seq_len=attn_metadata.max_seq_len,
             block_table=attn_metadata.block_table,
             softmax_scale=self.scale,
+            window_size=self.sliding_window,
+            softcap=self.logits_soft_cap,
         )
         return output
 

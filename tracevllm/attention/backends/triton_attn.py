@@ -9,8 +9,9 @@ split-softmax launch, as vLLM's ``TritonAttentionMetadataBuilder`` sets it up
 (``MIN_LAUNCH_GRID_SIZE_2D // num_kv_heads``). The
 default on CUDA; on CPU it runs only in Triton's interpreter
 (``TRITON_INTERPRET=1``), slowly, which is how the tests check it against the
-torch backend. Same KV cache layout as the torch backend. Left out: fp8 KV
-caches, sliding windows, ALiBi, sinks, the metadata builder (and with it the
+torch backend. Same KV cache layout as the torch backend; the same sliding
+window and soft cap, as compile-time constants of the kernel. Left out: fp8 KV
+caches, ALiBi, sinks, the metadata builder (and with it the
 preallocated split-softmax buffers) and cudagraph support.
 """
 
@@ -26,6 +27,7 @@ from tracevllm.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
+    AttentionType,
 )
 
 if TYPE_CHECKING:
@@ -33,8 +35,31 @@ if TYPE_CHECKING:
 
 
 class TritonAttentionImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads)
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+        )
         # The 2D grid has at least num_seqs * num_kv_heads programs; below
         # MIN_LAUNCH_GRID_SIZE_2D of them, a decode-only step splits each
         # context into segments instead (vLLM's TritonAttentionMetadataBuilder).
@@ -81,6 +106,8 @@ class TritonAttentionImpl(AttentionImpl):
             softmax_scale=self.scale,
             backend="triton",
             seq_threshold_3D=self.seq_threshold_3D,
+            window_size=self.sliding_window,
+            softcap=self.logits_soft_cap,
         )
         return output
 
