@@ -550,15 +550,10 @@ def _tp_rank_main(rank: int, port: int, reduce_results: bool, queue: Any) -> Non
         x, logits = torch.randn(7, 16, generator=gen), torch.randn(7, 6, generator=gen)
         layer = FusedMoE(6, 2, 16, 12, reduce_results=reduce_results)  # TP size from the group
         load_checkpoint(layer, checkpoint)
-        queue.put(
-            (
-                rank,
-                layer.tp_size,
-                layer.w13_weight.clone(),
-                layer.w2_weight.clone(),
-                layer(x, logits),
-            )
-        )
+        # As numpy arrays, pickled by value: torch would hand over shared-memory
+        # handles, which vanish when this process exits before the parent reads them.
+        tensors = (layer.w13_weight, layer.w2_weight, layer(x, logits))
+        queue.put((rank, layer.tp_size, *(t.detach().numpy().copy() for t in tensors)))
     finally:
         destroy_model_parallel()
         destroy_distributed_environment()
@@ -598,13 +593,14 @@ def test_fused_moe_tensor_parallel_over_two_processes(reduce_results: bool) -> N
     whole = FusedMoE(6, 2, 16, 12, tp_size=1)
     load_checkpoint(whole, checkpoint)
     expected = whole(x, logits)
-    for rank, tp_size, rank_w13, rank_w2, _ in results:
+    for rank, tp_size, *arrays in results:
         assert tp_size == 2
+        rank_w13, rank_w2, _ = (torch.from_numpy(a) for a in arrays)
         half = slice(6 * rank, 6 * rank + 6)
         assert torch.equal(rank_w13[:, :6], w13[:, :12][:, half])  # gate rows
         assert torch.equal(rank_w13[:, 6:], w13[:, 12:][:, half])  # up rows
         assert torch.equal(rank_w2, w2[:, :, half])  # down columns
-    outs = [r[4] for r in results]
+    outs = [torch.from_numpy(r[4]) for r in results]
     if reduce_results:
         for out in outs:
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
