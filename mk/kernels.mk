@@ -4,7 +4,7 @@
 #   make kernel-resources  without a GPU: each kernel compiled for sm_80 and sm_90,
 #                        its registers, shared memory, spills and programs per SM
 #   make test-kernels    the kernels against their PyTorch references in Triton's CPU
-#                        interpreter, and the engine on the Triton backend
+#                        interpreter (the MoE layer's too), and the engine on the Triton backend
 # Triton comes with the `triton` extra (pyproject.toml); installed here if missing.
 .PHONY: bench-kernels test-kernels setup-triton kernel-resources
 
@@ -15,7 +15,7 @@ bench-kernels: setup setup-triton
 	$(PY) benchmarks/bench_kernels.py $(ARGS)
 
 test-kernels: setup setup-triton
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_kernels.py tests/test_fused_moe.py
 
 # Compiled ahead of time for sm_80 and sm_90 on this machine (no GPU): registers,
 # shared memory, spills and programs per SM of every kernel. ARGS="--dtype fp16 bf16"

@@ -3,7 +3,8 @@
 Mirrors vllm/model_executor/layers/fused_moe/layer.py (``FusedMoE``: its
 constructor, ``weight_loader`` with ``_load_w13`` / ``_load_w2``,
 ``make_expert_params_mapping``, ``forward``) with
-``UnquantizedFusedMoEMethod.create_weights`` (unquantized_fused_moe_method.py)
+``UnquantizedFusedMoEMethod.create_weights`` and ``apply``
+(vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py)
 folded in, as linear.py folds in ``UnquantizedLinearMethod``. The experts'
 gate and up projections are one parameter, ``w13_weight [num_experts, 2 *
 intermediate, hidden]`` (gate rows, then up rows), their down projections
