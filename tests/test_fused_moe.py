@@ -280,6 +280,15 @@ def test_fused_experts_triton_matches_torch_on_random_routings(seed: int) -> Non
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=live)])
+def test_fused_experts_with_no_tokens(backend: str) -> None:
+    """An empty batch (a rank with nothing to do) gives an empty output, no launch error."""
+    w13, w2 = _weights(4, 16, 8, torch.Generator().manual_seed(0))
+    args = (torch.zeros(0, 16), w13, w2, torch.zeros(0, 2), torch.zeros(0, 2, dtype=torch.int32))
+    out = fused_experts(*(t.to(DEVICE) for t in args), backend=backend)
+    assert out.shape == (0, 16)
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_fused_experts_matches_a_dense_per_token_loop(renormalize: bool) -> None:
     """The grouped path (torch reference) against the loop over tokens and their experts."""
