@@ -9,6 +9,7 @@ so a broken collective fails the test instead of blocking pytest.
 
 from __future__ import annotations
 
+import pickle
 import queue
 import traceback
 from collections.abc import Callable
@@ -35,7 +36,9 @@ def _rank_main(
     try:
         parallel_state.init_distributed_environment(world_size, rank, init_method, rank, "gloo")
         parallel_state.initialize_model_parallel(tp, pp)
-        result = fn(rank, *args)
+        # Plain pickle bytes: a tensor put on the queue as is would be shared
+        # through a file descriptor that dies with this process.
+        result = pickle.dumps(fn(rank, *args))
         results.put((rank, "ok", result))
         # Nobody leaves before everyone is done: a rank that destroys its
         # groups while another still reduces over them would hang it.
@@ -88,7 +91,7 @@ def run_ranks(
                 ) from None
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=timeout)
     finally:
@@ -101,3 +104,21 @@ def run_ranks(
     bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
     assert not bad, f"ranks exited with (rank, code) {bad}"
     return [out[rank] for rank in range(world_size)]
+
+
+def init_world_of_one() -> None:
+    """This process's world of one (as ``UniProcExecutor`` makes it), for
+    tests that build a model or a ModelRunner directly; made once, kept."""
+    from tracevllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from tracevllm.distributed import parallel_state
+    from tracevllm.distributed.utils import temporary_file_init_method
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    config = VllmConfig(
+        ModelConfig(model="unused", hf_config={"architectures": ["LlamaForCausalLM"]}),
+        CacheConfig(),
+        SchedulerConfig(),
+    )
+    with temporary_file_init_method() as init_method:
+        parallel_state.init_worker_distributed_environment(config, 0, init_method, 0)

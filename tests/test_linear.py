@@ -6,9 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.parallel_utils import init_world_of_one
 from tracevllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from tracevllm.model_executor.layers.linear import ReplicatedLinear
-from tracevllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from tracevllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from tracevllm.model_executor.model_loader import get_model
 
 needs_onednn = pytest.mark.skipif(
@@ -33,20 +37,28 @@ def test_packed_linear_matches_f_linear(bias: bool, num_tokens: int) -> None:
     # Packed: the plain weight is gone, the matmul goes through oneDNN.
     assert layer.cpu_linear is not F.linear
     assert layer.weight.numel() == 0
-    torch.testing.assert_close(layer(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    out, out_bias = layer(x)  # vLLM's (output, bias-if-skip_bias_add)
+    assert out_bias is None
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
-def test_tied_embedding_keeps_its_weight() -> None:
+def test_tied_lm_head_packs_and_embedding_keeps_its_weight() -> None:
+    init_world_of_one()
     torch.manual_seed(0)
-    emb = VocabParallelEmbedding(50, 32)
+    emb = VocabParallelEmbedding(50, 32)  # padded to 64 rows
     with torch.no_grad():
         emb.weight.normal_()
-    emb.process_weights_after_loading()
+    head = ParallelLMHead(50, 32).tie_weights(emb)
+    assert head.weight is emb.weight
+    weight = emb.weight.detach().clone()
+    head.process_weights_after_loading()
+    # The head's plain reference is gone (one packed copy); the embedding still looks up.
+    assert head.weight.numel() == 0 and emb.weight.shape == (64, 32)
     ids = torch.tensor([3, 49, 0])
-    torch.testing.assert_close(emb(ids), emb.weight[ids])
+    torch.testing.assert_close(emb(ids), weight[ids])
     h = torch.randn(4, 32)
-    torch.testing.assert_close(emb.cpu_linear(h, emb.weight, None), h @ emb.weight.T)
+    torch.testing.assert_close(head.cpu_linear(h, head.weight, None), h @ weight.T)
 
 
 def test_switch_off_keeps_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,6 +71,7 @@ def test_switch_off_keeps_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @needs_onednn
 def test_loaded_model_is_packed(tiny_model_dir: str) -> None:
+    init_world_of_one()
     model = get_model(
         VllmConfig(ModelConfig(model=tiny_model_dir), CacheConfig(), SchedulerConfig())
     )

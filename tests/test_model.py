@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tests.parallel_utils import init_world_of_one
 from tests.reference import hf_greedy
 from tracevllm import envs
 from tracevllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
@@ -17,6 +18,7 @@ from tracevllm.worker.model_runner import ModelRunner
 
 
 def make_runner(model_dir: str, block_size: int, num_blocks: int = 64) -> ModelRunner:
+    init_world_of_one()  # the layers ask their process groups, as under an executor
     vllm_config = VllmConfig(
         ModelConfig(model=model_dir),
         CacheConfig(block_size=block_size),

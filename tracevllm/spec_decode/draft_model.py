@@ -48,7 +48,7 @@ from tracevllm.model_executor.model_loader import get_model
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
-    from tracevllm.model_executor.models.llama import LlamaForCausalLM
+    from tracevllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
     from tracevllm.sample.metadata import SamplingMetadata
     from tracevllm.worker.input_batch import InputBatch
 
@@ -86,7 +86,7 @@ class DraftModelProposer:
         self.max_model_len = spec.draft_model_config.get_max_model_len()
         self.block_size = vllm_config.cache_config.block_size
         self.probabilistic = spec.draft_sample_method == "probabilistic"
-        self.model: LlamaForCausalLM | None = None
+        self.model: VllmModelForTextGeneration | None = None
         self.attn_layers: dict[str, Attention] = {}
         # The probabilities of the last drafts, by request (probabilistic only).
         self.last_draft_probs: dict[str, torch.Tensor] = {}

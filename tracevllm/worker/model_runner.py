@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
     from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
     from tracevllm.engine import LogprobsLists
-    from tracevllm.model_executor.models.llama import LlamaForCausalLM
+    from tracevllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
     from tracevllm.sample.metadata import SamplingMetadata
 
 
@@ -90,7 +90,7 @@ class ModelRunner:
             max(self.max_num_reqs + 1, self.max_model_len, self.max_num_tokens)
         )
 
-        self.model: LlamaForCausalLM | None = None
+        self.model: VllmModelForTextGeneration | None = None
         # layer_name -> Attention layer (vLLM's static_forward_context).
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []

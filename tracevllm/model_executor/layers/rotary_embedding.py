@@ -98,15 +98,23 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         return torch.where(is_medium, smoothed, scaled)
 
 
-def get_rope(head_size: int, max_position: int, hf_config: dict[str, Any]) -> RotaryEmbedding:
-    """Build the RoPE a Llama config.json asks for.
+def get_rope(
+    head_size: int,
+    max_position: int,
+    is_neox_style: bool = True,
+    rope_parameters: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> RotaryEmbedding:
+    """Build the RoPE a model's config asks for (vLLM's signature).
 
-    transformers 5 writes ``rope_parameters`` ({rope_theta, rope_type, ...});
-    older checkpoints have ``rope_theta`` and ``rope_scaling``. Both are read.
+    ``rope_parameters`` is transformers 5's ``config.rope_parameters``
+    ({rope_theta, rope_type, ...}; it folds older checkpoints' ``rope_theta``
+    and ``rope_scaling`` into it). The cos/sin table is fp32 whatever ``dtype``.
     """
-    params: dict[str, Any] = dict(hf_config.get("rope_scaling") or {})
-    params.update(hf_config.get("rope_parameters") or {})
-    base = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    if not is_neox_style:
+        raise ValueError("GPT-J style (interleaved) RoPE is not supported by tracevllm.")
+    params = rope_parameters or {}
+    base = float(params.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return RotaryEmbedding(head_size, max_position, base)

@@ -1,85 +1,185 @@
-"""Llama, written against the flat batch.
+"""Llama, written against the flat batch and split over tensor- and pipeline-parallel ranks.
 
 Mirrors vllm/model_executor/models/llama.py (``LlamaMLP``, ``LlamaAttention``,
 ``LlamaDecoderLayer``, ``LlamaModel``, ``LlamaForCausalLM``). As in vLLM there
 is no batch dimension: every request's tokens of this step are concatenated
 into one ``[num_tokens]`` stream, each with its own position, and only the
-attention layer knows where one request ends and the next begins. q/k/v and
-gate/up are fused into one matmul each, as vLLM does; ``load_weights`` maps
-HF's separate tensors onto them.
+attention layer knows where one request ends and the next begins.
 
-Left out: tensor and pipeline parallelism (the *ParallelLinear layers are
-all ``ReplicatedLinear`` here), quantization, LoRA, Eagle hooks, sliding windows,
-the embedding/classification adapters.
+Tensor parallelism is in the layers: q/k/v and gate/up are column-parallel
+(each rank computes its heads, its slice of the MLP), o_proj and down_proj
+row-parallel (an all-reduce sums the ranks' partial outputs), so a decoder
+layer costs two all-reduces. Pipeline parallelism is in ``make_layers``: a
+stage builds only its range of layers and, unless it is the last, returns
+``IntermediateTensors`` instead of hidden states. ``load_weights`` maps HF's
+separate q/k/v and gate/up tensors onto the fused parameters through each
+parameter's ``weight_loader``, which keeps this rank's shard only.
+
+Left out: quantization, LoRA, Eagle hooks, the embedding/classification
+adapters, bidirectional (encoder-only) attention.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tracevllm import tracing
+from tracevllm.distributed.parallel_state import (
+    get_pp_group,
+    get_tensor_model_parallel_world_size,
+)
 from tracevllm.model_executor.layers.activation import SiluAndMul
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.layers.layernorm import RMSNorm
-from tracevllm.model_executor.layers.linear import ReplicatedLinear
+from tracevllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from tracevllm.model_executor.layers.logits_processor import LogitsProcessor
 from tracevllm.model_executor.layers.rotary_embedding import get_rope
-from tracevllm.model_executor.layers.utils import cpu_unquantized_gemm
 from tracevllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from tracevllm.model_executor.model_loader import default_weight_loader
+from tracevllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    PPMissingLayer,
+    extract_layer_index,
+    is_pp_missing_parameter,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+    maybe_prefix,
+)
+from tracevllm.sequence import IntermediateTensors
 
 if TYPE_CHECKING:
-    from tracevllm.config import VllmConfig
+    from tracevllm.config import CacheConfig, VllmConfig
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        quant_config: Any = None,
+        bias: bool = False,
+        prefix: str = "",
+        reduce_results: bool = True,
+        disable_tp: bool = False,
+    ) -> None:
         super().__init__()
+        # gate_proj and up_proj stacked, each split over the ranks:
+        # [2 * intermediate_size / T, hidden_size] on each.
+        self.gate_up_proj = MergedColumnParallelLinear(
+            input_size=hidden_size,
+            output_sizes=[intermediate_size] * 2,
+            bias=bias,
+            quant_config=quant_config,
+            disable_tp=disable_tp,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            input_size=intermediate_size,
+            output_size=hidden_size,
+            bias=bias,
+            quant_config=quant_config,
+            reduce_results=reduce_results,
+            disable_tp=disable_tp,
+            prefix=f"{prefix}.down_proj",
+        )
         if hidden_act != "silu":
-            raise ValueError(f"Unsupported activation: {hidden_act}. Only silu is supported.")
-        # gate_proj and up_proj stacked: [2 * intermediate_size, hidden_size]
-        self.gate_up_proj = ReplicatedLinear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias)
+            raise ValueError(
+                f"Unsupported activation: {hidden_act}. Only silu is supported for now."
+            )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
-        x = self.act_fn(x)  # [num_tokens, intermediate_size]
-        return self.down_proj(x)  # [num_tokens, hidden_size]
+        x, _ = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size / T]
+        x = self.act_fn(x)  # [num_tokens, intermediate_size / T]
+        x, _ = self.down_proj(x)  # [num_tokens, hidden_size], summed over the ranks
+        return x
 
 
 class LlamaAttention(nn.Module):
     def __init__(
         self,
-        hf_config: dict[str, Any],
-        vllm_config: VllmConfig | None,
+        config: Any,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        max_position_embeddings: int = 8192,
+        quant_config: Any = None,
+        bias: bool = False,
+        bias_o_proj: bool = False,
+        cache_config: CacheConfig | None = None,
         prefix: str = "",
     ) -> None:
         super().__init__()
-        hidden_size = int(hf_config["hidden_size"])
-        self.num_heads = int(hf_config["num_attention_heads"])
-        self.num_kv_heads = int(hf_config.get("num_key_value_heads") or self.num_heads)
-        self.head_dim = int(hf_config.get("head_dim") or hidden_size // self.num_heads)
+        layer_idx = extract_layer_index(prefix)
+        self.hidden_size = hidden_size
+        tp_size = get_tensor_model_parallel_world_size()
+        self.total_num_heads = num_heads
+        assert self.total_num_heads % tp_size == 0
+        self.num_heads = self.total_num_heads // tp_size
+        self.total_num_kv_heads = num_kv_heads
+        if self.total_num_kv_heads >= tp_size:
+            # At least as many KV heads as ranks: each rank gets its share.
+            assert self.total_num_kv_heads % tp_size == 0
+        else:
+            # Fewer KV heads than ranks: each rank holds a copy of one.
+            assert tp_size % self.total_num_kv_heads == 0
+        self.num_kv_heads = max(1, self.total_num_kv_heads // tp_size)
+        head_dim = getattr(config, "head_dim", None)
+        self.head_dim = head_dim or self.hidden_size // self.total_num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
-        bias = bool(hf_config.get("attention_bias", False))
-        # q_proj, k_proj and v_proj stacked: [q_size + 2 * kv_size, hidden_size]
-        self.qkv_proj = ReplicatedLinear(hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = ReplicatedLinear(self.q_size, hidden_size, bias=bias)
-        max_position = int(hf_config.get("max_position_embeddings", 8192))
-        self.rotary_emb = get_rope(self.head_dim, max_position, hf_config)
+        self.max_position_embeddings = max_position_embeddings
+        # q_proj, k_proj and v_proj stacked, this rank's heads of each:
+        # [q_size + 2 * kv_size, hidden_size]
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size=hidden_size,
+            head_size=self.head_dim,
+            total_num_heads=self.total_num_heads,
+            total_num_kv_heads=self.total_num_kv_heads,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            input_size=self.total_num_heads * self.head_dim,
+            output_size=hidden_size,
+            bias=bias_o_proj,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=self.max_position_embeddings,
+            rope_parameters=getattr(config, "rope_parameters", None),
+        )
+        # Models whose layers alternate full and sliding-window attention
+        # (config.layer_types) give the sliding ones their window.
+        sliding_window = None
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types and layer_types[layer_idx] == "sliding_attention":
+            sliding_window = config.sliding_window
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
             self.scaling,
             num_kv_heads=self.num_kv_heads,
-            vllm_config=vllm_config,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            per_layer_sliding_window=sliding_window,
             prefix=f"{prefix}.attn",
         )
 
@@ -89,33 +189,55 @@ class LlamaAttention(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         hidden_states: torch.Tensor,  # [num_tokens, hidden_size]
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
+        qkv, _ = self.qkv_proj(hidden_states)  # [num_tokens, q_size + 2 * kv_size]
         # [num_tokens, q_size], [num_tokens, kv_size], [num_tokens, kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         # Writes k/v into the paged cache, then reads this request's whole past back.
         attn_output = self.attn(q, k, v)  # [num_tokens, q_size]
-        return self.o_proj(attn_output)  # [num_tokens, hidden_size]
+        output, _ = self.o_proj(attn_output)  # [num_tokens, hidden_size], summed over ranks
+        return output
 
     # --8<-- [end:llama_attention_forward]
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, hf_config: dict[str, Any], vllm_config: VllmConfig | None, prefix: str = ""
+        self,
+        vllm_config: VllmConfig,
+        prefix: str = "",
+        config: Any = None,
+        attn_layer_type: type[nn.Module] = LlamaAttention,
     ) -> None:
         super().__init__()
-        hidden_size = int(hf_config["hidden_size"])
-        eps = float(hf_config.get("rms_norm_eps", 1e-6))
-        self.self_attn = LlamaAttention(hf_config, vllm_config, prefix=f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(
-            hidden_size,
-            int(hf_config["intermediate_size"]),
-            str(hf_config.get("hidden_act", "silu")),
-            bias=bool(hf_config.get("mlp_bias", False)),
+        config = config or vllm_config.model_config.hf_config
+        cache_config = vllm_config.cache_config
+        self.hidden_size = config.hidden_size
+        max_position_embeddings = getattr(config, "max_position_embeddings", 8192)
+        attention_bias = getattr(config, "attention_bias", False) or getattr(config, "bias", False)
+        bias_o_proj = attention_bias
+        if hasattr(config, "qkv_bias"):
+            attention_bias = config.qkv_bias
+        self.self_attn = attn_layer_type(
+            config=config,
+            hidden_size=self.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            max_position_embeddings=max_position_embeddings,
+            bias=attention_bias,
+            bias_o_proj=bias_o_proj,
+            cache_config=cache_config,
+            prefix=f"{prefix}.self_attn",
         )
-        self.input_layernorm = RMSNorm(hidden_size, eps=eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps=eps)
+        self.mlp = LlamaMLP(
+            hidden_size=self.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            bias=getattr(config, "mlp_bias", False),
+            prefix=f"{prefix}.mlp",
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(
         self,
@@ -129,119 +251,186 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)  # type: ignore[assignment]
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.mlp(hidden_states)
         return hidden_states, residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, hf_config: dict[str, Any], vllm_config: VllmConfig | None, prefix: str):
+    def __init__(
+        self,
+        *,
+        vllm_config: VllmConfig,
+        prefix: str = "",
+        layer_type: type[nn.Module] = LlamaDecoderLayer,
+    ) -> None:
         super().__init__()
-        hidden_size = int(hf_config["hidden_size"])
-        self.embed_tokens = VocabParallelEmbedding(int(hf_config["vocab_size"]), hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, vllm_config, prefix=f"{prefix}.layers.{i}")
-            for i in range(int(hf_config["num_hidden_layers"]))
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.vocab_size = config.vocab_size
+        pp_group = get_pp_group()
+        # The embedding on the first stage, and on the last when the LM head
+        # is tied to it.
+        if pp_group.is_first_rank or (config.tie_word_embeddings and pp_group.is_last_rank):
+            self.embed_tokens: nn.Module = VocabParallelEmbedding(
+                self.vocab_size, config.hidden_size
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: layer_type(vllm_config=vllm_config, prefix=prefix),
+            prefix=f"{prefix}.layers",
         )
-        self.norm = RMSNorm(hidden_size, eps=float(hf_config.get("rms_norm_eps", 1e-6)))
+        if pp_group.is_last_rank:
+            self.norm: nn.Module = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.norm = PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # type: ignore[no-any-return]
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [num_tokens]
+        input_ids: torch.Tensor | None,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
+        intermediate_tensors: IntermediateTensors | None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if get_pp_group().is_first_rank:
+            if inputs_embeds is not None:
+                hidden_states = inputs_embeds
+            else:
+                assert input_ids is not None
+                hidden_states = self.embed_input_ids(input_ids)  # [num_tokens, hidden_size]
+            residual = None
+        else:
+            # A later stage starts from what the one before it sent.
+            assert intermediate_tensors is not None
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        layers = islice(self.layers, self.start_layer, self.end_layer)
         # Spans inside the forward are timed as it runs and made as it ends.
         with tracing.forward_spans():
             if tracing.is_full_detail():
                 # One span per decoder layer: only at detail "full" (30 per step).
-                for i, layer in enumerate(self.layers):
+                for i, layer in enumerate(layers, start=self.start_layer):
                     attributes = {**_LAYER_CODE, "tracevllm.layer": i}
                     with tracing.span("LlamaDecoderLayer.forward", attributes):
                         hidden_states, residual = layer(positions, hidden_states, residual)
             else:
-                for layer in self.layers:
+                for layer in layers:
                     hidden_states, residual = layer(positions, hidden_states, residual)
+        if not get_pp_group().is_last_rank:
+            assert residual is not None, "a pipeline stage without layers"
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states  # [num_tokens, hidden_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this rank's parameters; returns the names loaded."""
+        stacked_params_mapping = [
+            # (param_name, shard_name, shard_id)
+            (".qkv_proj", ".q_proj", "q"),
+            (".qkv_proj", ".k_proj", "k"),
+            (".qkv_proj", ".v_proj", "v"),
+            (".gate_up_proj", ".gate_proj", 0),
+            (".gate_up_proj", ".up_proj", 1),
+        ]
+        params_dict = dict(self.named_parameters())
+        loaded_params: set[str] = set()
+        for name, loaded_weight in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            for param_name, weight_name, shard_id in stacked_params_mapping:
+                if weight_name not in name:
+                    continue
+                name = name.replace(weight_name, param_name)
+                if is_pp_missing_parameter(name, self):
+                    break
+                param = params_dict[name]
+                param.weight_loader(param, loaded_weight, shard_id)  # type: ignore[attr-defined]
+                loaded_params.add(name)
+                break
+            else:
+                if is_pp_missing_parameter(name, self):
+                    continue
+                if name not in params_dict:
+                    raise ValueError(f"Unexpected weight {name!r} in the checkpoint.")
+                param = params_dict[name]
+                weight_loader = getattr(param, "weight_loader", default_weight_loader)
+                weight_loader(param, loaded_weight)
+                loaded_params.add(name)
+        return loaded_params
 
 
 _LAYER_CODE = tracing.code_attributes(LlamaDecoderLayer.forward)
 
 
 class LlamaForCausalLM(nn.Module):
-    # HF checkpoint name -> (our fused parameter, which shard).
-    stacked_params_mapping = (
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-    )
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
 
     def __init__(
-        self, vllm_config: VllmConfig | None = None, prefix: str = "", *, hf_config: Any = None
+        self,
+        *,
+        vllm_config: VllmConfig,
+        prefix: str = "",
+        layer_type: type[nn.Module] = LlamaDecoderLayer,
     ) -> None:
         super().__init__()
-        if hf_config is None:
-            assert vllm_config is not None
-            hf_config = vllm_config.model_config.hf_config
-        self.config: dict[str, Any] = hf_config
-        model_prefix = f"{prefix}.model" if prefix else "model"
-        self.model = LlamaModel(hf_config, vllm_config, prefix=model_prefix)
-        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head: VocabParallelEmbedding = self.model.embed_tokens
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = self._init_model(
+            vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"), layer_type=layer_type
+        )
+        if get_pp_group().is_last_rank:
+            self.lm_head: nn.Module = ParallelLMHead(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head")
+            )
+            if config.tie_word_embeddings:
+                assert isinstance(self.model.embed_tokens, VocabParallelEmbedding)
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+            logit_scale = getattr(config, "logit_scale", 1.0)
+            self.logits_processor = LogitsProcessor(config.vocab_size, scale=logit_scale)
         else:
-            vocab_size, hidden_size = int(hf_config["vocab_size"]), int(hf_config["hidden_size"])
-            self.lm_head = ParallelLMHead(vocab_size, hidden_size)
+            self.lm_head = PPMissingLayer()
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def _init_model(
+        self,
+        vllm_config: VllmConfig,
+        prefix: str = "",
+        layer_type: type[nn.Module] = LlamaDecoderLayer,
+    ) -> LlamaModel:
+        return LlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
 
     @tracing.instrument("LlamaForCausalLM.forward")
     def forward(
         self,
-        input_ids: torch.Tensor,  # [num_tokens]
+        input_ids: torch.Tensor | None,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions)  # [num_tokens, hidden_size]
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [num_sampled, hidden_size] -> [num_sampled, vocab_size]
-        # vLLM: LogitsProcessor -> UnquantizedEmbeddingMethod.apply.
-        return cpu_unquantized_gemm(self.lm_head, hidden_states, self.lm_head.weight)
+        return self.logits_processor(self.lm_head, hidden_states)  # type: ignore[no-any-return]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into our parameters; returns the names loaded."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # some checkpoints save the tied copy too
-            for fused, shard_name, shard_id in self.stacked_params_mapping:
-                if shard_name in name:
-                    name = name.replace(shard_name, fused)
-                    param = params[name]
-                    start, size = self._shard_range(fused, shard_id, param.shape[0])
-                    param.data[start : start + size].copy_(tensor)
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"Unexpected weight {name!r} in the checkpoint.")
-                params[name].data.copy_(tensor)
-            loaded.add(name)
-        if self.tie_word_embeddings:
-            loaded.add("lm_head.weight")
-        return loaded
-
-    def _shard_range(self, fused: str, shard_id: str | int, rows: int) -> tuple[int, int]:
-        """(first row, number of rows) of the fused weight that one HF tensor fills."""
-        if fused == ".gate_up_proj":
-            half = rows // 2
-            return int(shard_id) * half, half
-        layer: LlamaDecoderLayer = self.model.layers[0]  # type: ignore[assignment]
-        q_size, kv_size = layer.self_attn.q_size, layer.self_attn.kv_size
-        offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-        return offsets[str(shard_id)]
+        # A tied LM head is the embedding: some checkpoints save it twice.
+        loader = AutoWeightsLoader(
+            self, skip_prefixes=(["lm_head."] if self.config.tie_word_embeddings else None)
+        )
+        return loader.load_weights(weights)
