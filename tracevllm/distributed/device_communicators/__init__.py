@@ -1,0 +1,1 @@
+"""How ranks talk outside torch.distributed's collectives (vllm/distributed/device_communicators/)."""
