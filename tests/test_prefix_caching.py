@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tracevllm.core.block_pool import BlockHashToBlockMap, BlockPool
+from tracevllm.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from tracevllm.core.kv_cache_manager import KVCacheManager
 from tracevllm.core.kv_cache_utils import (
     BlockHash,
@@ -27,7 +28,12 @@ from tracevllm.core.kv_cache_utils import (
     sha256,
 )
 from tracevllm.core.single_type_kv_cache_manager import FullAttentionManager
-from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from tracevllm.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from tracevllm.request import Request
 from tracevllm.sampling_params import SamplingParams
 
@@ -456,3 +462,91 @@ def test_prefill_not_enough_free_blocks_with_computed_blocks() -> None:
     assert [manager.block_pool.blocks[i].ref_cnt for i in (1, 2, 3)] == [0, 0, 0]
     assert free_ids(manager) == [3, 2, 1]
     assert "2" not in manager.coordinator.single_type_managers[0].req_to_blocks
+
+
+# --- sliding window and hybrid groups ---------------------------------------
+
+
+def make_hybrid_manager(num_blocks: int, window: int = 8, block_size: int = 4) -> KVCacheManager:
+    """Two KV cache groups, as Gemma-2's alternating layers: full, sliding."""
+    spec = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["full.0"], FullAttentionSpec(**spec)),  # type: ignore[arg-type]
+            KVCacheGroupSpec(["sw.0"], SlidingWindowSpec(**spec, sliding_window=window)),  # type: ignore[arg-type]
+        ],
+    )
+    return KVCacheManager(config, max_model_len=8192, hash_block_size=block_size)
+
+
+def test_hybrid_prefix_hit_is_the_length_both_groups_agree_on() -> None:
+    """Full attention needs every block of the hit, the sliding window only the
+    last cdiv(W - 1, block_size) = 2: the hit is the longest length both take."""
+    mgr = make_hybrid_manager(60)
+    assert isinstance(mgr.coordinator, HybridKVCacheCoordinator)
+    assert mgr.coordinator.lcm_block_size == 4
+    prompt = list(range(29))  # 7 full blocks and one token
+    a = make_request("a", prompt, 4)
+    assert mgr.allocate_slots(a, 29) is not None  # 8 blocks in each group
+    assert mgr.block_pool.get_num_free_blocks() == 59 - 16
+    a_full, a_sw = mgr.get_block_ids("a")
+    a.num_computed_tokens = 29
+    mgr.free(a)  # every full block stays cached, in both groups
+
+    # All cached: 28 tokens (one short of the prompt), the window's from block 5 on.
+    hit, n = mgr.get_computed_blocks(make_request("b", prompt, 4))
+    assert n == 28
+    assert hit.get_block_ids() == (a_full[:7], [0] * 5 + a_sw[5:7])
+
+    # The sliding group's blocks 5 and 6 evicted: its longest hit ends at block 4
+    # (a run of 3 and 4), and full attention is cut back to it.
+    for block_id in a_sw[5:7]:
+        assert mgr.block_pool._maybe_evict_cached_block(mgr.block_pool.blocks[block_id])
+    hit, n = mgr.get_computed_blocks(make_request("c", prompt, 4))
+    assert n == 20
+    assert hit.get_block_ids() == (a_full[:5], [0] * 3 + a_sw[3:5])
+
+    # Full attention's block 1 evicted: one block; the window's run of one
+    # leading block is a hit too (it reaches token 0).
+    assert mgr.block_pool._maybe_evict_cached_block(mgr.block_pool.blocks[a_full[1]])
+    hit, n = mgr.get_computed_blocks(make_request("d", prompt, 4))
+    assert n == 4
+    assert hit.get_block_ids() == (a_full[:1], a_sw[:1])
+
+
+def test_hybrid_allocation_with_a_hit_and_a_long_decode() -> None:
+    """The hit's blocks before the window stay null in the sliding group; as
+    the request decodes, the sliding group gives blocks back and the full one
+    keeps them all."""
+    mgr = make_hybrid_manager(60)
+    prompt = list(range(29))
+    a = make_request("a", prompt, 4)
+    mgr.allocate_slots(a, 29)
+    a_full, a_sw = mgr.get_block_ids("a")
+    a.num_computed_tokens = 29
+    mgr.free(a)
+
+    b = make_request("b", prompt + [7, 7, 7], 4)  # 32 tokens
+    hit, n = mgr.get_computed_blocks(b)
+    assert n == 28
+    free_before = mgr.block_pool.get_num_free_blocks()
+    new = mgr.allocate_slots(b, 4, n, hit)
+    assert new is not None
+    full_ids, sw_ids = mgr.get_block_ids("b")
+    assert full_ids[:7] == a_full[:7] and len(full_ids) == 8
+    # 28 computed: tokens 0 .. 20 before the window -> 5 null blocks.
+    assert sw_ids[:7] == [0] * 5 + a_sw[5:7] and len(sw_ids) == 8
+    # 7 + 2 revived hits and a new block per group.
+    assert mgr.block_pool.get_num_free_blocks() == free_before - 9 - 2
+    b.num_computed_tokens = 32
+    for _ in range(40):  # decode: the sliding group stays within its window
+        b.append_output_token_ids(7)
+        assert mgr.allocate_slots(b, 1) is not None
+        b.num_computed_tokens += 1
+        full_ids, sw_ids = mgr.get_block_ids("b")
+        assert len([i for i in sw_ids if i != 0]) <= -(-8 // 4) + 1
+        assert 0 not in full_ids and len(full_ids) == -(-b.num_computed_tokens // 4)
+    mgr.free(b)
+    assert mgr.block_pool.get_num_free_blocks() == 59

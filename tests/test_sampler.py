@@ -194,7 +194,7 @@ def test_input_batch_keeps_penalties_with_their_rows() -> None:
     from tracevllm.sampling_params import SamplingParams
     from tracevllm.worker.input_batch import CachedRequestState, InputBatch
 
-    batch = InputBatch(4, 32, 64, VOCAB, block_size=4)
+    batch = InputBatch(4, 32, 64, VOCAB, block_sizes=[4])
     prompts = {"a": [1, 2, 3], "b": [4], "c": [5, 6]}
     knobs = {"a": (1.2, 0.0, 0.0), "b": (1.0, 0.0, 0.0), "c": (1.0, 0.5, -1.0)}
     for req_id, prompt in prompts.items():
@@ -226,7 +226,7 @@ def test_min_tokens_masks_stop_tokens_until_reached() -> None:
     from tracevllm.sampling_params import SamplingParams
     from tracevllm.worker.input_batch import CachedRequestState, InputBatch
 
-    batch = InputBatch(4, 32, 64, VOCAB, block_size=4)
+    batch = InputBatch(4, 32, 64, VOCAB, block_sizes=[4])
     outputs: dict[str, list[int]] = {"a": [], "b": [7]}
     for req_id, min_tokens in (("a", 0), ("b", 3)):
         params = SamplingParams(temperature=0.0, min_tokens=min_tokens, stop_token_ids=[4, 5])

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +153,19 @@ class ModelConfig:
             return int(head_dim)
         return self.hidden_size // self.get_num_attention_heads()
 
+    def get_sliding_window(self) -> int | None:
+        """The HF config's ``sliding_window``, if the model uses one (vLLM's).
+
+        Read from config.json as written: a window of 0 is none, and so is
+        one that ``use_sliding_window: false`` turns off (Qwen2's config class
+        clears it; vLLM reads the config class).
+        """
+        config = self.hf_config_dict
+        if config.get("use_sliding_window") is False:
+            return None
+        window = config.get("sliding_window")
+        return int(window) if window else None
+
     def get_max_model_len(self) -> int:
         assert self.max_model_len is not None
         return self.max_model_len
@@ -222,6 +237,10 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     # Set by EngineCore._initialize_kv_caches.
     num_gpu_blocks: int | None = None
+    # The model's sliding window when every layer has it (Mistral); set from
+    # ModelConfig by EngineArgs, as vLLM. Per-layer windows (Gemma-2) go to
+    # each Attention as per_layer_sliding_window instead.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         # Types first: a bool is not an int (True would pass as block_size 1).
@@ -483,3 +502,24 @@ class VllmConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     trace_config: TraceConfig = field(default_factory=TraceConfig)
     speculative_config: SpeculativeConfig | None = None
+
+
+# The config of the engine being built, for layers that need it at construction
+# (vllm/config/vllm.py). vLLM's get_current_vllm_config falls back to a default
+# VllmConfig(); tracevllm's gives None, and the layer its own defaults.
+_current_vllm_config: VllmConfig | None = None
+
+
+@contextmanager
+def set_current_vllm_config(vllm_config: VllmConfig) -> Iterator[None]:
+    """Make ``vllm_config`` the current config while the model is built."""
+    global _current_vllm_config
+    old, _current_vllm_config = _current_vllm_config, vllm_config
+    try:
+        yield
+    finally:
+        _current_vllm_config = old
+
+
+def get_current_vllm_config() -> VllmConfig | None:
+    return _current_vllm_config

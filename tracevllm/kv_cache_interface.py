@@ -2,12 +2,12 @@
 block table, and the config the engine sizes from them.
 
 Mirrors vllm/v1/kv_cache_interface.py (``KVCacheSpec``, ``AttentionSpec``,
-``FullAttentionSpec``, ``UniformTypeKVCacheSpecs``, ``KVCacheTensor``,
-``KVCacheGroupSpec``, ``KVCacheConfig``). Left out: the sliding-window,
-chunked-local, MLA, Mamba, cross-attention and sink specs (tracevllm runs
-full attention only; ``SlidingWindowSpec`` is the next to come), KV cache
-quantization (``kv_quant_mode``) and page padding, ``head_size_v``, and
-context parallelism in ``max_memory_usage_bytes``.
+``FullAttentionSpec``, ``SlidingWindowSpec``, ``UniformTypeKVCacheSpecs``,
+``KVCacheTensor``, ``KVCacheGroupSpec``, ``KVCacheConfig``). Left out: the
+chunked-local, MLA, Mamba, cross-attention and sink specs, KV cache
+quantization (``kv_quant_mode``) and page padding, ``head_size_v``, the
+``sliding_window`` a ``FullAttentionSpec`` carries when vLLM's hybrid manager
+is disabled, and context parallelism in ``max_memory_usage_bytes``.
 
 No torch at run time: the scheduler and the KV manager import this module,
 and they never import torch (DESIGN.md). ``dtype`` is a ``torch.dtype`` (as
@@ -86,6 +86,34 @@ class FullAttentionSpec(AttentionSpec):
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
 
 
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Each token attends to the last ``sliding_window`` tokens (itself
+    included): the blocks before them are freed (``SlidingWindowManager``)."""
+
+    sliding_window: int
+
+    def max_admission_blocks_per_request(
+        self, max_num_batched_tokens: int, max_model_len: int
+    ) -> int:
+        """The most blocks one request holds at once.
+
+        While a chunk of up to ``max_num_batched_tokens`` is computed, the
+        request keeps the window's ``sliding_window - 1`` earlier tokens too,
+        never more than ``max_model_len``; +1 because the window need not start
+        on a block boundary (block size 4, window [CDEF] of [XXCD][EF]: 2 blocks).
+        """
+        num_tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return cdiv(num_tokens, self.block_size) + 1
+
+    def max_memory_usage_bytes(self, vllm_config: VllmConfig) -> int:
+        max_blocks = self.max_admission_blocks_per_request(
+            max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+            max_model_len=vllm_config.model_config.get_max_model_len(),
+        )
+        return max_blocks * self.page_size_bytes
+
+
 @dataclass(frozen=True)
 class UniformTypeKVCacheSpecs(KVCacheSpec):
     """Layers that need the same slots per token but differ in size (with a
@@ -105,12 +133,23 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     @classmethod
     def from_specs(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> Self | None:
-        """One spec for these layers if they can share a block table (all full
-        attention, one block size), else None."""
+        """One spec for these layers if they can share a block table (one block
+        size; all full attention, or all one sliding window), else None."""
         specs = list(kv_cache_specs.values())
-        if not specs or not all(isinstance(s, FullAttentionSpec) for s in specs):
+        if not specs or any(s.block_size != specs[0].block_size for s in specs):
             return None
-        if any(s.block_size != specs[0].block_size for s in specs):
+        first = specs[0]
+        if isinstance(first, FullAttentionSpec):
+            uniform = all(isinstance(s, FullAttentionSpec) for s in specs)
+        elif isinstance(first, SlidingWindowSpec):
+            # Sliding windows of one size: the same slots per token.
+            uniform = all(
+                isinstance(s, SlidingWindowSpec) and s.sliding_window == first.sliding_window
+                for s in specs
+            )
+        else:
+            uniform = False
+        if not uniform:
             return None
         return cls(block_size=specs[0].block_size, kv_cache_specs=kv_cache_specs)
 
@@ -137,5 +176,6 @@ class KVCacheConfig:
 
     num_blocks: int
     kv_cache_tensors: list[KVCacheTensor]
-    # One group per kind of attention; a Llama has one.
+    # One group per kind of attention (a Llama has one; Gemma-2 two: full and
+    # sliding window), each with layers of the same page size.
     kv_cache_groups: list[KVCacheGroupSpec]

@@ -13,8 +13,9 @@ against vLLM imports them from where vLLM has them.
 
 As vLLM 0.22.0, the engine refuses to start when the pool, after
 ``num_gpu_blocks_override``, cannot hold one ``max_model_len`` request, and
-the error names the numbers. Left out: hybrid groups (sliding window beside
-full attention: one group per kind of attention, pages of one size), the
+the error names the numbers. Which layers share a block table (the groups)
+is kv_cache_groups.py's; a hybrid model's groups share the pool, one tensor
+per layer of a group, shared by a layer of each group. Left out: the
 projection of groups onto pipeline-parallel workers, DeepSeek-V4's layouts,
 and the auto-fit of ``max_model_len = -1``.
 """
@@ -27,11 +28,17 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING
 
+from tracevllm.core.kv_cache_groups import (  # noqa: F401 (vLLM's names, re-exported)
+    get_kv_cache_groups,
+    get_uniform_page_size,
+    is_kv_cache_spec_uniform,
+)
 from tracevllm.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
 from tracevllm.utils.math_utils import cdiv
@@ -158,33 +165,6 @@ def check_enough_kv_cache_memory(
         )
 
 
-def is_kv_cache_spec_uniform(kv_cache_spec: dict[str, KVCacheSpec]) -> bool:
-    """Whether every layer has the same spec (one merged spec can stand for all)."""
-    specs = list(kv_cache_spec.values())
-    return all(spec == specs[0] for spec in specs[1:])
-
-
-def get_kv_cache_groups(
-    vllm_config: VllmConfig, kv_cache_spec: dict[str, KVCacheSpec]
-) -> list[KVCacheGroupSpec]:
-    """Split the layers into groups that share a block table: one group here,
-    for alike layers or for full-attention layers of different sizes (a draft
-    model beside its target)."""
-    if not kv_cache_spec:
-        return []  # an attention-free model
-    names = list(kv_cache_spec)
-    if is_kv_cache_spec_uniform(kv_cache_spec):
-        specs = list(kv_cache_spec.values())
-        return [KVCacheGroupSpec(names, specs[0].merge(specs))]
-    if uniform_spec := UniformTypeKVCacheSpecs.from_specs(kv_cache_spec):
-        return [KVCacheGroupSpec(names, uniform_spec)]
-    # vLLM's next step: one group per kind of attention, pages of one size.
-    raise NotImplementedError(
-        "Layers with different kinds of KV cache (e.g. sliding window beside full "
-        "attention) need hybrid KV cache groups, which tracevllm does not have yet."
-    )
-
-
 def may_override_num_blocks(vllm_config: VllmConfig, num_blocks: int) -> int:
     """``num_gpu_blocks_override``, if set, instead of what memory gives."""
     override = vllm_config.cache_config.num_gpu_blocks_override
@@ -210,7 +190,7 @@ def _pool_bytes_per_block(kv_cache_groups: list[KVCacheGroupSpec]) -> int:
     if _is_uniform_type_group(kv_cache_groups):
         return kv_cache_groups[0].kv_cache_spec.page_size_bytes
     group_size = max(len(g.layer_names) for g in kv_cache_groups)
-    return kv_cache_groups[0].kv_cache_spec.page_size_bytes * group_size
+    return get_uniform_page_size(g.kv_cache_spec for g in kv_cache_groups) * group_size
 
 
 def _max_memory_usage_bytes_from_groups(
@@ -261,9 +241,11 @@ def get_kv_cache_config_from_groups(
             for name in kv_cache_groups[0].layer_names
         ]
     else:
-        # One tensor per layer (vLLM shares each among one layer of every group).
+        # group_size tensors, tensor i shared by layer i of every group: with
+        # groups (full.0, full.1) and (sw.0, sw.1), full.0 and sw.0 share one.
+        # A block id is in one group at a time, so they never meet in a page.
         group_size = max(len(g.layer_names) for g in kv_cache_groups)
-        page_size = kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        page_size = get_uniform_page_size(g.kv_cache_spec for g in kv_cache_groups)
         num_blocks = get_num_blocks(vllm_config, group_size, available_memory, page_size)
         tensors = [
             KVCacheTensor(
@@ -361,6 +343,37 @@ def get_kv_cache_configs(
 
 
 # --8<-- [end:get_kv_cache_configs]
+
+
+def get_request_block_limits(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> list[tuple[int, int]]:
+    """Per KV cache group: (block size, the most blocks one request holds in it).
+
+    0 means no bound: full attention holds a block per ``block_size`` tokens
+    of the request. A sliding window holds at most
+    ``SlidingWindowSpec.max_admission_blocks_per_request``, however long the
+    request (tracevllm's, for the entry's check that a request can fit).
+    """
+    max_num_batched_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    max_model_len = vllm_config.model_config.get_max_model_len()
+    limits = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        cap = 0
+        if isinstance(spec, SlidingWindowSpec):
+            cap = spec.max_admission_blocks_per_request(max_num_batched_tokens, max_model_len)
+        limits.append((spec.block_size, cap))
+    return limits
+
+
+def num_blocks_for_request(limits: list[tuple[int, int]], num_tokens: int) -> int:
+    """The most blocks a request of ``num_tokens`` tokens holds at once, every
+    group together (they draw from one pool)."""
+    return sum(
+        cdiv(num_tokens, block_size) if cap == 0 else min(cdiv(num_tokens, block_size), cap)
+        for block_size, cap in limits
+    )
 
 
 def generate_scheduler_kv_cache_config(kv_cache_configs: list[KVCacheConfig]) -> KVCacheConfig:

@@ -5,15 +5,15 @@ Mirrors vllm/v1/core/kv_cache_utils.py (``BlockHash``,
 ``get_block_hash`` / ``get_group_id``, ``NONE_HASH``, ``init_none_hash``,
 ``hash_block_tokens``, ``get_request_block_hasher``, ``KVCacheBlock``,
 ``FreeKVCacheBlockQueue``) and the hash functions of vllm/utils/hashing.py
-(``get_hash_fn_by_name``). vLLM's file also sizes the KV cache; tracevllm
-keeps that in kv_cache_sizing.py and re-exports its names at the bottom of
-this module, so that ``from ...kv_cache_utils import get_kv_cache_configs``
-works as in vLLM.
+(``get_hash_fn_by_name``). vLLM's file also groups the layers and sizes the
+KV cache; tracevllm keeps those in kv_cache_groups.py and kv_cache_sizing.py
+and re-exports their names at the bottom of this module, so that ``from
+...kv_cache_utils import get_kv_cache_configs`` works as in vLLM.
 
 Left out: multimodal/LoRA/cache-salt extra keys (``extra_keys`` stays in the
 signature, always None here), CBOR and xxhash, the eagle hasher, and hashing
 at a finer block size than a group allocates (``BlockHashListWithBlockSize``:
-tracevllm has one KV cache group).
+tracevllm's groups all allocate at the hash block size).
 """
 
 from __future__ import annotations
@@ -218,7 +218,14 @@ class FreeKVCacheBlockQueue:
         return ret
 
 
-# vLLM's names for the sizing half of its kv_cache_utils.py (see the docstring).
+# vLLM's names for the grouping and sizing half of its kv_cache_utils.py (see
+# the docstring).
+from tracevllm.core.kv_cache_groups import (  # noqa: E402, F401
+    create_kv_cache_group_specs,
+    get_uniform_page_size,
+    is_kv_cache_page_size_uniform,
+    unify_kv_cache_spec_page_size,
+)
 from tracevllm.core.kv_cache_sizing import (  # noqa: E402, F401
     check_enough_kv_cache_memory,
     estimate_max_model_len,

@@ -2,19 +2,24 @@
 it needs, and which are prefix-cache hits.
 
 Mirrors vllm/v1/core/single_type_kv_cache_manager.py
-(``SingleTypeKVCacheManager``, ``FullAttentionManager``, ``spec_manager_map``,
+(``SingleTypeKVCacheManager``, ``FullAttentionManager``,
+``SlidingWindowManager``, ``spec_manager_map``,
 ``get_manager_for_kv_cache_spec``). One manager per KV cache group; the kind
 of attention decides how many blocks a request keeps and what counts as a
-hit. tracevllm has full attention only. ``SlidingWindowManager`` would
-override ``get_num_skipped_tokens`` (tokens before the window: their blocks
-are freed and replaced by the null block in ``remove_skipped_blocks``) and
-``find_longest_cache_hit`` (a hit needs only the window's blocks).
+hit. ``SlidingWindowManager`` overrides ``get_num_skipped_tokens`` (tokens
+before the window: ``remove_skipped_blocks`` frees their blocks and puts the
+null block in their place, so a long generation holds at most
+``cdiv(W, block_size) + 1`` blocks) and ``find_longest_cache_hit`` (a hit
+needs only the window's blocks, found right to left).
 
-Left out: the other managers (sliding window, chunked local, Mamba,
-cross-attention, sink), KV connectors' external tokens (the
-``num_external_computed_tokens`` arguments stay, always 0 here), the
-admission cap of recycling managers, eagle's dropped last block, context
-parallelism, and ``new_block_ids`` (blocks to zero for Mamba).
+Left out: the other managers (chunked local, Mamba, cross-attention, sink),
+KV connectors' external tokens (the ``num_external_computed_tokens``
+arguments stay, always 0 here), the admission cap of recycling managers
+(vLLM applies it only with ``full_sequence_must_fit``, which tracevllm leaves
+out), eagle's dropped last block, context parallelism, and
+``new_block_ids`` (blocks to zero for Mamba). Added, for views: each
+manager counts the blocks it freed because they fell out of the window
+(``num_skipped_blocks_freed``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracevllm.core.block_pool import BlockPool
 from tracevllm.core.kv_cache_utils import BlockHash, KVCacheBlock
-from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from tracevllm.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
@@ -55,6 +60,8 @@ class SingleTypeKVCacheManager(ABC):
         self.num_cached_block: dict[str, int] = {}
         self.kv_cache_group_id = kv_cache_group_id
         self._null_block = block_pool.null_block
+        # Blocks remove_skipped_blocks gave back so far (tracevllm's, for views).
+        self.num_skipped_blocks_freed = 0
 
     @classmethod
     def _get_num_evictable_blocks(cls, blocks: Sequence[KVCacheBlock]) -> int:
@@ -136,13 +143,22 @@ class SingleTypeKVCacheManager(ABC):
         req_blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, num_tokens: int, alignment_tokens: int | None = None
+    ) -> None:
         """Enter the request's blocks that are full at ``num_tokens`` into the
-        prefix cache (those not entered yet)."""
+        prefix cache (those not entered yet). ``alignment_tokens``: the hybrid
+        coordinator's hit alignment; past this group's block size, a sliding
+        window caches only the blocks a hit can use."""
         num_cached_blocks = self.num_cached_block.get(request.request_id, 0)
         num_full_blocks = num_tokens // self.block_size
         if num_cached_blocks >= num_full_blocks:
             return
+        block_mask = None
+        if alignment_tokens is not None and alignment_tokens > self.block_size:
+            block_mask = self._cache_block_mask(
+                num_cached_blocks, num_full_blocks, alignment_tokens
+            )
         self.block_pool.cache_full_blocks(
             request=request,
             blocks=self.req_to_blocks[request.request_id],
@@ -150,8 +166,15 @@ class SingleTypeKVCacheManager(ABC):
             num_full_blocks=num_full_blocks,
             block_size=self.block_size,
             kv_cache_group_id=self.kv_cache_group_id,
+            block_mask=block_mask,
         )
         self.num_cached_block[request.request_id] = num_full_blocks
+
+    def _cache_block_mask(
+        self, num_cached_blocks: int, num_full_blocks: int, alignment_tokens: int
+    ) -> list[bool] | None:
+        """Which of the new full blocks to cache; None: all (full attention)."""
+        return None
 
     def free(self, request_id: str) -> None:
         """Free the request's blocks, tail first, so that its tail is evicted
@@ -195,6 +218,7 @@ class SingleTypeKVCacheManager(ABC):
                 break
             removed_blocks.append(blocks[i])
             blocks[i] = self._null_block
+        self.num_skipped_blocks_freed += len(removed_blocks)
         self.block_pool.free_blocks(removed_blocks)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -245,8 +269,105 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         return num_common_blocks
 
 
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """A sliding window of W tokens: the query at position p reads keys
+    p - W + 1 .. p, so every block wholly before that can go."""
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.sliding_window = kv_cache_spec.sliding_window
+
+    # --8<-- [start:sliding_window_cache_hit]
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: list[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        use_eagle: bool,
+        alignment_tokens: int,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """The longest prefix whose last ``cdiv(W - 1, block_size)`` blocks are cached.
+
+        The next token's window needs only the W - 1 tokens before it, so the
+        blocks before them may be gone (evicted, or never cached): they come
+        back as the null block. Walked right to left, the first run of enough
+        contiguous hits ends the search; without one, the hit is the run of
+        leading blocks (the window reaches back to token 0). E.g. block size
+        4, W = 8 (2 blocks), cached blocks 2 and 3 of 6: [NULL, NULL, b2, b3].
+        """
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        assert not use_eagle, "tracevllm has no eagle drafter"
+        block_size = kv_cache_spec.block_size
+        # -1: the next token itself is the window's last.
+        num_contiguous_needed = cdiv(kv_cache_spec.sliding_window - 1, block_size)
+        max_num_blocks = max_length // block_size
+        null = block_pool.null_block
+        computed_blocks = tuple([null] * max_num_blocks for _ in kv_cache_group_ids)
+        num_contiguous = 0
+        match_found = False
+        for i in range(max_num_blocks - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                num_contiguous = 0
+                continue
+            # The run must end where the hit may end: on an aligned length.
+            if num_contiguous == 0 and (i + 1) * block_size % alignment_tokens != 0:
+                continue
+            for computed, block in zip(computed_blocks, cached, strict=True):
+                computed[i] = block
+            num_contiguous += 1
+            if num_contiguous >= num_contiguous_needed:
+                # Drop what lies past the run: [NULL, b1, b2, NULL] -> [NULL, b1, b2].
+                for computed in computed_blocks:
+                    del computed[i + num_contiguous :]
+                match_found = True
+                break
+        if not match_found:
+            # The leading run (the loop stopped at block 0) is a hit by itself.
+            for computed in computed_blocks:
+                del computed[num_contiguous:]
+            while len(computed_blocks[0]) * block_size % alignment_tokens != 0:
+                for computed in computed_blocks:
+                    computed.pop()
+        return computed_blocks
+
+    # --8<-- [end:sliding_window_cache_hit]
+
+    def _cache_block_mask(
+        self, num_cached_blocks: int, num_full_blocks: int, alignment_tokens: int
+    ) -> list[bool] | None:
+        """Of each ``alignment_tokens`` segment, a hit reads only the last
+        ``cdiv(W - 1, block_size)`` blocks: the others need no cache entry."""
+        per_segment = alignment_tokens // self.block_size
+        tail = cdiv(self.sliding_window - 1, self.block_size)
+        if tail >= per_segment:
+            return None
+        skip = per_segment - tail
+        return [i % per_segment >= skip for i in range(num_cached_blocks, num_full_blocks)]
+
+    # --8<-- [start:get_num_skipped_tokens]
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the next token's window.
+
+        E.g. W = 4, 7 tokens computed: token 7 comes next and sees 4 .. 7, so
+        tokens 0 .. 3 are skipped: ``7 - 4 + 1 = 4``.
+        """
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    # --8<-- [end:get_num_skipped_tokens]
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        # A window's leading blocks are null blocks; vLLM answers 0 (no
+        # cascade attention with sliding windows yet), and so does tracevllm.
+        return 0
+
+
 spec_manager_map: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 

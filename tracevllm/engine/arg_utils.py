@@ -90,6 +90,13 @@ class EngineArgs:
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                # Only a model whose every layer slides (Mistral): with
+                # alternating layers (Gemma-2) it would override the global ones.
+                sliding_window=(
+                    None
+                    if is_interleaved(model_config.hf_config_dict)
+                    else model_config.get_sliding_window()
+                ),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -156,3 +163,13 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
     return value
+
+
+def is_interleaved(hf_config: Any) -> bool:
+    """Whether the model mixes kinds of attention layer (vLLM: transformers_utils/config.py)."""
+    layer_types = (
+        hf_config.get("layer_types")
+        if isinstance(hf_config, dict)
+        else getattr(hf_config, "layer_types", None)
+    )
+    return bool(layer_types) and len(set(layer_types)) > 1

@@ -39,6 +39,7 @@ from tracevllm.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
 )
+from tracevllm.core.kv_cache_sizing import get_request_block_limits
 from tracevllm.core.sched.scheduler import Scheduler
 from tracevllm.engine import (
     EngineCoreOutput,
@@ -77,6 +78,9 @@ class EngineCoreReadyResponse(msgspec.Struct, array_like=True):  # type: ignore[
     max_model_len: int
     num_gpu_blocks: int
     pid: int
+    # Per KV cache group: (block size, most blocks one request holds, 0: no
+    # bound), for the entry's check that a request fits (get_request_block_limits).
+    kv_cache_block_limits: list[tuple[int, int]]
 
 
 class EngineCore:
@@ -99,6 +103,7 @@ class EngineCore:
             structured_output_manager=self.structured_output_manager,
             kv_cache_config=kv_cache_config,
         )
+        self.kv_cache_block_limits = get_request_block_limits(vllm_config, kv_cache_config)
 
         # Block hashes are computed as requests arrive (and as tokens are
         # appended), so the scheduler only compares them.
@@ -455,6 +460,7 @@ class EngineCoreProc(EngineCore):
                 max_model_len=self.vllm_config.model_config.get_max_model_len(),
                 num_gpu_blocks=self.vllm_config.cache_config.num_gpu_blocks or 0,
                 pid=os.getpid(),
+                kv_cache_block_limits=self.kv_cache_block_limits,
             )
             socket.send_multipart((READY, MsgpackEncoder().encode(ready)))
             self._ready.set()

@@ -59,6 +59,7 @@ class EngineCoreClient:
     # Known after start-up (the READY response).
     num_gpu_blocks: int
     max_model_len: int
+    kv_cache_block_limits: list[tuple[int, int]]
 
     @staticmethod
     def make_client(multiprocess_mode: bool, vllm_config: VllmConfig) -> EngineCoreClient:
@@ -99,6 +100,7 @@ class InprocClient(EngineCoreClient):
         self.engine_core = EngineCore(vllm_config)
         self.num_gpu_blocks = vllm_config.cache_config.num_gpu_blocks or 0
         self.max_model_len = vllm_config.model_config.get_max_model_len()
+        self.kv_cache_block_limits = self.engine_core.kv_cache_block_limits
 
     @tracing.instrument("InprocClient.get_output")
     def get_output(self) -> EngineCoreOutputs:
@@ -287,6 +289,7 @@ class MPClient(EngineCoreClient):
         self.core_engine = ready[0]  # the DEALER's identity
         self.num_gpu_blocks = ready[1].num_gpu_blocks
         self.max_model_len = ready[1].max_model_len
+        self.kv_cache_block_limits = [tuple(g) for g in ready[1].kv_cache_block_limits]
         self.engine_pid = ready[1].pid
         self.input_socket: Any = input_socket
         self.output_socket: Any = output_socket

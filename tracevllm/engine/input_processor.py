@@ -16,10 +16,10 @@ from typing import Any
 
 from tracevllm import tracing
 from tracevllm.config import VllmConfig
+from tracevllm.core.kv_cache_sizing import num_blocks_for_request
 from tracevllm.engine import EngineCoreRequest
 from tracevllm.sampling_params import SamplingParams
 from tracevllm.tracing import records
-from tracevllm.utils.math_utils import cdiv
 
 # str, or {"prompt": str} / {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt).
 PromptType = str | Mapping[str, Any]
@@ -42,6 +42,9 @@ class InputProcessor:
         self.tokenizer = tokenizer
         # Known once the engine core reported READY (set by LLMEngine).
         self.num_gpu_blocks: int | None = vllm_config.cache_config.num_gpu_blocks
+        # Per KV cache group: (block size, most blocks a request holds; 0: no
+        # bound), from the engine's READY; None: one full-attention group.
+        self.kv_cache_block_limits: list[tuple[int, int]] | None = None
         # The model's stop tokens (and sampling defaults), read once.
         self.generation_config_fields = self.model_config.try_get_generation_config()
 
@@ -161,7 +164,10 @@ class InputProcessor:
             num_prompt_tokens + max_tokens + self.num_spec_slots,
             self.model_config.get_max_model_len(),
         )
-        needed = cdiv(max_len, self.cache_config.block_size)
+        # A sliding window's group holds a bounded number of blocks; with
+        # several groups (Gemma-2), a request holds blocks in each.
+        limits = self.kv_cache_block_limits or [(self.cache_config.block_size, 0)]
+        needed = num_blocks_for_request(limits, max_len)
         usable = self.num_gpu_blocks - 1  # block 0 is the null block
         if needed > usable:
             lookahead = f" + {self.num_spec_slots} draft-model slots" if self.num_spec_slots else ""

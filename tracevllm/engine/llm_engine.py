@@ -66,6 +66,7 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(vllm_config.model_config.tokenizer)
             self.input_processor = InputProcessor(vllm_config, self.tokenizer)
             self.input_processor.num_gpu_blocks = self.engine_core.num_gpu_blocks
+            self.input_processor.kv_cache_block_limits = self.engine_core.kv_cache_block_limits
             self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
         except BaseException:
             self.shutdown()

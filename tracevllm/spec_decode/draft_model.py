@@ -203,7 +203,7 @@ class DraftModelProposer:
         assert self.model is not None, "load_model() first"
         bs = self.block_size
         req_indices = np.repeat(rows, query_lens)  # [num_tokens]: batch row of each token
-        block_table = input_batch.block_table.get_numpy_array()
+        block_table = input_batch.block_table[0].get_numpy_array()  # the one KV cache group
         # The draft's cache shares the target's block ids (the slot rule of compute_slot_mapping).
         slot_mapping = (
             block_table[req_indices, positions // bs].astype(np.int64) * bs + positions % bs

@@ -1,12 +1,19 @@
 """The runner's copy of every running request's block table.
 
-Mirrors vllm/v1/worker/block_table.py (``BlockTable``). vLLM's
-``MultiGroupBlockTable`` (one ``BlockTable`` per KV cache group) is folded in:
-tracevllm has one KV cache group, so methods take the scheduler's
-``tuple[list[int], ...]`` of block ids and use its only entry. Left out:
-hybrid (kernel vs. allocation) block sizes, context parallelism, the pinned
-CPU / GPU double buffer (one tensor here, copied to the device when asked),
-and the Triton slot-mapping kernel (numpy does it on the CPU).
+Mirrors vllm/v1/worker/block_table.py (``BlockTable``,
+``MultiGroupBlockTable``): one ``BlockTable`` per KV cache group, since each
+group has its own blocks for the same tokens (a Llama has one group; Gemma-2
+two: its sliding-window layers' blocks and its full layers'). The scheduler
+sends block ids as ``tuple[list[int], ...]``, one list per group, and
+``MultiGroupBlockTable`` hands each table its list. Left out: hybrid (kernel
+vs. allocation) block sizes, the alignment of the table's width for TRTLLM,
+context parallelism, the pinned CPU / GPU double buffer (one tensor here,
+copied to the device when asked), and the Triton slot-mapping kernel (numpy
+does it on the CPU).
+
+A sliding-window group's row keeps the ids of blocks the KV manager has
+since freed (the scheduler sends only new blocks); the attention read starts
+at the window, so those stale entries are never read.
 
 Rows are indexed like the persistent batch (``InputBatch``): row i holds
 the physical block ids of request ``req_ids[i]``, logical block j in column j.
@@ -45,16 +52,15 @@ class BlockTable:
         self.slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.int64)
         self.slot_mapping_np = self.slot_mapping.numpy()
 
-    def append_row(self, block_ids: tuple[list[int], ...] | list[int], row_idx: int) -> None:
+    def append_row(self, block_ids: list[int], row_idx: int) -> None:
         """Add blocks the scheduler allocated this step at the end of the row."""
-        ids = _only_group(block_ids)
-        if not ids:
+        if not block_ids:
             return
         start = int(self.num_blocks_per_row[row_idx])
-        self.num_blocks_per_row[row_idx] += len(ids)
-        self.block_table_np[row_idx, start : start + len(ids)] = ids
+        self.num_blocks_per_row[row_idx] += len(block_ids)
+        self.block_table_np[row_idx, start : start + len(block_ids)] = block_ids
 
-    def add_row(self, block_ids: tuple[list[int], ...] | list[int], row_idx: int) -> None:
+    def add_row(self, block_ids: list[int], row_idx: int) -> None:
         """Fill a row from scratch (a new or resumed request)."""
         self.num_blocks_per_row[row_idx] = 0
         self.append_row(block_ids, row_idx)
@@ -103,9 +109,59 @@ class BlockTable:
         return self.block_table_np
 
 
-def _only_group(block_ids: tuple[list[int], ...] | list[int]) -> list[int]:
-    """Block ids of the one KV cache group tracevllm has."""
-    if isinstance(block_ids, tuple):
-        assert len(block_ids) == 1, "tracevllm has one KV cache group"
-        return block_ids[0]
-    return block_ids
+class MultiGroupBlockTable:
+    """The BlockTables for each KV cache group."""
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        device: torch.device | str,
+        block_sizes: list[int],
+        max_num_blocks: list[int] | None = None,
+    ) -> None:
+        if max_num_blocks is None:
+            max_num_blocks = [-(-max_model_len // block_size) for block_size in block_sizes]
+        if len(max_num_blocks) != len(block_sizes):
+            raise ValueError(
+                f"max_num_blocks length ({len(max_num_blocks)}) "
+                f"must match block_sizes length ({len(block_sizes)})"
+            )
+        self.block_tables = [
+            BlockTable(max_num_reqs, n, max_num_batched_tokens, block_size, device)
+            for block_size, n in zip(block_sizes, max_num_blocks, strict=True)
+        ]
+
+    def append_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
+        for i, block_table in enumerate(self.block_tables):
+            block_table.append_row(block_ids[i], row_idx)
+
+    def add_row(self, block_ids: tuple[list[int], ...], row_idx: int) -> None:
+        for i, block_table in enumerate(self.block_tables):
+            block_table.add_row(block_ids[i], row_idx)
+
+    def clear_row(self, row_idx: int) -> None:
+        for block_table in self.block_tables:
+            block_table.clear_row(row_idx)
+
+    def move_row(self, src: int, tgt: int) -> None:
+        for block_table in self.block_tables:
+            block_table.move_row(src, tgt)
+
+    def swap_row(self, src: int, tgt: int) -> None:
+        for block_table in self.block_tables:
+            block_table.swap_row(src, tgt)
+
+    def compute_slot_mapping(
+        self, req_indices: np.ndarray, positions: np.ndarray
+    ) -> list[torch.Tensor]:
+        """Each group's slot mapping of the batch's tokens (its own blocks, same positions)."""
+        return [bt.compute_slot_mapping(req_indices, positions) for bt in self.block_tables]
+
+    def __getitem__(self, idx: int) -> BlockTable:
+        """The BlockTable of the idx-th KV cache group."""
+        return self.block_tables[idx]
+
+    def __len__(self) -> int:
+        return len(self.block_tables)

@@ -31,7 +31,7 @@ from tracevllm.sample.logits_processor import (
 )
 from tracevllm.sample.metadata import SamplingMetadata
 from tracevllm.sampling_params import SamplingParams, SamplingType
-from tracevllm.worker.block_table import BlockTable
+from tracevllm.worker.block_table import MultiGroupBlockTable
 
 
 @dataclass(slots=True)
@@ -63,7 +63,7 @@ class InputBatch:
         max_model_len: int,
         max_num_batched_tokens: int,
         vocab_size: int,
-        block_size: int,
+        block_sizes: list[int],
         device: torch.device | str = "cpu",
     ) -> None:
         self.max_num_reqs = max_num_reqs
@@ -87,9 +87,9 @@ class InputBatch:
         self.num_computed_tokens_cpu_tensor = torch.zeros(max_num_reqs, dtype=torch.int32)
         self.num_computed_tokens_cpu = self.num_computed_tokens_cpu_tensor.numpy()
 
-        max_num_blocks_per_req = -(-max_model_len // block_size)
-        self.block_table = BlockTable(
-            max_num_reqs, max_num_blocks_per_req, max_num_batched_tokens, block_size, device
+        # One block table per KV cache group (their block sizes).
+        self.block_table = MultiGroupBlockTable(
+            max_num_reqs, max_model_len, max_num_batched_tokens, device, block_sizes
         )
 
         # Sampling knobs, one per row.

@@ -29,8 +29,18 @@ import torch
 from tracevllm import tracing
 from tracevllm.attention.backends.abstract import AttentionMetadata
 from tracevllm.attention.selector import get_attn_backend
+from tracevllm.core.kv_cache_sizing import (
+    _pool_bytes_per_block,
+    get_kv_cache_config_from_groups,
+    get_kv_cache_groups,
+)
 from tracevllm.forward_context import set_forward_context
-from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from tracevllm.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    UniformTypeKVCacheSpecs,
+)
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.model_loader import get_model
 from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
@@ -43,6 +53,7 @@ from tracevllm.spec_decode.ngram_proposer import NgramProposer
 from tracevllm.structured_output.utils import apply_grammar_bitmask
 from tracevllm.tracing import records
 from tracevllm.worker.input_batch import CachedRequestState, InputBatch
+from tracevllm.worker.utils import bind_kv_cache
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
@@ -84,6 +95,9 @@ class ModelRunner:
         # Every request the runner knows, scheduled this step or not.
         self.requests: dict[str, CachedRequestState] = {}
         self.vocab_size = model_config.vocab_size
+        # One block size per KV cache group; one group until the KV cache
+        # config says otherwise (may_reinitialize_input_batch).
+        self._init_block_sizes = [self.block_size]
         self.input_batch = self._make_input_batch()
         self.sampler = Sampler()
         self.arange_np = np.arange(
@@ -94,6 +108,8 @@ class ModelRunner:
         # layer_name -> Attention layer (vLLM's static_forward_context).
         self.attn_layers: dict[str, Attention] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # The KV cache groups (initialize_kv_cache): each layer reads its group's metadata.
+        self.kv_cache_config: KVCacheConfig | None = None
         self.execute_model_state: ExecuteModelState | None = None
 
         # Speculative decoding: who proposes, and the drafts for the next step.
@@ -117,7 +133,9 @@ class ModelRunner:
         self.seq_lens = torch.zeros(0, dtype=torch.int32)
         self.slot_mapping = torch.zeros(0, dtype=torch.int64)
         self.logits_indices = torch.zeros(0, dtype=torch.int64)
+        # KV cache group 0's metadata (and slot mapping, above); every group's below.
         self.attn_metadata: AttentionMetadata | None = None
+        self.attn_metadata_per_group: list[AttentionMetadata] = []
 
     def _make_input_batch(self) -> InputBatch:
         return InputBatch(
@@ -125,7 +143,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=self.max_num_tokens,
             vocab_size=self.vocab_size,
-            block_size=self.block_size,
+            block_sizes=self._init_block_sizes,
             device=self.device,
         )
 
@@ -138,39 +156,76 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.load_model()
 
-    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """Each attention layer's KV cache, by layer name; a draft model's
-        layers too, since the same block ids page them."""
-        assert self.attn_layers, "load_model() first"
+    def _all_attn_layers(self) -> dict[str, Attention]:
+        """The model's attention layers and a draft model's (the same block ids page them)."""
         layers = dict(self.attn_layers)
         if isinstance(self.drafter, DraftModelProposer):
             layers.update(self.drafter.attn_layers)
+        return layers
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """Each attention layer's KV cache, by layer name: full attention, or a
+        sliding window's (vLLM asks each layer: ``Attention.get_kv_cache_spec``)."""
+        assert self.attn_layers, "load_model() first"
         return {
-            name: FullAttentionSpec(
-                block_size=self.block_size,
-                num_kv_heads=layer.num_kv_heads,
-                head_size=layer.head_size,
-                dtype=self.dtype,
-            )
-            for name, layer in layers.items()
+            name: layer.get_kv_cache_spec(self.vllm_config)
+            for name, layer in self._all_attn_layers().items()
         }
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate each layer's paged cache and bind it to its Attention layer
-        (a draft model's layers too: same block count, their own tensors)."""
+    # --8<-- [start:initialize_kv_cache]
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig | int) -> None:
+        """Allocate the KV cache tensors the config names and bind each layer its view.
+
+        A tensor may be shared by one layer of each KV cache group (a hybrid
+        model): the groups draw block ids from one pool, so a page is only
+        ever one group's. An int (tracevllm's older call) is a block count;
+        the config is then rebuilt from the layers' specs, as the engine did.
+        """
         assert self.attn_layers, "load_model() first"
-        layers = list(self.attn_layers.values())
-        if isinstance(self.drafter, DraftModelProposer):
-            layers += self.drafter.attn_layers.values()
-        self.kv_caches = []
-        for layer in layers:
-            shape = self.attn_backend.get_kv_cache_shape(
-                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
-            )
+        if isinstance(kv_cache_config, int):
+            kv_cache_config = self._kv_cache_config_for(kv_cache_config)
+        self.kv_cache_config = kv_cache_config
+        self.may_reinitialize_input_batch(kv_cache_config)
+        layers = self._all_attn_layers()
+        specs: dict[str, KVCacheSpec] = {}
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            for name in group.layer_names:
+                is_uniform = isinstance(spec, UniformTypeKVCacheSpecs)
+                specs[name] = spec.kv_cache_specs[name] if is_uniform else spec
+        kv_caches: dict[str, torch.Tensor] = {}
+        for tensor in kv_cache_config.kv_cache_tensors:
             # Zeroed: a never-written slot must not hold NaNs that a masked read could touch.
-            kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.kv_cache = kv_cache
-            self.kv_caches.append(kv_cache)
+            raw = torch.zeros(tensor.size, dtype=torch.int8, device=self.device)
+            for name in tensor.shared_by:
+                spec = specs[name]
+                assert isinstance(spec, AttentionSpec)
+                shape = layers[name].attn_backend.get_kv_cache_shape(
+                    kv_cache_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size
+                )
+                kv_caches[name] = raw.view(spec.dtype).view(shape)
+        assert kv_caches.keys() == layers.keys(), "a layer without its KV cache"
+        self.kv_caches = []
+        bind_kv_cache(kv_caches, layers, self.kv_caches)
+
+    # --8<-- [end:initialize_kv_cache]
+
+    def may_reinitialize_input_batch(self, kv_cache_config: KVCacheConfig) -> None:
+        """A fresh persistent batch if the groups' block sizes are not the ones it has."""
+        block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        if block_sizes != self._init_block_sizes:
+            self._init_block_sizes = block_sizes
+            self.input_batch = self._make_input_batch()
+
+    def _kv_cache_config_for(self, num_blocks: int) -> KVCacheConfig:
+        """The KV cache config of ``num_blocks`` blocks for this model's layers."""
+        groups = get_kv_cache_groups(self.vllm_config, self.get_kv_cache_spec())
+        memory = num_blocks * _pool_bytes_per_block(groups)
+        config = get_kv_cache_config_from_groups(self.vllm_config, groups, memory)
+        for tensor in config.kv_cache_tensors:
+            tensor.size = tensor.size // config.num_blocks * num_blocks
+        config.num_blocks = num_blocks
+        return config
 
     def drop_all_requests(self) -> None:
         """Forget every request: a fresh persistent batch (tracevllm's own,
@@ -287,7 +342,8 @@ class ModelRunner:
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
         query_start_loc[1:] = cu_num_tokens
         seq_lens = computed + num_scheduled_tokens  # [num_reqs]
-        slot_mapping = batch.block_table.compute_slot_mapping(req_indices, positions_np)
+        # One slot per token per KV cache group: each group has its own blocks.
+        slot_mappings = batch.block_table.compute_slot_mapping(req_indices, positions_np)
         # Sample at each request's last scheduled token (and at its drafts).
         logits_indices = torch.from_numpy(query_start_loc[1:] - 1).to(torch.int64)
         self.spec_decode_metadata = None
@@ -300,22 +356,30 @@ class ModelRunner:
         discard = np.nonzero(seq_lens < batch.num_tokens_no_spec[:num_reqs])[0]
 
         max_seq_len = int(seq_lens.max())
-        num_blocks = -(-max_seq_len // self.block_size)
         qsl_cpu = torch.from_numpy(query_start_loc)
         seq_lens_cpu = torch.from_numpy(seq_lens.astype(np.int32))
         dev = self.device
-        attn_metadata = AttentionMetadata(
-            num_actual_tokens=total,
-            max_query_len=int(num_scheduled_tokens.max()),
-            query_start_loc=qsl_cpu.to(dev),
-            max_seq_len=max_seq_len,
-            seq_lens=seq_lens_cpu.to(dev),
-            # Only the columns this step can touch; a copy, so the record stays put.
-            block_table=batch.block_table.block_table[:num_reqs, :num_blocks].clone().to(dev),
-            slot_mapping=slot_mapping.clone().to(dev),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens_cpu=seq_lens_cpu,
-        )
+        query_start_loc_dev, seq_lens_dev = qsl_cpu.to(dev), seq_lens_cpu.to(dev)
+        # A metadata per KV cache group: the same batch, the group's own block
+        # table and slots (vLLM builds them with one builder per group).
+        self.attn_metadata_per_group = []
+        for block_table, slot_mapping in zip(batch.block_table, slot_mappings, strict=True):
+            num_blocks = -(-max_seq_len // block_table.block_size)
+            self.attn_metadata_per_group.append(
+                AttentionMetadata(
+                    num_actual_tokens=total,
+                    max_query_len=int(num_scheduled_tokens.max()),
+                    query_start_loc=query_start_loc_dev,
+                    max_seq_len=max_seq_len,
+                    seq_lens=seq_lens_dev,
+                    # Only the columns this step can touch; a copy, so the record stays put.
+                    block_table=block_table.block_table[:num_reqs, :num_blocks].clone().to(dev),
+                    slot_mapping=slot_mapping.clone().to(dev),
+                    query_start_loc_cpu=qsl_cpu,
+                    seq_lens_cpu=seq_lens_cpu,
+                )
+            )
+        attn_metadata = self.attn_metadata_per_group[0]
 
         self.req_indices = req_indices
         self.input_ids = input_ids.to(dev)
@@ -325,8 +389,17 @@ class ModelRunner:
         self.slot_mapping = attn_metadata.slot_mapping
         self.logits_indices = logits_indices.to(dev)
         self.attn_metadata = attn_metadata
-        # One KV cache group: every layer shares the metadata.
-        per_layer = dict.fromkeys(self.attn_layers, attn_metadata)
+        # Each layer reads its KV cache group's metadata.
+        if len(self.attn_metadata_per_group) == 1:
+            per_layer = dict.fromkeys(self.attn_layers, attn_metadata)
+        else:
+            assert self.kv_cache_config is not None
+            per_layer = {
+                name: self.attn_metadata_per_group[i]
+                for i, group in enumerate(self.kv_cache_config.kv_cache_groups)
+                for name in group.layer_names
+                if name in self.attn_layers
+            }
         return per_layer, self.logits_indices, discard
 
     # --8<-- [end:prepare_inputs]
@@ -357,7 +430,7 @@ class ModelRunner:
             attn_metadata,
             self.vllm_config,
             no_compile_layers=dict(self.attn_layers),
-            slot_mapping=dict.fromkeys(self.attn_layers, self.slot_mapping),
+            slot_mapping={name: md.slot_mapping for name, md in attn_metadata.items()},
         ):
             hidden_states = self.model(self.input_ids, self.positions)  # [num_tokens, hidden]
         # Only the last token of each request needs logits (and each draft position).

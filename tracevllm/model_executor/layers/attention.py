@@ -1,12 +1,17 @@
 """The attention layer: holds the KV cache, asks the backend to write and read it.
 
-Mirrors vllm/model_executor/layers/attention/attention.py (``Attention``,
-``unified_kv_cache_update``, ``unified_attention_with_output``,
-``get_attention_context``). The model code never sees the paged cache or the
-batch's layout: it hands over flat q/k/v, and the layer finds its metadata in
-the forward context under its own ``layer_name``. Left out: torch custom-op
-registration (for torch.compile), KV sharing between layers, quantized KV
-caches, encoder/cross attention, MLA.
+Mirrors vllm/model_executor/layers/attention/attention.py (``Attention`` with
+vLLM's constructor, ``get_kv_cache_spec``, ``unified_kv_cache_update``,
+``unified_attention_with_output``, ``get_attention_context``). The model code
+never sees the paged cache or the batch's layout: it hands over flat q/k/v,
+and the layer finds its metadata in the forward context under its own
+``layer_name`` (with several KV cache groups, its group's metadata: its own
+block table and slot mapping). A sliding window (``per_layer_sliding_window``,
+or the model-wide ``cache_config.sliding_window``) makes the layer's KV cache
+a ``SlidingWindowSpec``. Left out: torch custom-op registration (for
+torch.compile), KV sharing between layers, quantized KV caches, ALiBi,
+encoder/cross attention, MLA. tracevllm's older ``vllm_config=`` argument is
+still taken (vLLM reads the config being built from ``get_current_vllm_config``).
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ import torch
 from torch import nn
 
 from tracevllm import tracing
+from tracevllm.attention.backends.abstract import AttentionType
 from tracevllm.attention.selector import get_attn_backend
+from tracevllm.config import get_current_vllm_config
 from tracevllm.forward_context import get_forward_context
+from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 if TYPE_CHECKING:
-    from tracevllm.attention.backends.abstract import AttentionMetadata
-    from tracevllm.config import VllmConfig
+    from tracevllm.attention.backends.abstract import AttentionBackend, AttentionMetadata
+    from tracevllm.config import CacheConfig, VllmConfig
 
 
 class Attention(nn.Module):
@@ -31,27 +39,84 @@ class Attention(nn.Module):
         num_heads: int,
         head_size: int,
         scale: float,
-        num_kv_heads: int,
-        vllm_config: VllmConfig | None = None,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        cache_config: CacheConfig | None = None,
+        quant_config: Any = None,
+        logits_soft_cap: float | None = None,
+        per_layer_sliding_window: int | None = None,
         prefix: str = "",
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        attn_backend: type[AttentionBackend] | None = None,
+        vllm_config: VllmConfig | None = None,
     ) -> None:
         super().__init__()
+        if quant_config is not None:
+            raise NotImplementedError("tracevllm has no quantized attention.")
+        vllm_config = vllm_config or get_current_vllm_config()
+        if cache_config is None and vllm_config is not None:
+            cache_config = vllm_config.cache_config
+        # A layer's own window (Gemma-2's alternate layers) before the model's (Mistral).
+        sliding_window: int | None = per_layer_sliding_window
+        if sliding_window is None and cache_config is not None:
+            sliding_window = cache_config.sliding_window
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        assert num_heads % num_kv_heads == 0, (
+            f"num_heads ({num_heads}) is not divisible by num_kv_heads ({num_kv_heads})"
+        )
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = attn_type
         # The key under which this layer's metadata and cache are found.
         self.layer_name = prefix
         # "model.layers.7.self_attn.attn" -> 7: tracing records layer 0 by default.
         parts = prefix.split(".")
         self.layer_index = int(parts[parts.index("layers") + 1]) if "layers" in parts else 0
-        backend_name = vllm_config.attention_config.backend if vllm_config else None
-        device = vllm_config.device_config.device if vllm_config else "cpu"
-        self.attn_backend = get_attn_backend(backend_name, device)
-        self.impl = self.attn_backend.get_impl_cls()(num_heads, head_size, scale, num_kv_heads)
+        if attn_backend is None:
+            backend_name = vllm_config.attention_config.backend if vllm_config else None
+            device = vllm_config.device_config.device if vllm_config else "cpu"
+            attn_backend = get_attn_backend(backend_name, device)
+        self.attn_backend = attn_backend
+        self.impl = self.attn_backend.get_impl_cls()(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            "auto",
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+        )
         # Bound by ModelRunner.initialize_kv_cache:
         # [num_blocks, 2, block_size, num_kv_heads, head_size]
         self.kv_cache = torch.tensor([])
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        """What this layer's KV cache needs: a sliding window keeps only its last W tokens."""
+        block_size = vllm_config.cache_config.block_size
+        dtype = getattr(torch, vllm_config.model_config.torch_dtype)
+        if self.sliding_window is not None:
+            return SlidingWindowSpec(
+                block_size=block_size,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size,
+                dtype=dtype,
+                sliding_window=self.sliding_window,
+            )
+        return FullAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=dtype,
+        )
 
     # --8<-- [start:attention_forward]
     def forward(
@@ -96,6 +161,10 @@ class Attention(nn.Module):
             "tracevllm.backend": self.attn_backend.get_name(),
             "tracevllm.attention.launch": self.impl.launch_name(attn_metadata),
         }
+        if self.sliding_window is not None:
+            read["tracevllm.attention.sliding_window"] = self.sliding_window
+        if self.logits_soft_cap is not None:
+            read["tracevllm.attention.logits_soft_cap"] = self.logits_soft_cap
         if self.layer_index == 0:
             write["tracevllm.slot_mapping"] = (
                 slot_mapping.tolist() if slot_mapping is not None else []
