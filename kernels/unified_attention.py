@@ -181,24 +181,24 @@ def unified_attention_torch(
             continue
         context = seq_len - q_len  # tokens cached before this chunk
         # The first page any of the chunk's queries sees (0 without a window).
-        first = max(context - window + 1, 0) // block_size if window else 0
-        num_blocks = -(-seq_len // block_size) - first
-        key, value = _gather_kv(kv_cache, block_table[r : r + 1, first:], num_blocks)
-        key_start = first * block_size
-        # [1, num_kv_heads, seq_len - key_start, head_size]
-        key, value = key[:, :, : seq_len - key_start], value[:, :, : seq_len - key_start]
+        first_page = max(context - window + 1, 0) // block_size if window else 0
+        num_blocks = -(-seq_len // block_size) - first_page
+        key, value = _gather_kv(kv_cache, block_table[r : r + 1, first_page:], num_blocks)
+        start = first_page * block_size  # the position of the first key gathered
+        # [1, num_kv_heads, seq_len - start, head_size]
+        key, value = key[:, :, : seq_len - start], value[:, :, : seq_len - start]
         # [q_len, num_heads, head_size] -> [1, num_heads, q_len, head_size]
         query = q[qsl[r] : qsl[r + 1]].transpose(0, 1).unsqueeze(0)
-        allowed = None  # a whole prompt without a window: plain causal
+        mask: torch.Tensor | None = None  # a whole prompt without a window: plain causal
         if q_len != seq_len or window is not None:
             # Query i sits at context + i and sees keys up to it (bottom-right
             # aligned), and with a window none W or more positions behind it.
             q_pos = torch.arange(context, seq_len, device=q.device)[:, None]  # [q_len, 1]
-            k_pos = torch.arange(key_start, seq_len, device=q.device)[None, :]  # [1, kv_len]
-            allowed = k_pos <= q_pos
+            k_pos = torch.arange(start, seq_len, device=q.device)[None, :]  # [1, kv_len]
+            mask = k_pos <= q_pos
             if window is not None:
-                allowed &= k_pos > q_pos - window
-        o = _attend(query, key, value, allowed, softmax_scale, softcap)
+                mask &= k_pos > q_pos - window
+        o = _attend(query, key, value, mask, softmax_scale, softcap)
         # [1, num_heads, q_len, head_size] -> [q_len, num_heads, head_size]
         out[qsl[r] : qsl[r + 1]] = o.squeeze(0).transpose(0, 1)
 

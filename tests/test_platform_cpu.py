@@ -8,23 +8,25 @@ import re
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tracevllm.executor.abstract import UniProcExecutor
 from tracevllm.platforms import cpu
 
 
 @pytest.mark.parametrize(
-    ("reserved", "threads", "torch_threads", "expected"),
+    ("reserved", "threads", "torch_threads", "world", "expected"),
     [
-        (None, None, 8, None),  # nothing set: torch's own default stays
-        ("1", None, 8, 7),  # TRACEVLLM_CPU_NUM_OF_RESERVED_CPU (vLLM's default is 1)
-        ("0", None, 8, None),
-        (None, "4", 2, 4),  # TRACEVLLM_NUM_THREADS wins
-        ("1", "3", 8, 3),
+        (None, None, 8, 1, None),  # nothing set: torch's own default stays
+        ("1", None, 8, 1, 7),  # TRACEVLLM_CPU_NUM_OF_RESERVED_CPU (vLLM's default is 1)
+        ("0", None, 8, 1, None),
+        (None, "4", 2, 1, 4),  # TRACEVLLM_NUM_THREADS wins
+        ("1", "3", 8, 1, 3),
+        (None, None, 8, 3, 2),  # three ranks share the CPUs
+        ("2", None, 8, 3, 2),
+        (None, None, 2, 3, 1),  # more ranks than CPUs: one thread each
+        (None, "4", 2, 3, 4),
     ],
 )
 def test_engine_num_threads(
@@ -32,6 +34,7 @@ def test_engine_num_threads(
     reserved: str | None,
     threads: str | None,
     torch_threads: int,
+    world: int,
     expected: int | None,
 ) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
@@ -43,7 +46,7 @@ def test_engine_num_threads(
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    assert cpu.engine_num_threads() == expected
+    assert cpu.engine_num_threads(world) == expected
 
 
 @pytest.mark.parametrize(
@@ -65,22 +68,6 @@ def test_bad_thread_settings_name_the_variable(
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(message)):
         cpu.engine_num_threads()
-
-
-def test_init_device_sets_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu, "tune_malloc", lambda: True)  # not this process's allocator
-    monkeypatch.delenv("TRACEVLLM_NUM_THREADS", raising=False)
-    monkeypatch.setenv("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    config = SimpleNamespace(
-        device_config=SimpleNamespace(device="cpu"), model_config=SimpleNamespace(seed=0)
-    )
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        UniProcExecutor.init_device(SimpleNamespace(vllm_config=config))  # type: ignore[arg-type]
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
 
 
 _MMAPPED = textwrap.dedent(

@@ -274,3 +274,49 @@ def test_hybrid_full_and_sliding_groups_match_hf(
             "FullAttentionSpec": ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
         }
         assert type(bound.mgr.coordinator).__name__ == "HybridKVCacheCoordinator"
+
+
+def test_the_kv_view_shows_the_blocks_the_window_freed(
+    hybrid: tuple[str, Any], tmp_path: Any
+) -> None:
+    """The step view (from the spans alone) gives each request a block list per
+    group, the sliding group's freed blocks as the null block, and each group's
+    running count; the block tables draw them as [freed x n]."""
+    from rich.console import Console
+
+    from tracevllm.tracing.attributes import SpanAttributes
+    from tracevllm.tracing.exporters import read_spans_jsonl
+    from tracevllm.views.report import STEP_SPAN
+    from tracevllm.views.step import render_block_tables
+
+    path, model = hybrid
+    prompts = _prompts(model.config.vocab_size)[2:4]  # 30 and 41 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for llm in _llm(
+        path, enable_multiprocessing=False, trace_detail="request", trace_dir=str(tmp_path)
+    ):
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    views = [
+        json.loads(s.attributes[SpanAttributes.STEP_VIEW])
+        for s in read_spans_jsonl(f"{tmp_path}/spans.jsonl")
+        if s.name == STEP_SPAN
+    ]
+    last = views[-1]
+    groups = last["kv"]["groups"]
+    assert [(g["kind"], g["sliding_window"]) for g in groups] == [
+        ("SlidingWindowSpec", WINDOW),
+        ("FullAttentionSpec", None),
+    ]
+    freed = [v["kv"]["groups"][0]["freed_by_window"] for v in views]
+    assert freed == sorted(freed) and freed[-1] > 0 and groups[1]["freed_by_window"] == 0
+    for req in last["requests"]:
+        sliding, full = req["group_block_ids"]
+        assert req["block_ids"] == sliding
+        computed = req["num_computed_tokens"]  # before this step: what was freed to
+        assert sliding.count(0) == max(0, computed - WINDOW + 1) // BLOCK_SIZE > 0
+        assert 0 not in full and len(full) == len(sliding)
+    console = Console(width=200, record=True)
+    console.print(render_block_tables(last))
+    text = console.export_text()
+    assert "[freed x " in text and "sliding window 12" in text and "full attention" in text
+    assert "blocks freed so far" in text

@@ -1,10 +1,10 @@
 """Engine configuration: one dataclass per concern, gathered in ``VllmConfig``.
 
 Mirrors vllm/config/ (``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
-``DeviceConfig``, ``AttentionConfig``, ``ObservabilityConfig``,
+``ParallelConfig``, ``DeviceConfig``, ``AttentionConfig``, ``ObservabilityConfig``,
 vllm/config/speculative.py's ``SpeculativeConfig`` and the ``VllmConfig``
 that holds them). Config flows down from ``EngineArgs``
-(engine/arg_utils.py); nothing below reads the environment. Left out: parallel,
+(engine/arg_utils.py); nothing below reads the environment. Left out:
 LoRA, structured-output and compilation configs. ``TraceConfig``
 is tracevllm's own (how much to trace and where to write it).
 
@@ -15,11 +15,14 @@ to the engine-core process when it is spawned.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 class _HFConfigField:
@@ -135,17 +138,42 @@ class ModelConfig:
     def max_position_embeddings(self) -> int:
         return int(self.hf_config_dict.get("max_position_embeddings", 2048))
 
-    def get_num_layers(self) -> int:
+    def get_total_num_hidden_layers(self) -> int:
         return int(self.hf_config_dict["num_hidden_layers"])
 
-    def get_num_attention_heads(self) -> int:
-        return int(self.hf_config_dict["num_attention_heads"])
+    def get_layers_start_end_indices(self, parallel_config: ParallelConfig) -> tuple[int, int]:
+        """The decoder layers ``[start, end)`` of this worker's pipeline stage."""
+        from tracevllm.distributed.utils import get_pp_indices
 
-    def get_num_kv_heads(self) -> int:
+        pp_size = parallel_config.pipeline_parallel_size
+        pp_rank = parallel_config.rank // parallel_config.tensor_parallel_size % pp_size
+        return get_pp_indices(self.get_total_num_hidden_layers(), pp_rank, pp_size)
+
+    def get_num_layers(self, parallel_config: ParallelConfig | None = None) -> int:
+        """Decoder layers in all (no ``parallel_config``) or on this worker's stage."""
+        if parallel_config is None:
+            return self.get_total_num_hidden_layers()
+        start, end = self.get_layers_start_end_indices(parallel_config)
+        return end - start
+
+    def get_num_attention_heads(self, parallel_config: ParallelConfig | None = None) -> int:
+        """Query heads in all (no ``parallel_config``) or on each TP rank."""
+        total = int(self.hf_config_dict["num_attention_heads"])
+        return total if parallel_config is None else total // parallel_config.tensor_parallel_size
+
+    def get_total_num_kv_heads(self) -> int:
         return int(
             self.hf_config_dict.get("num_key_value_heads")
             or self.hf_config_dict["num_attention_heads"]
         )
+
+    def get_num_kv_heads(self, parallel_config: ParallelConfig | None = None) -> int:
+        """KV heads in all (no ``parallel_config``) or on each TP rank: at least
+        one, since fewer KV heads than ranks are copied (QKVParallelLinear)."""
+        total = self.get_total_num_kv_heads()
+        if parallel_config is None:
+            return total
+        return max(1, total // parallel_config.tensor_parallel_size)
 
     def get_head_size(self) -> int:
         head_dim = self.hf_config_dict.get("head_dim")
@@ -169,6 +197,19 @@ class ModelConfig:
     def get_max_model_len(self) -> int:
         assert self.max_model_len is not None
         return self.max_model_len
+
+    def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
+        """vLLM's check that tensor parallelism can split the attention heads."""
+        tensor_parallel_size = parallel_config.tensor_parallel_size
+        if tensor_parallel_size == 1:
+            return
+        total_num_attention_heads = self.get_num_attention_heads()
+        if total_num_attention_heads % tensor_parallel_size != 0:
+            raise ValueError(
+                f"Total number of attention heads ({total_num_attention_heads})"
+                " must be divisible by tensor parallel size "
+                f"({tensor_parallel_size})."
+            )
 
     def try_get_generation_config(self) -> dict[str, Any]:
         """The non-default fields of the model's generation config (stop
@@ -308,6 +349,130 @@ class SchedulerConfig:
     @property
     def max_num_scheduled_tokens(self) -> int:
         return self.max_num_batched_tokens
+
+
+# --8<-- [start:parallel_config]
+# The executors distributed_executor_backend names (vLLM also has
+# "external_launcher" for torchrun).
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """How the model is spread over processes: vllm/config/parallel.py.
+
+    ``world_size`` is T x P, the number of workers one engine drives (one
+    process each with ``"mp"``, one Ray actor each with ``"ray"``, the
+    engine's own process with ``"uni"``); data parallelism runs D such
+    engines. Left out: context and expert parallelism, multi-node ``mp``
+    (``nnodes``, ``node_rank``), dual batch overlap, NUMA binding.
+    """
+
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # "uni" | "mp" | "ray", an Executor subclass or its import path; None:
+    # chosen in __post_init__ as vLLM does.
+    distributed_executor_backend: str | type | None = None
+    # torch.distributed's init timeout (None: torch's default).
+    distributed_timeout_seconds: int | None = None
+    # Global rank of this worker (set in each worker's copy of the config).
+    rank: int = 0
+    world_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_parallel_size", "tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}.")
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank ({self.data_parallel_rank}) must be in the range "
+                f"[0, {self.data_parallel_size})"
+            )
+        self.world_size = self.pipeline_parallel_size * self.tensor_parallel_size
+        self._verify_args()
+        if self.distributed_executor_backend is None:
+            # vLLM: "mp" when more than one worker fits on this node (or
+            # "ray" inside a Ray placement group), "uni" for one.
+            if self.world_size_across_dp > 1:
+                self.distributed_executor_backend = "ray" if _in_ray_placement_group() else "mp"
+            else:
+                self.distributed_executor_backend = "uni"
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            # tracevllm's: vLLM's one worker would wait for T x P - 1 peers forever.
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one worker, but world size "
+                f"(tensor_parallel_size x pipeline_parallel_size) is {self.world_size}; "
+                "use 'mp' or 'ray'."
+            )
+        if self.use_ray:
+            from tracevllm.executor import ray_utils
+
+            ray_utils.assert_ray_available()
+        cpus = available_cpu_count()
+        if self.world_size > cpus:
+            # vLLM refuses more ranks than GPUs; on CPUs the ranks share them.
+            logger.warning(
+                "World size (%d) is larger than the number of available CPUs (%d): "
+                "each rank runs one thread, and they take turns on the CPUs.",
+                self.world_size,
+                cpus,
+            )
+
+    def _verify_args(self) -> None:
+        backend = self.distributed_executor_backend
+        # A name, or an import path ("package.module.MyExecutor").
+        is_name = backend in DISTRIBUTED_EXECUTOR_BACKENDS
+        if backend is None or isinstance(backend, str) and (is_name or "." in backend):
+            return
+        if isinstance(backend, type):
+            from tracevllm.executor.abstract import Executor
+
+            if issubclass(backend, Executor):
+                return
+        raise ValueError(
+            f"Unrecognized distributed executor backend {backend!r}. Supported values "
+            f"are {', '.join(map(repr, DISTRIBUTED_EXECUTOR_BACKENDS))}, a custom "
+            "Executor subclass or its import path."
+        )
+
+    @property
+    def world_size_across_dp(self) -> int:
+        """T x P x D: every worker of every engine."""
+        return self.world_size * self.data_parallel_size
+
+    @property
+    def use_ray(self) -> bool:
+        backend = self.distributed_executor_backend
+        return backend == "ray" or (
+            isinstance(backend, type) and getattr(backend, "uses_ray", False)
+        )
+
+
+def available_cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask, where there is one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _in_ray_placement_group() -> bool:
+    """Inside a Ray placement group (vLLM then picks "ray"); False without Ray."""
+    import sys
+
+    ray = sys.modules.get("ray")  # never import Ray just to ask
+    if ray is None or not ray.is_initialized():
+        return False
+    from ray.util import get_current_placement_group
+
+    return get_current_placement_group() is not None
+
+
+# --8<-- [end:parallel_config]
 
 
 @dataclass(slots=True)
@@ -497,11 +662,15 @@ class VllmConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     attention_config: AttentionConfig = field(default_factory=AttentionConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     trace_config: TraceConfig = field(default_factory=TraceConfig)
     speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.model_config.verify_with_parallel_config(self.parallel_config)
 
 
 # The config of the engine being built, for layers that need it at construction

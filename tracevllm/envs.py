@@ -51,6 +51,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TRACEVLLM_ENGINE_READY_TIMEOUT_S": lambda: float(
         os.environ.get("TRACEVLLM_ENGINE_READY_TIMEOUT_S", "600")
     ),
+    # How long the executor waits for the workers' answer to one step before
+    # it gives up with TimeoutError (seconds; vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).
+    "TRACEVLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": lambda: float(
+        os.environ.get("TRACEVLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300")
+    ),
     # How long the frontend waits for an engine output, while requests are in
     # flight, before it warns that the engine may be hung (seconds; vLLM's
     # VLLM_ENGINE_ITERATION_TIMEOUT_S). It keeps waiting after the warning.
@@ -91,6 +96,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_WORKER_MULTIPROC_METHOD: str
     TRACEVLLM_CACHE_DIR: str
     TRACEVLLM_ENGINE_READY_TIMEOUT_S: float
+    TRACEVLLM_EXECUTE_MODEL_TIMEOUT_SECONDS: float
     TRACEVLLM_ENGINE_ITERATION_TIMEOUT_S: float
     TRACEVLLM_TRACE: str
     TRACEVLLM_LAB: str | None

@@ -9,7 +9,7 @@ malformed frame fails loudly instead of producing a half-filled object.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -35,3 +35,18 @@ class MsgpackDecoder:
         if isinstance(bufs, zmq.Frame):
             return self.decoder.decode(bufs.buffer)
         return self.decoder.decode(bufs)  # type: ignore[arg-type]
+
+
+def run_method(
+    obj: Any, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``obj.method(*args, **kwargs)``, or ``method(obj, *args, **kwargs)`` for a
+    function (vLLM's; its functions may also come cloudpickled, tracevllm's are
+    pickled by reference, so a module-level function)."""
+    if isinstance(method, str):
+        try:
+            func = getattr(obj, method)
+        except AttributeError:
+            raise NotImplementedError(f"Method {method!r} is not implemented.") from None
+        return func(*args, **kwargs)
+    return method(obj, *args, **kwargs)

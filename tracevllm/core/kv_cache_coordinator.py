@@ -305,8 +305,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         spec, group_ids, _ = self.attention_groups[0]
         if isinstance(spec, FullAttentionSpec):
             for group_id in group_ids:
-                if (blocks := hit_blocks_by_group[group_id]) is not None:
-                    del blocks[hit_length // spec.block_size :]
+                if (full_blocks := hit_blocks_by_group[group_id]) is not None:
+                    del full_blocks[hit_length // spec.block_size :]
         return tuple(b if b is not None else [] for b in hit_blocks_by_group), hit_length
 
     # --8<-- [end:hybrid_find_longest_cache_hit]

@@ -10,7 +10,8 @@ live there (``coordinator.single_type_managers[i].req_to_blocks``). A Llama
 has one group. Left out: KV connectors (external computed tokens, delayed
 caching), encoder tokens, ``full_sequence_must_fit``, eagle, KV cache
 events and metrics, context parallelism, and ``take_new_block_ids``
-(blocks to zero, for Mamba). Added, for views: ``get_num_cached_free_blocks``.
+(blocks to zero, for Mamba). Added, for views: ``get_num_cached_free_blocks``
+and ``get_num_skipped_blocks_freed``.
 """
 
 from __future__ import annotations
@@ -248,3 +249,8 @@ class KVCacheManager:
             if block.block_hash is not None
         }
         return max(self.block_pool.num_cached_blocks - len(held_hashed), 0)
+
+    def get_num_skipped_blocks_freed(self) -> list[int]:
+        """Per KV cache group, the blocks freed so far because they fell out
+        of a sliding window (0 for full attention)."""
+        return [m.num_skipped_blocks_freed for m in self.coordinator.single_type_managers]

@@ -14,11 +14,13 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tracevllm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     AttentionConfig,
     CacheConfig,
     DeviceConfig,
     ModelConfig,
     ObservabilityConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     TraceConfig,
@@ -46,6 +48,12 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
+    # vLLM's ParallelConfig fields (CLI: -tp, -pp, -dp as vLLM's short forms).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # "uni" | "mp" | "ray" (None: "uni" for one worker, else "mp").
+    distributed_executor_backend: str | None = None
     device: str = "cpu"
     otlp_traces_endpoint: str | None = None
     trace_detail: str = "off"
@@ -106,6 +114,12 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
             ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
             device_config=DeviceConfig(device=self.device),
             attention_config=AttentionConfig(backend=self.attention_backend),
             observability_config=ObservabilityConfig(
@@ -137,7 +151,11 @@ class EngineArgs:
         for f in fields(EngineArgs):
             flag = "--" + f.name.replace("_", "-")
             default = f.default
-            if f.name == "enable_multiprocessing":
+            if f.name in _SHORT_FLAGS:
+                parser.add_argument(flag, _SHORT_FLAGS[f.name], type=int, default=default)
+            elif f.name == "distributed_executor_backend":
+                parser.add_argument(flag, choices=DISTRIBUTED_EXECUTOR_BACKENDS, default=None)
+            elif f.name == "enable_multiprocessing":
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
             elif f.name == "speculative_config":
                 # A JSON object, as vLLM's --speculative-config.
@@ -153,6 +171,14 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+# vLLM's short forms of the parallel sizes.
+_SHORT_FLAGS = {
+    "tensor_parallel_size": "-tp",
+    "pipeline_parallel_size": "-pp",
+    "data_parallel_size": "-dp",
+}
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -172,4 +198,4 @@ def is_interleaved(hf_config: Any) -> bool:
         if isinstance(hf_config, dict)
         else getattr(hf_config, "layer_types", None)
     )
-    return bool(layer_types) and len(set(layer_types)) > 1
+    return bool(layer_types) and len(set(layer_types or ())) > 1

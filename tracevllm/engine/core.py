@@ -31,6 +31,7 @@ import zmq
 
 from tracevllm import labs, tracing
 from tracevllm.config import VllmConfig
+from tracevllm.core.kv_cache_sizing import get_request_block_limits
 from tracevllm.core.kv_cache_utils import (
     BlockHash,
     generate_scheduler_kv_cache_config,
@@ -39,7 +40,6 @@ from tracevllm.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
 )
-from tracevllm.core.kv_cache_sizing import get_request_block_limits
 from tracevllm.core.sched.scheduler import Scheduler
 from tracevllm.engine import (
     EngineCoreOutput,
@@ -49,7 +49,7 @@ from tracevllm.engine import (
     FinishReason,
     UtilityOutput,
 )
-from tracevllm.executor.abstract import Executor, UniProcExecutor
+from tracevllm.executor import Executor
 from tracevllm.kv_cache_interface import KVCacheConfig
 from tracevllm.request import Request, RequestStatus
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -89,11 +89,14 @@ class EngineCore:
     def __init__(
         self,
         vllm_config: VllmConfig,
-        executor_class: type[Executor] = UniProcExecutor,
+        executor_class: type[Executor] | None = None,
         log_stats: bool = True,
     ) -> None:
         self.vllm_config = vllm_config
         self.use_spec_decode = vllm_config.speculative_config is not None
+        if executor_class is None:
+            # vLLM's client passes it in; here the core asks for itself.
+            executor_class = Executor.get_class(vllm_config)
         self.model_executor = executor_class(vllm_config)
         kv_cache_config = self._initialize_kv_caches(vllm_config)
         self.structured_output_manager = StructuredOutputManager(vllm_config)
@@ -132,9 +135,9 @@ class EngineCore:
         many blocks there are, and refuses to start, as vLLM does, when they
         cannot hold one ``max_model_len`` request.
         """
+        # One answer per worker (rank).
         kv_cache_specs = self.model_executor.get_kv_cache_specs()
-        # vLLM's executor answers per worker; tracevllm's has one.
-        available_memory = [self.model_executor.determine_available_memory()]
+        available_memory = self.model_executor.determine_available_memory()
         kv_cache_configs = get_kv_cache_configs(vllm_config, kv_cache_specs, available_memory)
         scheduler_kv_cache_config = generate_scheduler_kv_cache_config(kv_cache_configs)
         num_blocks = scheduler_kv_cache_config.num_blocks
@@ -148,7 +151,7 @@ class EngineCore:
                 f"The KV cache has room for {num_blocks} blocks; at least 2 are needed "
                 "(block 0 is reserved). Raise kv_cache_memory_bytes."
             )
-        self.model_executor.initialize_kv_cache(num_blocks)
+        self.model_executor.initialize_from_config(kv_cache_configs)
         return scheduler_kv_cache_config
 
     # --8<-- [end:initialize_kv_caches]
@@ -290,6 +293,13 @@ class EngineCoreProc(EngineCore):
         self.identity = engine_index.to_bytes(length=2, byteorder="little")
         super().__init__(vllm_config, log_stats=log_stats)
 
+        # A worker that dies (MultiprocExecutor) wakes the busy loop, idle or not.
+        def executor_fail_callback() -> None:
+            reason = getattr(self.model_executor, "failure_reason", None) or "Executor failed."
+            self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, reason))
+
+        self.model_executor.register_failure_callback(executor_fail_callback)
+
         self.ctx = zmq.Context()
         # Both threads are daemons: the busy loop owns the process's lifetime.
         self.input_thread = threading.Thread(
@@ -355,7 +365,7 @@ class EngineCoreProc(EngineCore):
             else:
                 logger.exception("EngineCore encountered a fatal error.")
                 if engine_core is not None:
-                    engine_core._send_engine_dead()
+                    engine_core._send_engine_dead(f"{type(e).__name__}: {e}")
             raise
         finally:
             if engine_core is not None:
@@ -419,6 +429,8 @@ class EngineCoreProc(EngineCore):
                 output.failure_message = f"Call to {method_name} method failed: {e}"
             self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=output)))
         elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:
+            if isinstance(request, str):  # the executor failed: a worker died
+                raise RuntimeError(f"Executor failed: {request}")
             if isinstance(request, BaseException):
                 # An I/O thread failed: without it the frontend would wait forever.
                 raise RuntimeError("An EngineCore I/O thread failed.") from request
@@ -518,8 +530,8 @@ class EngineCoreProc(EngineCore):
                 socket.connect(output_address)
                 while True:
                     output = self.output_queue.get()
-                    if output == ENGINE_CORE_DEAD:
-                        socket.send(ENGINE_CORE_DEAD)
+                    if isinstance(output, bytes):  # ENGINE_CORE_DEAD
+                        socket.send(output)
                         return
                     assert isinstance(output, tuple)
                     client_index, outputs = output
@@ -529,8 +541,9 @@ class EngineCoreProc(EngineCore):
             logger.exception("EngineCore output thread failed.")
             self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, e))
 
-    def _send_engine_dead(self) -> None:
-        self.output_queue.put_nowait(ENGINE_CORE_DEAD)
+    def _send_engine_dead(self, reason: str = "") -> None:
+        # The reason rides after vLLM's marker (tracevllm's), for the frontend's error.
+        self.output_queue.put_nowait(ENGINE_CORE_DEAD + reason.encode())
         # Give the output thread a moment to deliver it.
         deadline = time.monotonic() + 5.0
         while self.output_thread.is_alive() and time.monotonic() < deadline:

@@ -199,7 +199,7 @@ class BackgroundResources:
 
 # Why the engine stopped, when it says so itself (ENGINE_CORE_DEAD).
 _FATAL_STEP_ERROR = (
-    "EngineCore hit a fatal error in a step and stopped; its traceback is in the "
+    "EngineCore hit a fatal error in a step and stopped{}; its traceback is in the "
     "engine process's log above."
 )
 
@@ -214,9 +214,10 @@ def _process_output_frame(
     """One frame from the PULL socket: outputs go to ``deliver``, a utility
     result to its future, a death notice becomes EngineDeadError. (A function,
     not a method: the reader thread or task must not keep the client alive.)"""
-    if frame == ENGINE_CORE_DEAD:
+    if frame.startswith(ENGINE_CORE_DEAD):  # an output frame is msgpack: never this
         resources.engine_dead = True
-        deliver(EngineDeadError(_FATAL_STEP_ERROR))
+        reason = bytes(frame[len(ENGINE_CORE_DEAD) :]).decode(errors="replace")
+        deliver(EngineDeadError(_FATAL_STEP_ERROR.format(f" ({reason})" if reason else "")))
         return
     outputs: EngineCoreOutputs = decoder.decode(frame)
     if outputs.utility_output is None:
@@ -289,7 +290,7 @@ class MPClient(EngineCoreClient):
         self.core_engine = ready[0]  # the DEALER's identity
         self.num_gpu_blocks = ready[1].num_gpu_blocks
         self.max_model_len = ready[1].max_model_len
-        self.kv_cache_block_limits = [tuple(g) for g in ready[1].kv_cache_block_limits]
+        self.kv_cache_block_limits = [(g[0], g[1]) for g in ready[1].kv_cache_block_limits]
         self.engine_pid = ready[1].pid
         self.input_socket: Any = input_socket
         self.output_socket: Any = output_socket

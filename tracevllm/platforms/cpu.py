@@ -65,17 +65,19 @@ def tune_malloc() -> bool:
 # --8<-- [end:tune_malloc]
 
 
-def engine_num_threads() -> int | None:
-    """Torch intra-op threads for the engine, or None to leave torch's default.
+def engine_num_threads(local_world_size: int = 1) -> int | None:
+    """Torch intra-op threads for one rank of the engine, or None to leave torch's default.
 
     ``TRACEVLLM_NUM_THREADS`` when set; else, with
     ``TRACEVLLM_CPU_NUM_OF_RESERVED_CPU`` set, torch's own count less the
-    reserved CPUs (vLLM's arithmetic); else None.
+    reserved CPUs (vLLM's arithmetic); else None. With several ranks on this
+    machine (tensor or pipeline parallelism), each gets an equal share of
+    those, and at least one: more ranks than CPUs take turns.
     """
     if envs.TRACEVLLM_NUM_THREADS > 0:
         return envs.TRACEVLLM_NUM_THREADS
     reserved = envs.TRACEVLLM_CPU_NUM_OF_RESERVED_CPU
-    if reserved == 0:
+    if reserved == 0 and local_world_size == 1:
         return None
     available = torch.get_num_threads()
     if reserved >= available:
@@ -83,4 +85,4 @@ def engine_num_threads() -> int | None:
             f"TRACEVLLM_CPU_NUM_OF_RESERVED_CPU={reserved} leaves no thread for the engine: "
             f"torch would use {available}. Reserve fewer, or set TRACEVLLM_NUM_THREADS."
         )
-    return available - reserved
+    return max(1, (available - reserved) // local_world_size)

@@ -90,8 +90,12 @@ def init_tracer(
     trace_config: TraceConfig,
     observability_config: ObservabilityConfig | None = None,
     span_processors: Sequence[SpanProcessor] = (),
+    resource_attributes: Mapping[str, Any] | None = None,
 ) -> TracerProvider | None:
-    """Make this process's TracerProvider (None when tracing is off)."""
+    """Make this process's TracerProvider (None when tracing is off).
+
+    ``resource_attributes`` are added to its resource (a worker's ranks).
+    """
     shutdown_tracer()
     endpoint = observability_config.otlp_traces_endpoint if observability_config else None
     if not trace_config.enabled and not endpoint:
@@ -101,6 +105,7 @@ def init_tracer(
             "service.name": "tracevllm",
             "process.pid": os.getpid(),
             SpanAttributes.PROCESS_KIND: process_kind,
+            **(resource_attributes or {}),
         }
     )
     provider = TracerProvider(resource=resource, id_generator=_IdGenerator())
@@ -523,6 +528,21 @@ def extract_trace_context(headers: Mapping[str, str] | None) -> Context | None:
     ):
         return _extract(traceparent, tracestate)
     return _propagator.extract(dict(headers))
+
+
+@contextlib.contextmanager
+def trace_context(headers: Mapping[str, str] | None) -> Any:
+    """Make the context ``headers`` carry the current one in this block, so the
+    spans made in it join a trace from another process (a worker's, the step's)."""
+    context = extract_trace_context(headers)
+    if context is None:
+        yield
+        return
+    token = otel_context.attach(context)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 # OTel ignores a longer traceparent; W3C asks that a tracestate be kept to

@@ -43,6 +43,12 @@ class SpanAttributes:
 
     # --- tracevllm's own --------------------------------------------------------
     PROCESS_KIND = "tracevllm.process_kind"
+    # A worker process's place (its TracerProvider's resource): global rank,
+    # tensor, pipeline and data parallel rank.
+    RANK = "tracevllm.rank"
+    TP_RANK = "tracevllm.tp_rank"
+    PP_RANK = "tracevllm.pp_rank"
+    DP_RANK = "tracevllm.dp_rank"
     STEP_ID = "tracevllm.step_id"
     REQUEST_IDS = "tracevllm.request_ids"
     NUM_CACHED_TOKENS = "tracevllm.num_cached_tokens"

@@ -7,7 +7,10 @@ span (tracing/records.py): it runs only when that span records, so tracing off
 costs nothing here. It reads the scheduler without importing it (tracing never
 imports the core), and the KV cache through the public methods of its
 ``KVCacheManager`` and ``BlockPool`` only (``get_block_ids``,
-``get_num_cached_free_blocks``, ``peek_free_blocks``, the block counts).
+``get_num_cached_free_blocks``, ``get_num_skipped_blocks_freed``,
+``peek_free_blocks``, the block counts, the ``kv_cache_config``'s groups).
+With several KV cache groups (a hybrid model) each request carries a block
+list per group; a sliding window's freed blocks show as the null block (id 0).
 ``Scheduler.get_grammar_bitmask``'s span adds, for each structured request,
 how many tokens its mask allowed (``tracevllm.view.grammar``);
 ``Scheduler.update_from_output``'s, what became of each request's drafts
@@ -37,12 +40,15 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
     free = pool.get_num_free_blocks()
     # Free blocks that still hold a hash: evictable, but a prefix hit revives them.
     cached_free = kv.get_num_cached_free_blocks()
+    groups = kv.kv_cache_config.kv_cache_groups
+    freed_by_window = kv.get_num_skipped_blocks_freed()
     new_ids = {r.req_id for r in so.scheduled_new_reqs}
     resumed = so.scheduled_cached_reqs.resumed_req_ids
     requests: list[dict[str, Any]] = []
     for req_id, n in so.num_scheduled_tokens.items():
         req = scheduler.requests[req_id]
         kind = "new" if req_id in new_ids else "resumed" if req_id in resumed else "cached"
+        block_ids = kv.get_block_ids(req_id)
         requests.append(
             {
                 "req_id": req_id,
@@ -54,7 +60,9 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
                 "num_prompt_tokens": req.num_prompt_tokens,
                 # A new or resumed request starts from its prefix-cache hit.
                 "num_cached_tokens": req.num_computed_tokens - n if kind != "cached" else 0,
-                "block_ids": kv.get_block_ids(req_id)[0],
+                "block_ids": block_ids[0],
+                # Every group's, when there are several (full and sliding window).
+                **({"group_block_ids": list(block_ids)} if len(groups) > 1 else {}),
                 # The kind of its constraint (json, regex, ...), or None.
                 "structured": _structured_kind(req),
                 # Drafts it verifies this step (speculative decoding).
@@ -83,6 +91,17 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
             "used": total - free,
             "cached_free": cached_free,
             "free_queue_head": head,
+            # One entry per KV cache group: its kind and, for a sliding
+            # window, the blocks it has freed so far.
+            "groups": [
+                {
+                    "kind": type(g.kv_cache_spec).__name__,
+                    "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+                    "num_layers": len(g.layer_names),
+                    "freed_by_window": freed,
+                }
+                for g, freed in zip(groups, freed_by_window, strict=True)
+            ],
         },
         "prefix_cache": {"queries": prefix.queries, "hits": prefix.hits} if prefix else {},
     }
@@ -101,6 +120,7 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
             "tracevllm.kv.blocks_free": free,
             "tracevllm.kv.blocks_used": total - free,
             "tracevllm.kv.blocks_cached_free": cached_free,
+            "tracevllm.kv.blocks_freed_by_window": sum(freed_by_window),
             SpanAttributes.STEP_VIEW: json.dumps(view),
         }
     )

@@ -127,21 +127,61 @@ def render_scheduler_output(view: dict[str, Any]) -> RenderableType:
     return Group(table, bar, *extra)
 
 
+def _block_cells(block_ids: list[int], filled: int, block_size: int) -> Text:
+    """``[id: tokens/block_size]`` per block; a run of null blocks (id 0: blocks a
+    sliding window freed) as one ``[freed x n]``."""
+    cells = Text()
+    num_freed = 0
+    for i, block_id in enumerate(block_ids):
+        if block_id == 0:
+            num_freed += 1
+            continue
+        if num_freed:
+            cells.append(f"[freed x {num_freed}]", style="dim strike")
+            cells.append(" ")
+            num_freed = 0
+        n = max(0, min(block_size, filled - i * block_size))
+        style = "green" if n == block_size else ("yellow" if n else "dim")
+        cells.append(f"[{block_id}: {n}/{block_size}]", style=style)
+        cells.append(" ")
+    if num_freed:
+        cells.append(f"[freed x {num_freed}]", style="dim strike")
+    return cells
+
+
+def _group_name(group: dict[str, Any]) -> str:
+    window = group.get("sliding_window")
+    return f"sliding window {window}" if window else "full attention"
+
+
 def render_block_tables(view: dict[str, Any]) -> RenderableType:
-    """Each request's block ids, and how full each block is after this step."""
+    """Each request's block ids, and how full each block is after this step.
+
+    With several KV cache groups, a row per group; blocks a sliding window
+    freed are drawn as ``[freed x n]``, and each such group's running count
+    goes under the table.
+    """
     block_size = view["block_size"]
+    groups = view.get("kv", {}).get("groups") or []
     table = Table(title="Block tables", title_justify="left", show_header=True)
     table.add_column("request")
     table.add_column("blocks (id: tokens/block_size)")
     for req in view["requests"]:
         filled = req["num_computed_tokens"] + req["num_scheduled_tokens"]
-        cells = Text()
-        for i, block_id in enumerate(req["block_ids"]):
-            n = max(0, min(block_size, filled - i * block_size))
-            style = "green" if n == block_size else ("yellow" if n else "dim")
-            cells.append(f"[{block_id}: {n}/{block_size}]", style=style)
-            cells.append(" ")
-        table.add_row(req["req_id"], cells)
+        per_group = req.get("group_block_ids") or [req["block_ids"]]
+        for g, block_ids in enumerate(per_group):
+            label = req["req_id"] if g == 0 else ""
+            if len(per_group) > 1:
+                label = f"{label} {_group_name(groups[g]) if g < len(groups) else g}".strip()
+            table.add_row(label, _block_cells(block_ids, filled, block_size))
+    freed = [
+        f"{_group_name(g)}: {g['freed_by_window']} blocks freed so far"
+        for g in groups
+        if g.get("sliding_window")
+    ]
+    if freed:
+        table.caption = "; ".join(freed)
+        table.caption_justify = "left"
     return table
 
 

@@ -191,8 +191,11 @@ class ModelRunner:
         for group in kv_cache_config.kv_cache_groups:
             spec = group.kv_cache_spec
             for name in group.layer_names:
-                is_uniform = isinstance(spec, UniformTypeKVCacheSpecs)
-                specs[name] = spec.kv_cache_specs[name] if is_uniform else spec
+                # One window of several sizes: each layer has its own spec.
+                if isinstance(spec, UniformTypeKVCacheSpecs):
+                    specs[name] = spec.kv_cache_specs[name]
+                else:
+                    specs[name] = spec
         kv_caches: dict[str, torch.Tensor] = {}
         for tensor in kv_cache_config.kv_cache_tensors:
             # Zeroed: a never-written slot must not hold NaNs that a masked read could touch.
@@ -363,7 +366,8 @@ class ModelRunner:
         # A metadata per KV cache group: the same batch, the group's own block
         # table and slots (vLLM builds them with one builder per group).
         self.attn_metadata_per_group = []
-        for block_table, slot_mapping in zip(batch.block_table, slot_mappings, strict=True):
+        block_tables = batch.block_table.block_tables
+        for block_table, slot_mapping in zip(block_tables, slot_mappings, strict=True):
             num_blocks = -(-max_seq_len // block_table.block_size)
             self.attn_metadata_per_group.append(
                 AttentionMetadata(

@@ -1,1 +1,2 @@
-"""How ranks talk outside torch.distributed's collectives (vllm/distributed/device_communicators/)."""
+"""How ranks talk outside torch.distributed's collectives
+(vllm/distributed/device_communicators/)."""

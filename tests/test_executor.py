@@ -1,0 +1,312 @@
+"""ParallelConfig, the parallel flags, Executor.get_class and the executors.
+
+The multiprocess executor's tests run real worker processes (one per rank)
+on the tiny model; the engines are shared across tests (module fixtures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+import pytest
+
+from tracevllm.config import ParallelConfig, available_cpu_count
+from tracevllm.engine.arg_utils import EngineArgs
+from tracevllm.executor import Executor
+from tracevllm.executor.multiproc_executor import MultiprocExecutor
+from tracevllm.executor.uniproc_executor import UniProcExecutor
+
+# --- ParallelConfig: vLLM's defaults and errors ----------------------------------
+
+
+def test_parallel_config_defaults_are_vllms() -> None:
+    config = ParallelConfig()
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (1, 1)
+    assert config.data_parallel_size == 1
+    assert config.world_size == 1
+    assert config.distributed_executor_backend == "uni"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "world_size", "backend"),
+    [
+        (dict(tensor_parallel_size=2), 2, "mp"),
+        (dict(pipeline_parallel_size=2), 2, "mp"),
+        (dict(tensor_parallel_size=2, pipeline_parallel_size=2), 4, "mp"),
+        (dict(data_parallel_size=2), 1, "mp"),  # D engines of one worker
+        (dict(tensor_parallel_size=1, distributed_executor_backend="mp"), 1, "mp"),
+    ],
+)
+def test_world_size_and_default_backend(kwargs: dict, world_size: int, backend: str) -> None:
+    config = ParallelConfig(**kwargs)
+    assert config.world_size == world_size
+    assert config.distributed_executor_backend == backend
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(tensor_parallel_size=True), TypeError, "tensor_parallel_size must be an int"),
+        (dict(pipeline_parallel_size=2.0), TypeError, "pipeline_parallel_size must be an int"),
+        (dict(data_parallel_size=0), ValueError, "data_parallel_size must be at least 1, got 0"),
+        (dict(tensor_parallel_size=-1), ValueError, "tensor_parallel_size must be at least 1"),
+        (
+            dict(distributed_executor_backend="threads"),
+            ValueError,
+            "Unrecognized distributed executor backend 'threads'",
+        ),
+        (dict(distributed_executor_backend=int), ValueError, "Unrecognized distributed executor"),
+        (
+            dict(tensor_parallel_size=2, distributed_executor_backend="uni"),
+            ValueError,
+            "'uni' runs one worker, but world size",
+        ),
+        (dict(data_parallel_rank=2, data_parallel_size=2), ValueError, "must be in the range"),
+    ],
+)
+def test_parallel_config_errors(kwargs: dict, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        ParallelConfig(**kwargs)
+
+
+def test_ray_backend_without_ray_is_vllms_error() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is not None:
+        pytest.skip("Ray is installed")
+    with pytest.raises(ValueError, match="Failed to import Ray.*pip install ray"):
+        ParallelConfig(distributed_executor_backend="ray")
+
+
+def test_more_ranks_than_cpus_is_a_warning_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    cpus = available_cpu_count()
+    with caplog.at_level(logging.WARNING, logger="tracevllm.config"):
+        config = ParallelConfig(tensor_parallel_size=cpus + 1)
+    assert config.world_size == cpus + 1
+    assert f"World size ({cpus + 1}) is larger than the number of available CPUs" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tracevllm.config"):
+        ParallelConfig(tensor_parallel_size=cpus)
+    assert "World size" not in caplog.text
+
+
+def test_heads_must_divide_by_tensor_parallel_size(default_model_dir: str) -> None:
+    """vLLM's message, on the default model (9 query heads)."""
+    args = EngineArgs(model=default_model_dir, tensor_parallel_size=2)
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "Total number of attention heads (9) must be divisible by tensor parallel size (2)."
+        ),
+    ):
+        args.create_engine_config()
+    config = EngineArgs(model=default_model_dir, tensor_parallel_size=3).create_engine_config()
+    assert config.parallel_config.world_size == 3
+
+
+# --- the flags --------------------------------------------------------------------
+
+
+def test_cli_flags_and_their_short_forms() -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args([]))
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (1, 1)
+    assert (args.data_parallel_size, args.distributed_executor_backend) == (1, None)
+    short = parser.parse_args(
+        ["-tp", "3", "-pp", "2", "-dp", "2", "--distributed-executor-backend", "mp"]
+    )
+    long = parser.parse_args(
+        [
+            "--tensor-parallel-size",
+            "3",
+            "--pipeline-parallel-size",
+            "2",
+            "--data-parallel-size",
+            "2",
+            "--distributed-executor-backend",
+            "mp",
+        ]
+    )
+    assert vars(short) == vars(long)
+    args = EngineArgs.from_cli_args(short)
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (3, 2)
+    assert (args.data_parallel_size, args.distributed_executor_backend) == (2, "mp")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--distributed-executor-backend", "threads"])
+
+
+def test_serve_takes_the_parallel_flags() -> None:
+    from tracevllm.entrypoints.cli import make_parser
+
+    args = make_parser().parse_args(["serve", "-tp", "2", "--distributed-executor-backend", "uni"])
+    assert (args.tensor_parallel_size, args.distributed_executor_backend) == (2, "uni")
+
+
+# --- Executor.get_class --------------------------------------------------------------
+
+
+class _MyExecutor(UniProcExecutor):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("backend", "expected"),
+    [
+        ("uni", UniProcExecutor),
+        ("mp", MultiprocExecutor),
+        (_MyExecutor, _MyExecutor),
+        (f"{__name__}._MyExecutor", _MyExecutor),
+    ],
+)
+def test_get_class_picks_the_executor(backend: object, expected: type) -> None:
+    config = argparse.Namespace(
+        parallel_config=ParallelConfig(distributed_executor_backend=backend)  # type: ignore[arg-type]
+    )
+    assert Executor.get_class(config) is expected  # type: ignore[arg-type]
+
+
+def test_get_class_refuses_an_import_path_that_is_no_executor() -> None:
+    config = argparse.Namespace(
+        parallel_config=ParallelConfig(distributed_executor_backend="argparse.Namespace")
+    )
+    with pytest.raises(TypeError, match="must be a subclass of Executor"):
+        Executor.get_class(config)  # type: ignore[arg-type]
+
+
+# --- the executors on real workers ---------------------------------------------------
+
+from tests import executor_scenarios as scenarios  # noqa: E402
+from tracevllm import LLM, SamplingParams  # noqa: E402
+
+
+def _greedy(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _inproc_llm(model: str, **kw: object) -> LLM:
+    # In this process, so the test reaches the executor; its workers are processes.
+    return LLM(model=model, num_gpu_blocks_override=64, enable_multiprocessing=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def uni_tokens(tiny_model_dir: str) -> list[list[int]]:
+    llm = _inproc_llm(tiny_model_dir)
+    assert isinstance(llm.llm_engine.engine_core.engine_core.model_executor, UniProcExecutor)
+    outs = llm.generate(scenarios.PROMPTS, _greedy(), use_tqdm=False)
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def mp1_llm(tiny_model_dir: str):
+    llm = _inproc_llm(tiny_model_dir, distributed_executor_backend="mp")
+    yield llm
+    llm.shutdown()
+
+
+def _executor(llm: LLM) -> Executor:
+    return llm.llm_engine.engine_core.engine_core.model_executor
+
+
+def test_one_worker_process_gives_the_uniproc_tokens(
+    mp1_llm: LLM, uni_tokens: list[list[int]]
+) -> None:
+    executor = _executor(mp1_llm)
+    assert isinstance(executor, MultiprocExecutor)
+    outs = mp1_llm.generate(scenarios.PROMPTS, _greedy(), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == uni_tokens
+
+
+def test_collective_rpc_answers_per_rank_or_from_one(mp1_llm: LLM) -> None:
+    import os
+
+    executor = _executor(mp1_llm)
+    ((rank, threads),) = executor.collective_rpc(scenarios.rank_and_threads)
+    assert rank == 0 and threads >= 1
+    assert executor.collective_rpc(scenarios.rank_and_threads, unique_reply_rank=0)[0] == 0
+    assert executor.collective_rpc("check_health") == [None]
+    assert executor.workers[0].proc.pid != os.getpid()
+
+
+def test_a_worker_error_is_reported_and_the_executor_goes_on(mp1_llm: LLM) -> None:
+    executor = _executor(mp1_llm)
+    with pytest.raises(RuntimeError, match="Worker failed with error 'rank 0 says no'"):
+        executor.collective_rpc(scenarios.fail_on_purpose)
+    assert executor.collective_rpc(scenarios.rank_and_threads)[0][0] == 0
+
+
+def _run_scenario(*args: str, timeout: float = 180) -> list[dict]:
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.executor_scenarios", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_a_killed_rank_is_engine_dead_naming_it_and_nothing_is_left(tiny_model_dir: str) -> None:
+    (out,) = _run_scenario("kill_rank", tiny_model_dir, "1", "0")
+    assert out["error"] is not None, out
+    assert f"VllmWorker-0 (rank 0, pid {out['victim']}) exited with signal 9" in out["error"], out
+    assert out["waited"] < 10, out
+    assert out["left"] == [] and out["shm"] == [] and not out["socket_dir"], out
+
+
+def test_a_killed_engine_core_takes_its_workers_along(tiny_model_dir: str) -> None:
+    (out,) = _run_scenario("kill_engine_core", tiny_model_dir, "1")
+    assert "EngineCore process" in out["error"] and "SIGKILL" in out["error"]
+    assert out["left"] == [] and out["shm"] == []
+
+
+def test_ctrl_c_stops_the_frontend_engine_and_workers(tiny_model_dir: str) -> None:
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.executor_scenarios", "ctrl_c", tiny_model_dir, "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        pids = json.loads(proc.stdout.readline())["pids"]
+        assert len(pids) == 2  # EngineCore and its one worker
+        time.sleep(1.0)  # mid-generate
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert scenarios.wait_gone(pids) == []
+    assert scenarios.shm_segments() == []
+
+
+def test_worker_spans_join_the_steps_trace_with_their_rank(tiny_model_dir: str, tmp_path) -> None:
+    from tracevllm.tracing.exporters import read_spans_jsonl
+
+    _run_scenario("trace", tiny_model_dir, "1", str(tmp_path))
+    spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
+    by_id = {s.span_id: s for s in spans}
+    runs = [s for s in spans if s.name == "ModelRunner.execute_model"]
+    assert runs
+    for span in runs:
+        assert span.process_kind == "worker"
+        assert span.resource["tracevllm.rank"] == 0
+        assert (span.resource["tracevllm.tp_rank"], span.resource["tracevllm.pp_rank"]) == (0, 0)
+        parent = by_id[span.parent_span_id]  # the step, in EngineCore's process
+        assert parent.name == "EngineCore.step" and parent.process_kind == "engine_core"
+        assert parent.trace_id == span.trace_id and parent.pid != span.pid

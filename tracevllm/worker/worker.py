@@ -1,0 +1,137 @@
+"""The worker: one rank's device, model shard and KV cache, around its ModelRunner.
+
+Mirrors vllm/v1/worker/gpu_worker.py (``Worker``; with vllm/v1/worker/
+cpu_worker.py's CPU threads folded in). The executor calls these methods on
+every rank, by name, through ``collective_rpc``; the ``ModelRunner`` does the
+work. Left out: sleep/wake, profiling, LoRA, weight transfer, memory
+profiling (the KV cache budget is configured, as vLLM's CPU backend's
+``VLLM_CPU_KVCACHE_SPACE``), CUDA graph capture and compilation.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tracevllm.worker.worker_base import WorkerBase
+
+if TYPE_CHECKING:
+    from tracevllm.config import VllmConfig
+    from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
+    from tracevllm.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from tracevllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
+    from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
+    from tracevllm.worker.model_runner import ModelRunner
+
+
+class Worker(WorkerBase):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ) -> None:
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.device: torch.device | None = None
+        self.model_runner: ModelRunner | None = None
+
+    # --8<-- [start:init_device]
+    def init_device(self) -> None:
+        """The device, this rank's threads, the process groups, the seed, the runner.
+
+        On CPU the ranks share the machine's cores: each takes its share
+        (vLLM's OMPProcessManager), and at least one thread.
+        """
+        from tracevllm.distributed.parallel_state import init_worker_distributed_environment
+        from tracevllm.platforms import cpu
+        from tracevllm.worker.model_runner import ModelRunner
+
+        if self.device_config.device.startswith("cuda"):
+            self.device = torch.device(f"cuda:{self.local_rank}")
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            cpu.tune_malloc()
+        threads = cpu.engine_num_threads(self.parallel_config.world_size)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        # Even a world of one: the model's layers always ask the groups.
+        init_worker_distributed_environment(
+            self.vllm_config, self.rank, self.distributed_init_method, self.local_rank
+        )
+        set_random_seed(self.model_config.seed)
+        self.model_runner = ModelRunner(self.vllm_config)
+
+    # --8<-- [end:init_device]
+
+    def load_model(self) -> None:
+        assert self.model_runner is not None, "init_device() first"
+        self.model_runner.load_model()
+
+    def get_model(self) -> VllmModelForTextGeneration:
+        assert self.model_runner is not None and self.model_runner.model is not None
+        return self.model_runner.model
+
+    def determine_available_memory(self) -> int:
+        """Bytes this rank's KV cache may take: the configured budget (vLLM
+        profiles a GPU; its CPU worker returns VLLM_CPU_KVCACHE_SPACE too)."""
+        return self.cache_config.kv_cache_memory_bytes
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        assert self.model_runner is not None
+        return self.model_runner.get_kv_cache_spec()
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate this rank's KV cache: the block count every rank shares."""
+        assert self.model_runner is not None
+        self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+        self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
+
+    def compile_or_warm_up_model(self) -> None:
+        """Nothing to compile or capture on this path; the seed is set again,
+        as vLLM does, so that loading the model leaves every rank's random
+        state the same (a request without a seed samples alike on all)."""
+        set_random_seed(self.model_config.seed)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        # None: the forward ran and sample_tokens() will finish the step (vLLM
+        # splits the two so the scheduler can build the grammar bitmask in
+        # between). An output here: nothing was scheduled.
+        assert self.model_runner is not None
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        assert self.model_runner is not None
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        assert self.model_runner is not None
+        return self.model_runner.take_draft_token_ids()
+
+    def drop_all_requests(self) -> None:
+        """Forget every request (tracevllm's: after a failed in-process step)."""
+        if self.model_runner is not None:
+            self.model_runner.drop_all_requests()
+
+    def check_health(self) -> None:
+        # A worker that answers is healthy (as vLLM's).
+        return
+
+    def shutdown(self) -> None:
+        self.model_runner = None
+
+
+def set_random_seed(seed: int) -> None:
+    """Python's, NumPy's and torch's generators (vllm/utils/torch_utils.py).
+
+    Requests without their own ``seed`` draw from torch's global generator,
+    so an engine's outputs repeat from run to run.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
