@@ -1,0 +1,130 @@
+"""One check for every model family: a tiny random-weight checkpoint, written
+by HF transformers' own model class, served by tracevllm must give HF's greedy
+tokens token for token and HF's log-probabilities within fp32 tolerance.
+
+``check_against_hf(path, hf_model)`` runs 8 prompts x 32 tokens with pages of
+4 tokens, chunked prefill (16 tokens a step), prefix caching (two prompts
+share a 20-token prefix, and the second must hit it) and a pool small enough
+that requests are preempted (asserted), in the process mode asked for. The
+reference is HF's forward with its own KV cache, greedy, in fp32.
+
+A family's test module writes its checkpoint once (a module fixture with
+``save_hf_model``), then calls ``check_against_hf`` for both process modes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.utils import make_tiny_tokenizer
+from tracevllm import LLM, SamplingParams
+
+BLOCK_SIZE = 4
+NUM_TOKENS = 32
+# Prompt lengths from one token to several chunks; the last two share a prefix.
+PROMPT_LENS = [1, 5, 13, 30, 41, 20, 20, 27]
+
+
+def tiny_config_kwargs(vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    """What every family's tiny config shares (HF's field names)."""
+    return (
+        dict(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            initializer_range=0.1,  # logits spread out: no near-ties in greedy decoding
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+        | overrides
+    )
+
+
+def new_checkpoint_dir(tmp_path_factory: Any, name: str) -> tuple[str, int]:
+    """A fresh directory holding the tiny tokenizer; returns it and the vocab size."""
+    path = str(tmp_path_factory.mktemp(name))
+    tokenizer = make_tiny_tokenizer(path)
+    return path, len(tokenizer)
+
+
+def save_hf_model(model: Any, path: str) -> None:
+    """HF's model, saved as HF saves it (safetensors, config.json)."""
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def make_prompts(vocab_size: int, seed: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts[7] = prompts[6] + prompts[7][:7]  # a 20-token prefix hit
+    return prompts
+
+
+@torch.inference_mode()
+def hf_greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens (ignoring EOS) and the log-probability of each."""
+    out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for _ in range(n):
+        logits = out.logits[0, -1].float()
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        out = model(
+            input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
+        )
+    return tokens, logprobs
+
+
+def check_against_hf(
+    path: str,
+    hf_model: Any,
+    enable_multiprocessing: bool,
+    num_gpu_blocks_override: int = 40,
+    atol: float = 1e-4,
+    **llm_kwargs: Any,
+) -> LLM:
+    """Serve ``path`` with tracevllm and compare with ``hf_model`` (see the module
+    docstring). Returns the (shut down) LLM, for tests that look further."""
+    prompts = make_prompts(hf_model.config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    llm = LLM(
+        model=path,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,  # chunked prefill
+        max_num_seqs=8,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=num_gpu_blocks_override,  # small: requests get preempted
+        max_model_len=128,  # the start-up check: one such request fits the small pool
+        enable_multiprocessing=enable_multiprocessing,
+        **llm_kwargs,
+    )
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        num_preemptions = llm.llm_engine.num_preemptions
+    finally:
+        llm.shutdown()
+    hf_model.eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, logprobs = hf_greedy(hf_model, prompt, NUM_TOKENS)
+        completion = output.outputs[0]
+        assert list(completion.token_ids) == tokens, f"prompt of {len(prompt)} tokens"
+        assert completion.logprobs is not None
+        ours = [lp[t].logprob for lp, t in zip(completion.logprobs, tokens, strict=True)]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=atol, rtol=0)
+    assert outputs[7].num_cached_tokens >= 16, "the shared prefix was not a cache hit"
+    assert num_preemptions > 0, "no request was preempted: make the pool smaller"
+    return llm
