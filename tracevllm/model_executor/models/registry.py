@@ -41,6 +41,7 @@ _TEXT_GENERATION_MODELS: dict[str, tuple[str, str]] = {
     # Mistral is Llama with a sliding window; vLLM's mistral.py subclasses
     # llama.py for Mistral's own checkpoint format, which tracevllm does not read.
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
 }
 # --8<-- [end:text_generation_models]
 

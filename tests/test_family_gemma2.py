@@ -1,0 +1,136 @@
+"""Gemma-2 against HF transformers' own Gemma2ForCausalLM (tests/family_check.py).
+
+The tiny checkpoint is made so that each thing Gemma-2 changes relative to
+Llama shows in the tokens or the log-probabilities:
+
+- 4 layers, sliding on 0 and 2 and full on 1 and 3 (HF's default
+  ``layer_types``), with a window of 12 tokens, shorter than most prompts:
+  two KV cache groups, and the sliding group's blocks freed as a request
+  decodes (bounded as tests/test_sliding_window.py bounds them);
+- ``initializer_range`` 0.2, so attention scores reach about 20 and raw logits
+  about 10: both soft caps (5.0 in attention, 3.0 on the logits) change them;
+- ``head_dim`` 32 with 4 heads of a 64-wide model (not 64 / 4), and
+  ``query_pre_attn_scalar`` 24 (not head_dim): the config's values are the
+  ones used;
+- the norms' weights drawn at random (HF starts them at zero, where
+  ``x * (1 + w)`` and ``x`` agree).
+
+HF runs with ``attn_implementation="eager"``: its sdpa path ignores the
+attention soft cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import tests.family_check as family_check
+from tests.family_check import (
+    BLOCK_SIZE,
+    check_against_hf,
+    hf_greedy,
+    make_prompts,
+    new_checkpoint_dir,
+    save_hf_model,
+    tiny_config_kwargs,
+)
+from tests.test_sliding_window import WINDOW, WindowBound
+from tracevllm import LLM, SamplingParams
+from tracevllm.utils.math_utils import cdiv
+
+SLIDING = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
+FULL = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+
+
+def gemma2_config_kwargs(vocab_size: int) -> dict[str, Any]:
+    return tiny_config_kwargs(
+        vocab_size,
+        num_hidden_layers=4,
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=WINDOW,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    path, vocab_size = new_checkpoint_dir(tmp_path_factory, "tiny-gemma2-family")
+    torch.manual_seed(0)
+    config = Gemma2Config(**gemma2_config_kwargs(vocab_size), attn_implementation="eager")
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
+    model = Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.5)
+    save_hf_model(model, path)
+    return path, model
+
+
+def _with_window_bound(bounds: list[WindowBound]) -> Callable[..., LLM]:
+    """An ``LLM`` that checks the sliding group's block bound after every step."""
+
+    def make(*args: Any, **kwargs: Any) -> LLM:
+        llm = LLM(*args, **kwargs)
+        bounds.append(WindowBound(llm.llm_engine.engine_core.engine_core))
+        return llm
+
+    return make
+
+
+def test_gemma2_matches_hf_in_process(
+    gemma2: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two KV cache groups (sliding, full) from one pool, each layer reading its
+    own; no decoding request holds more than cdiv(W, bs) + 1 sliding blocks."""
+    assert BLOCK_SIZE == 4
+    bounds: list[WindowBound] = []
+    monkeypatch.setattr(family_check, "LLM", _with_window_bound(bounds))
+    check_against_hf(*gemma2, enable_multiprocessing=False)
+    (bound,) = bounds
+    assert bound.decode_steps > 0
+    assert bound.max_held == cdiv(WINDOW, BLOCK_SIZE) + 1  # the bound is reached, not loose
+    groups = bound.mgr.kv_cache_config.kv_cache_groups
+    kinds = {type(g.kv_cache_spec).__name__: g.layer_names for g in groups}
+    assert kinds == {"SlidingWindowSpec": SLIDING, "FullAttentionSpec": FULL}
+    assert type(bound.mgr.coordinator).__name__ == "HybridKVCacheCoordinator"
+    freed = [
+        getattr(m, "num_skipped_blocks_freed", 0)
+        for m in bound.mgr.coordinator.single_type_managers
+    ]
+    assert freed[0] > 0
+
+
+def test_gemma2_matches_hf_in_a_separate_engine_process(gemma2: tuple[str, Any]) -> None:
+    check_against_hf(*gemma2, enable_multiprocessing=True)
+
+
+def test_gemma2_tensor_parallel_matches_hf(gemma2: tuple[str, Any]) -> None:
+    """Two ranks over the mp executor: heads, MLP and vocabulary split in two."""
+    path, model = gemma2
+    prompts = [make_prompts(model.config.vocab_size)[i] for i in (2, 4)]  # 13 and 41 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(
+        model=path,
+        block_size=BLOCK_SIZE,
+        max_model_len=128,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+    )
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens, _ = hf_greedy(model, prompt, 16)
+        assert list(output.outputs[0].token_ids) == tokens, f"prompt of {len(prompt)} tokens"
