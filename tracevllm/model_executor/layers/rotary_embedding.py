@@ -1,9 +1,10 @@
 """Rotary position embeddings (RoPE), neox style, with Llama 3 frequency scaling.
 
 Mirrors vllm/model_executor/layers/rotary_embedding/ (``RotaryEmbedding``,
-``Llama3RotaryEmbedding``, ``get_rope``) on its native path. Left out: GPT-J
-style (interleaved) rotation, partial rotary dims, and the other scaling types
-(linear, dynamic NTK, YaRN, LongRoPE, M-RoPE); asking for one is an error.
+``Llama3RotaryEmbedding``, ``Phi3LongRoPEScaledRotaryEmbedding``, ``get_rope``)
+on its native path. Left out: GPT-J style (interleaved) rotation, partial
+rotary dims outside LongRoPE, and the other scaling types (linear, dynamic
+NTK, YaRN, M-RoPE); asking for one is an error.
 
 The cos/sin table is computed once for every position, then each step indexes
 it with the flat ``positions`` tensor: no per-request offsets, since every
@@ -98,13 +99,144 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
         return torch.where(is_medium, smoothed, scaled)
 
 
+# --8<-- [start:longrope]
+class Phi3LongRoPEScaledRotaryEmbedding(nn.Module):
+    """LongRoPE (Phi-3): each frequency divided by its own rescale factor, one
+    set (``short_factor``) for positions below ``original_max_position_embeddings``
+    and another (``long_factor``) from there on; cos and sin multiplied by an
+    attention factor (``short_mscale`` / ``long_mscale``, by default
+    sqrt(1 + ln(max / original) / ln(original)), 1 when not extended).
+    Only the first ``rotary_dim`` dims of a head rotate (Phi-4-mini's 0.75).
+
+    Which factors a token gets differs in the three implementations:
+
+    - HF transformers (``longrope_frequency_update``): one set per forward
+      call, long iff the call's largest position + 1 exceeds the original
+      length. In ``generate`` a prompt of at most that length is rotated with
+      short factors and each later token with long ones from position
+      ``original`` on (the keys already cached keep their short rotation); a
+      longer prompt is rotated wholly with long factors.
+    - vLLM 0.22.0: long factors for every token when ``max_model_len`` exceeds
+      the original length, short ones otherwise (fixed at construction).
+    - tracevllm: by each token's own position: short below ``original``,
+      long from it on. A token's rotation depends on its position alone, so
+      chunked prefill, prefix caching and recomputation after preemption see
+      the same keys, and HF's greedy generation is matched exactly for every
+      prompt of at most ``original`` tokens. A longer prompt's first
+      ``original`` tokens differ from HF (short here, long there), and from
+      vLLM whenever ``max_model_len`` exceeds ``original`` (vLLM: long).
+
+    As vLLM's, not a ``RotaryEmbedding`` subclass; the one cos/sin table
+    (short rows, then long rows) is fp32 and cast to the query's dtype, as HF.
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        original_max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+        short_factor: list[float],
+        long_factor: list[float],
+        short_mscale: float | None = None,
+        long_mscale: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not is_neox_style:
+            raise ValueError("`Phi3LongRoPEScaledRotaryEmbedding` only supports neox_style.")
+        if not 0 < rotary_dim <= head_size or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and in (0, {head_size}], got {rotary_dim}.")
+        for name, factors in (("short_factor", short_factor), ("long_factor", long_factor)):
+            _check_longrope_factors(name, factors, rotary_dim // 2)
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        self.max_position_embeddings = max_position_embeddings
+        self.original_max_position_embeddings = original_max_position_embeddings
+        self.base = base
+        self.short_factor = short_factor
+        self.long_factor = long_factor
+        scale = max_position_embeddings / original_max_position_embeddings
+        default_mscale = (
+            math.sqrt(1 + math.log(scale) / math.log(original_max_position_embeddings))
+            if scale > 1.0
+            else 1.0
+        )
+        self.short_mscale = default_mscale if short_mscale is None else short_mscale
+        self.long_mscale = default_mscale if long_mscale is None else long_mscale
+        # Rows [0, original) from the short factors, the rest from the long ones.
+        # A plain attribute (computed on the CPU even under the meta device), as
+        # RotaryEmbedding's.
+        num_rows = max(max_position_embeddings, original_max_position_embeddings)
+        short = self._compute_cos_sin_cache(num_rows, short_factor, self.short_mscale)
+        long = self._compute_cos_sin_cache(num_rows, long_factor, self.long_mscale)
+        self.cos_sin_cache = torch.cat(
+            (short[:original_max_position_embeddings], long[original_max_position_embeddings:])
+        )  # [num_rows, rotary_dim]
+
+    def _compute_inv_freq(self, rescale_factors: list[float]) -> torch.Tensor:
+        # HF's order of operations (int64 arange, factor times base ** exponent):
+        # the tables agree bit for bit.
+        arange = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu")
+        exponent = arange.float() / self.rotary_dim
+        factors = torch.tensor(rescale_factors, dtype=torch.float32, device="cpu")
+        return 1.0 / (factors * self.base**exponent)  # [rotary_dim // 2]
+
+    def _compute_cos_sin_cache(
+        self, num_rows: int, rescale_factors: list[float], mscale: float
+    ) -> torch.Tensor:
+        inv_freq = self._compute_inv_freq(rescale_factors)
+        t = torch.arange(num_rows, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)  # [num_rows, rotary_dim // 2]
+        return torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos_sin_cache.device != positions.device:
+            self.cos_sin_cache = self.cos_sin_cache.to(positions.device)
+        cos_sin = self.cos_sin_cache[positions]  # [num_tokens, rotary_dim]
+        cos, sin = cos_sin.to(query.dtype).chunk(2, dim=-1)  # 2 x [num_tokens, rotary_dim // 2]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [num_tokens, 1, rotary_dim // 2]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        x = x.view(num_tokens, -1, self.head_size)  # [num_tokens, heads, head_size]
+        x_rot, x_pass = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = x_rot.chunk(2, dim=-1)  # 2 x [num_tokens, heads, rotary_dim // 2]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_pass), dim=-1)
+        return out.reshape(num_tokens, -1)  # [num_tokens, heads * head_size]
+
+
+def _check_longrope_factors(name: str, factors: Any, expected_len: int) -> None:
+    if not isinstance(factors, (list, tuple)) or len(factors) != expected_len:
+        raise ValueError(
+            f"rope_parameters.{name} must be a list of {expected_len} numbers "
+            f"(rotary_dim // 2), got {factors!r}."
+        )
+    for x in factors:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < math.inf:
+            raise ValueError(
+                f"rope_parameters.{name} must hold positive finite numbers, got {x!r}."
+            )
+
+
+# --8<-- [end:longrope]
+
+
 def get_rope(
     head_size: int,
     max_position: int,
     is_neox_style: bool = True,
     rope_parameters: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
-) -> RotaryEmbedding:
+) -> RotaryEmbedding | Phi3LongRoPEScaledRotaryEmbedding:
     """Build the RoPE a model's config asks for (vLLM's signature).
 
     ``rope_parameters`` is transformers 5's ``config.rope_parameters``
@@ -116,6 +248,15 @@ def get_rope(
     params = rope_parameters or {}
     base = float(params.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial_rotary_factor = params.get("partial_rotary_factor")
+    rotary_dim = int(head_size * (1.0 if partial_rotary_factor is None else partial_rotary_factor))
+    if rope_type == "longrope":
+        return _get_longrope(head_size, rotary_dim, max_position, base, params, dtype)
+    if rotary_dim != head_size:
+        raise ValueError(
+            f"partial_rotary_factor {partial_rotary_factor} is supported by "
+            "tracevllm with rope_type 'longrope' only."
+        )
     if rope_type == "default":
         return RotaryEmbedding(head_size, max_position, base)
     if rope_type == "llama3":
@@ -130,5 +271,36 @@ def get_rope(
         )
     raise ValueError(
         f"RoPE scaling type {rope_type!r} is not supported by tracevllm "
-        "(supported: default, llama3)."
+        "(supported: default, llama3, longrope)."
+    )
+
+
+def _get_longrope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    params: dict[str, Any],
+    dtype: torch.dtype | None,
+) -> Phi3LongRoPEScaledRotaryEmbedding:
+    original = int(params["original_max_position_embeddings"])
+    # HF's attention factor: rope_parameters' attention_factor, else computed
+    # from its factor, else (None here) from max / original. vLLM reads only
+    # short_mscale / long_mscale, which still win over it.
+    mscale = params.get("attention_factor")
+    factor = params.get("factor")
+    if mscale is None and factor is not None:
+        mscale = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return Phi3LongRoPEScaledRotaryEmbedding(
+        head_size,
+        rotary_dim,
+        max_position,
+        original,
+        base,
+        True,
+        dtype or torch.float32,
+        list(params["short_factor"]),
+        list(params["long_factor"]),
+        short_mscale=params.get("short_mscale", mscale),
+        long_mscale=params.get("long_mscale", mscale),
     )
