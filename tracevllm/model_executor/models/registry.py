@@ -42,6 +42,7 @@ _TEXT_GENERATION_MODELS: dict[str, tuple[str, str]] = {
     # llama.py for Mistral's own checkpoint format, which tracevllm does not read.
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
 }
 # --8<-- [end:text_generation_models]
