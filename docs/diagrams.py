@@ -259,3 +259,105 @@ def causal_mask(q: int, seq_len: int) -> str:
         f"Q = {q} queries at positions {ctx} … {seq_len - 1}: query i sees keys 0 … {ctx} + i",
     )
     return svg.render()
+
+
+# ------------------------------------------------------------ MoE routing
+EXPERT_COLORS = [
+    "#3f51b5", "#00897b", "#ef6c00", "#8e24aa", "#c62828", "#2e7d32", "#6d4c41", "#0277bd",
+]  # fmt: skip
+
+
+def moe_routing(
+    probs: Sequence[Sequence[float]],
+    topk_ids: Sequence[Sequence[int]],
+    topk_weights: Sequence[Sequence[float]],
+    sorted_token_ids: Sequence[int],
+    expert_ids: Sequence[int],
+    num_tokens_post_padded: int,
+    block_size: int,
+) -> str:
+    """A MoE layer's routing: each token's softmax over the experts with its
+    top-k marked, the kept weights renormalised, then the (token, k) rows
+    grouped by expert in blocks of ``block_size`` rows, padding greyed.
+
+    ``sorted_token_ids`` holds flattened rows ``t * top_k + k`` (``numel`` for
+    padding), ``expert_ids`` one expert per block (-1: unused block).
+    """
+    num_tokens, num_experts = len(probs), len(probs[0])
+    top_k = len(topk_ids[0])
+    numel = num_tokens * top_k
+    cell_w, cell_h, left, top = 46, 24, 50, 70
+    grid_w = num_experts * cell_w
+    wx = left + grid_w + 30  # the renormalised weights' column
+    used_blocks = num_tokens_post_padded // block_size
+    slot_w, block_gap = 56, 16
+    blocks_top = top + num_tokens * cell_h + 86
+    width = max(760, wx + 64 * top_k + 20, left + used_blocks * (slot_w + block_gap) + 20)
+    height = blocks_top + 30 + block_size * cell_h + 60
+    svg = Svg(width, height, "MoE routing: top-k, renormalised, grouped by expert")
+    svg.text(10, 20, f"1. router: softmax over {num_experts} experts, top-{top_k} kept", bold=True)
+    svg.text(wx, 20, "2. renormalised", bold=True)
+    svg.text(wx, 38, "(each row sums to 1)", fill=GREY)
+    for e in range(num_experts):
+        svg.text(
+            left + e * cell_w + cell_w / 2, top - 10, f"e{e}", EXPERT_COLORS[e], "middle", True
+        )
+    for t in range(num_tokens):
+        y = top + t * cell_h
+        svg.text(left - 8, y + 17, f"t{t}", anchor="end", mono=True)
+        for e in range(num_experts):
+            kept = e in topk_ids[t]
+            svg.rect(left + e * cell_w, y, cell_w, cell_h, EXPERT_COLORS[e] if kept else LIGHT)
+            ink = "#ffffff" if kept else GREY
+            svg.text(
+                left + e * cell_w + cell_w / 2, y + 17, f"{probs[t][e]:.2f}", ink, "middle", True
+            )
+        for k in range(top_k):
+            e, w = topk_ids[t][k], topk_weights[t][k]
+            x = wx + k * 64
+            svg.rect(x, y, 60, cell_h, EXPERT_COLORS[e])
+            svg.text(x + 30, y + 17, f"e{e} {w:.2f}", "#ffffff", "middle", True)
+    counts = [sum(row.count(e) for row in topk_ids) for e in range(num_experts)]
+    y = top + num_tokens * cell_h + 22
+    svg.text(
+        10,
+        y,
+        "tokens per expert: " + "  ".join(f"e{e}:{c}" for e, c in enumerate(counts)),
+        mono=True,
+    )
+    svg.text(
+        10,
+        blocks_top - 30,
+        f"3. moe_align_block_size: rows t·k grouped by expert, each run padded to {block_size}",
+        bold=True,
+    )
+    for b in range(used_blocks):
+        e = expert_ids[b]
+        x = left + b * (slot_w + block_gap)
+        svg.text(x + slot_w / 2, blocks_top - 10, f"block {b}", GREY, "middle", True)
+        svg.text(x + slot_w / 2, blocks_top + 4, f"e{e}", EXPERT_COLORS[e], "middle", True)
+        for i in range(block_size):
+            row = sorted_token_ids[b * block_size + i]
+            y = blocks_top + 12 + i * cell_h
+            if row >= numel:
+                svg.rect(x, y, slot_w, cell_h, LIGHT, stroke=GREY)
+                svg.text(x + slot_w / 2, y + 17, "pad", GREY, "middle", True)
+            else:
+                svg.rect(x, y, slot_w, cell_h, EXPERT_COLORS[e])
+                t, k = divmod(row, top_k)
+                svg.text(x + slot_w / 2, y + 17, f"t{t}·{k}", "#ffffff", "middle", True)
+    idle = [f"e{e}" for e, c in enumerate(counts) if c == 0]
+    svg.text(
+        10,
+        height - 30,
+        f"{numel} rows in {num_tokens_post_padded} slots ({used_blocks} blocks); "
+        f"no block for {', '.join(idle) if idle else 'no expert'} (no tokens).",
+        fill=GREY,
+    )
+    svg.text(
+        10,
+        height - 12,
+        "The grouped GEMM runs one program per block: one expert's weights.",
+        fill=GREY,
+    )
+    return svg.render()

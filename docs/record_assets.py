@@ -20,6 +20,8 @@ same renderers as ``tracevllm view``) and writes them to
 - ``spec``: n-gram speculative decoding, a copy prompt beside a question,
   one process (the speculative-decoding chapter; docs/record_spec.py, which
   also re-records it alone).
+- ``moe``: no run, the MoE router's functions on seeded logits (the
+  model-families chapter; docs/record_moe.py, which also redraws it alone).
 
 Beside the views it writes ``facts.json``, the figures the prose quotes
 (checked at build time by docs/hooks/recorded.py), and the diagrams of
@@ -441,6 +443,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
     args = parser.parse_args()
+    import record_moe  # docs/, beside this file
     import record_performance  # docs/, beside this file (it imports this module)
     import record_spec  # likewise
     import record_structured  # likewise
@@ -465,6 +468,7 @@ def main() -> None:
     facts[record_structured.NAME] = record_structured.draw()
     facts[record_spec.NAME] = record_spec.draw()
     facts[record_performance.NAME] = record_performance.draw()
+    facts[record_moe.NAME] = record_moe.draw()  # computed, not run: the router on seeded logits
     # The roofline and the profile: from committed benchmark results, not re-measured.
     facts |= record_performance.draw_measured()
     write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")

@@ -221,3 +221,41 @@ def test_each_stage_chapter_opens_with_the_request_path() -> None:
     strip = hook.path_strip("scheduling.md")
     assert "[EngineCore loop](engine-core.md) → **Scheduling** → [KV cache](kv-cache.md)" in strip
     assert hook.path_strip("tracing.md") == ""
+
+
+def test_a_file_diff_is_made_from_the_files_and_a_missing_file_stops_the_build(
+    tmp_path: Path,
+) -> None:
+    """`--8<-- diff "a" "b"` becomes a ```diff block of the two files as they
+    are (snippet markers left out, an admonition's indentation kept); a file
+    that is not there raises PluginError, so the build stops."""
+    pytest.importorskip("mkdocs")
+    from mkdocs.exceptions import PluginError
+
+    hook: Any = _hook("file_diffs")
+    (tmp_path / "a.py").write_text("x = 1\n# --8<-- [start:s]\ny = 2\n# --8<-- [end:s]\n")
+    (tmp_path / "b.py").write_text("x = 1\ny = 3\nz = 4\n")
+    hook._root = str(tmp_path)
+    page = 'Text.\n\n??? note "the diff"\n    --8<-- diff "a.py" "b.py"\n\nMore.\n'
+    out = hook.on_page_markdown(page, None, None, None)
+    assert '    ```diff title="a.py → b.py: +2 −1 lines"\n' in out
+    assert "    --- a.py\n    +++ b.py\n" in out and "    -y = 2\n    +y = 3\n    +z = 4\n" in out
+    assert "8<-- [start" not in out and out.endswith("    ```\n\nMore.\n")
+    with pytest.raises(PluginError, match='no file "c.py"'):
+        hook.on_page_markdown('--8<-- diff "a.py" "c.py"\n', None, None, None)
+
+
+def test_the_moe_routing_figure_is_what_the_router_computes() -> None:
+    """docs/record_moe.py's figures, recomputed with today's fused_topk and
+    moe_align_block_size, equal the recorded ones the chapter quotes."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import record_moe
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    facts = json.loads((ROOT / "docs" / "assets" / "recorded" / "facts.json").read_text())
+    assert facts[record_moe.NAME] == record_moe.routing()
+    assert (ROOT / "docs" / "assets" / "recorded" / "moe-routing.svg").is_file()

@@ -36,6 +36,7 @@ BOOK_PAGES = {
     "10": "pytorch-to-triton",
     "11": "structured-outputs",
     "12": "speculative-decoding",
+    "13": "model-families",
 }
 
 
@@ -326,7 +327,11 @@ def test_plugged_labs_serve_the_same_output(tiny_model_dir: str, tmp_path: Path)
     function was called. The engine runs in-process (no engine process), the
     plugged one in a fresh interpreter."""
     folders = []
-    pluggable = {number: lab for number, lab in LABS.items() if lab.span is not None}
+    pluggable = {
+        number: lab
+        for number, lab in LABS.items()
+        if lab.span is not None and number not in NEEDS_A_MOE_MODEL
+    }
     for number, lab in sorted(pluggable.items()):
         folder = tmp_path / f"{number}-{lab.topic}"
         folder.mkdir()
@@ -348,6 +353,52 @@ def test_plugged_labs_serve_the_same_output(tiny_model_dir: str, tmp_path: Path)
     )
     assert sorted(plugged["calls"]) == sorted(pluggable)
     assert all(n > 0 for n in plugged["calls"].values()), plugged["calls"]
+
+
+# Labs whose function only a mixture-of-experts model calls (a Llama has no
+# MoE layer): plugged in below, into a MoE layer.
+NEEDS_A_MOE_MODEL = {"13"}
+
+PLUGGED_MOE_LAYER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from tracevllm.model_executor.layers.fused_moe import FusedMoE, fused_experts
+    from tracevllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+    import tracevllm.labs as labs
+
+    torch.manual_seed(0)
+    layer = FusedMoE(8, 2, 16, 12, tp_size=1)
+    with torch.no_grad():
+        layer.w13_weight.normal_(0, 0.2)
+        layer.w2_weight.normal_(0, 0.2)
+    hidden, logits = torch.randn(10, 16), torch.randn(10, 8) * 2
+    out = layer(hidden, logits)
+    engine = labs.reference("fused_topk")
+    weights, ids, _ = engine(hidden, logits, 2, True)
+    want = fused_experts(hidden, layer.w13_weight, layer.w2_weight, weights, ids)
+    calls = {p.parent.name[:2]: m.CALLS for p, m in labs._LOADED.items()}
+    print("RESULT=" + json.dumps({
+        "calls": calls,
+        "same": bool(torch.equal(out, want)),
+        "hooked": fused_topk is not engine,
+    }))
+    """
+)
+
+
+def test_the_moe_router_lab_routes_the_real_layer(tmp_path: Path) -> None:
+    """TRACEVLLM_LAB=13 (a pass-through lab.py): FusedMoE's forward calls the
+    lab's fused_topk instead of the engine's, with the same output, and the
+    engine says which file it loaded."""
+    folder = tmp_path / "13-moe-router"
+    folder.mkdir()
+    (folder / "lab.py").write_text(PASS_THROUGH_LAB.format(name="fused_topk"))
+    proc = _python(PLUGGED_MOE_LAYER, str(folder))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT="))
+    result = json.loads(line.removeprefix("RESULT="))
+    assert result == {"calls": {"13": 1}, "same": True, "hooked": True}, result
+    assert proc.stderr.count(f"lab 13: fused_topk from {folder / 'lab.py'}") == 1, proc.stderr
 
 
 def test_a_plugged_lab_says_so(tiny_model_dir: str, tmp_path: Path) -> None:

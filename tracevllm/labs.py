@@ -142,6 +142,15 @@ LABS: dict[str, Lab] = {
             "tracevllm.sample.rejection_sampler",
             "RejectionSampler.forward",
         ),
+        Lab(
+            "13",
+            "moe-router",
+            "fused_topk",
+            "tracevllm.model_executor.layers.fused_moe.router.fused_topk_router",
+            # Runs in every MoE layer's forward: the span is there at detail
+            # "full"; otherwise the model's forward span is the open one.
+            "FusedMoE.forward",
+        ),
     )
 }
 

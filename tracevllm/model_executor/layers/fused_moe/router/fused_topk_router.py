@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from tracevllm.labs import lab_hook
+
 
 # --8<-- [start:fused_topk]
+@lab_hook("fused_topk")  # lab 13: chapters/13-moe-router
 def fused_topk(
     hidden_states: torch.Tensor,  # [num_tokens, hidden_size]: only its token count is read
     gating_output: torch.Tensor,  # [num_tokens, num_experts]: the router's logits
