@@ -241,6 +241,8 @@ def test_a_file_diff_is_made_from_the_files_and_a_missing_file_stops_the_build(
     assert '    ```diff title="a.py → b.py: +2 −1 lines"\n' in out
     assert "    --- a.py\n    +++ b.py\n" in out and "    -y = 2\n    +y = 3\n    +z = 4\n" in out
     assert "8<-- [start" not in out and out.endswith("    ```\n\nMore.\n")
+    example = '```text\n;--8<-- diff "a.py" "c.py"\n```\n'  # escaped: shown, not diffed
+    assert hook.on_page_markdown(example, None, None, None) == example.replace(";", "")
     with pytest.raises(PluginError, match='no file "c.py"'):
         hook.on_page_markdown('--8<-- diff "a.py" "c.py"\n', None, None, None)
 

@@ -8,7 +8,8 @@ likes)::
 
 and the hook puts in its place a ```` ```diff ```` block: the unified diff of
 the two files (three lines of context), titled with both names and how many
-lines each side adds and removes. The snippet markers (``# --8<-- [start:x]``)
+lines each side adds and removes (``;--8<-- diff ...`` shows the line itself,
+as an example). The snippet markers (``# --8<-- [start:x]``)
 are left out of both sides: they are the book's plumbing, not code.
 
 The diff is made from the files as they are at build time, so it cannot go
@@ -29,8 +30,11 @@ from mkdocs.structure.files import Files
 from mkdocs.structure.pages import Page
 
 # --8<-- diff "old" "new", alone on its line; group "indent" keeps an admonition's.
+# A leading ";" (";--8<-- diff ...") escapes it, as pymdownx.snippets' escape:
+# the line is shown without the ";", and nothing is diffed.
 DIRECTIVE = re.compile(
-    r'^(?P<indent>[ \t]*)--8<-- diff "(?P<old>[^"\n]+)" "(?P<new>[^"\n]+)"[ \t]*$', re.MULTILINE
+    r'^(?P<indent>[ \t]*)(?P<escape>;?)--8<-- diff "(?P<old>[^"\n]+)" "(?P<new>[^"\n]+)"[ \t]*$',
+    re.MULTILINE,
 )
 # A snippet section marker line: `# --8<-- [start:name]` / `[end:name]`.
 MARKER = re.compile(r"^\s*# --8<-- \[(start|end):[\w-]+\]\s*$")
@@ -85,6 +89,8 @@ def on_config(config: MkDocsConfig) -> MkDocsConfig:
 
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
     def replace(match: re.Match[str]) -> str:
+        if match["escape"]:
+            return match[0].replace(";--8<--", "--8<--", 1)
         return render(_root, match["old"], match["new"], match["indent"])
 
     return DIRECTIVE.sub(replace, markdown)
