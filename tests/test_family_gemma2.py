@@ -134,3 +134,43 @@ def test_gemma2_tensor_parallel_matches_hf(gemma2: tuple[str, Any]) -> None:
     for prompt, output in zip(prompts, outputs, strict=True):
         tokens, _ = hf_greedy(model, prompt, 16)
         assert list(output.outputs[0].token_ids) == tokens, f"prompt of {len(prompt)} tokens"
+
+
+def test_gemma2_without_layer_types_keeps_its_full_layers_full(
+    gemma2: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Gemma-2 config.json files written before transformers had ``layer_types``
+    (Google's among them) name only ``sliding_window``; Gemma2Config alternates
+    the layers when it reads them. The window must not become the model-wide
+    ``cache_config.sliding_window``, which would make the full layers slide too."""
+    import json
+    import os
+    import shutil
+
+    from tracevllm.engine.arg_utils import EngineArgs
+
+    path, model = gemma2
+    old = str(tmp_path_factory.mktemp("tiny-gemma2-no-layer-types"))
+    shutil.copytree(path, old, dirs_exist_ok=True)
+    with open(os.path.join(old, "config.json")) as f:
+        config = json.load(f)
+    del config["layer_types"]
+    with open(os.path.join(old, "config.json"), "w") as f:
+        json.dump(config, f)
+    assert EngineArgs(model=old).create_engine_config().cache_config.sliding_window is None
+    prompt = make_prompts(model.config.vocab_size)[4]  # 41 tokens, past the window
+    llm = LLM(model=old, block_size=BLOCK_SIZE, max_model_len=128, enable_multiprocessing=False)
+    try:
+        (output,) = llm.generate(
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    tokens, logprobs = hf_greedy(model, prompt, 8)
+    completion = output.outputs[0]
+    assert list(completion.token_ids) == tokens
+    assert completion.logprobs is not None
+    ours = [lp[t].logprob for lp, t in zip(completion.logprobs, tokens, strict=True)]
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=1e-4, rtol=0)

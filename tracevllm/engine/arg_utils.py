@@ -193,9 +193,13 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def is_interleaved(hf_config: Any) -> bool:
     """Whether the model mixes kinds of attention layer (vLLM: transformers_utils/config.py)."""
-    layer_types = (
-        hf_config.get("layer_types")
-        if isinstance(hf_config, dict)
-        else getattr(hf_config, "layer_types", None)
-    )
+    if isinstance(hf_config, dict):
+        layer_types = hf_config.get("layer_types")
+        if layer_types is None and hf_config.get("model_type") == "gemma2":
+            # Gemma-2 checkpoints older than layer_types (Google's among them):
+            # Gemma2Config alternates sliding and full layers when it reads
+            # them, which is what vLLM's check (on the config class) sees.
+            return int(hf_config.get("num_hidden_layers", 0)) > 1
+    else:
+        layer_types = getattr(hf_config, "layer_types", None)
     return bool(layer_types) and len(set(layer_types or ())) > 1
