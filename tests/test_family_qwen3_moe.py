@@ -83,3 +83,41 @@ def test_qwen3_moe_tensor_parallel_matches_hf(qwen3_moe: tuple[str, Any]) -> Non
         tensor_parallel_size=2,
         distributed_executor_backend="mp",
     )
+
+
+def test_qwen3_moe_spans_count_each_experts_tokens(qwen3_moe: tuple[str, Any]) -> None:
+    """At detail "full" each sparse layer's FusedMoE.forward span sits in its
+    Qwen3MoeDecoderLayer.forward span and counts the tokens its experts got: every
+    token forwarded, top_k times. The dense layer 0 has none."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tracevllm import LLM, SamplingParams
+
+    path, hf_model = qwen3_moe
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    max_tokens = 4
+    exporter = InMemorySpanExporter()
+    with LLM(
+        model=path, enable_multiprocessing=False, enable_prefix_caching=False, trace_detail="full"
+    ) as llm:
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    spans = list(exporter.get_finished_spans())
+    by_id = {s.context.span_id: s for s in spans}
+    moe = [s for s in spans if s.name == "FusedMoE.forward"]
+    assert moe and {s.attributes["tracevllm.layer"] for s in moe} == {1}
+    for span in moe:
+        parent = by_id[span.parent.span_id]
+        assert parent.name == "Qwen3MoeDecoderLayer.forward"
+        assert parent.attributes["tracevllm.layer"] == 1
+        assert span.attributes["tracevllm.layer_name"] == "model.layers.1.mlp.experts"
+        assert len(span.attributes["tracevllm.moe.tokens_per_expert"]) == 8
+    # Every prompt token and every generated one but the last went through the layer.
+    forwarded = sum(len(p) for p in prompts) + len(prompts) * (max_tokens - 1)
+    counted = sum(sum(s.attributes["tracevllm.moe.tokens_per_expert"]) for s in moe)
+    assert counted == forwarded * hf_model.config.num_experts_per_tok
+    assert any(s.name == "Qwen3MoeForCausalLM.forward" for s in spans)

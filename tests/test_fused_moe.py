@@ -189,13 +189,18 @@ def test_moe_align_block_size_fewer_rows_than_experts() -> None:
 
 # --- the kernel -----------------------------------------------------------------------------
 
-# (num_tokens, num_experts, top_k, hidden, intermediate): block sizes 16 and 32
+# (num_tokens, num_experts, top_k, hidden, intermediate): block sizes 16, 32 and 64
 # (get_default_config), K and N not multiples of the tiles, several blocks per expert.
 KERNEL_CASES = {
     "decode": (3, 8, 2, 64, 32),
     "small_batch": (20, 6, 2, 48, 40),
     "several_blocks_per_expert": (40, 4, 3, 72, 24),
     "top1": (9, 5, 1, 16, 16),
+    # top 1 with the busy expert: every token on one expert, all the others idle.
+    "every_token_on_one_expert": (40, 4, 1, 40, 24),
+    # ... with enough tokens per expert (M // E > 128) for GROUP_SIZE_M = 16: programs
+    # walk the expert's 5 row blocks down one column of tiles, then the next (N > BLOCK_N).
+    "every_token_on_one_expert_grouped": (264, 2, 1, 160, 80),
 }
 
 
