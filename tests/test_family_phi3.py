@@ -106,6 +106,44 @@ def test_phi3_plain_rope_sliding_window_matches_hf(
     check_against_hf(path, model, enable_multiprocessing=False)
 
 
+def test_phi3_is_registered_and_traced_as_llama(phi3_longrope: tuple[str, Any]) -> None:
+    """The registry gives Phi3ForCausalLM; its forward is llama.py's, and so
+    are its spans: the step's forward, a span per decoder layer at detail full
+    holding that layer's KV write and read."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tracevllm import LLM, SamplingParams
+    from tracevllm.model_executor.models.phi3 import Phi3ForCausalLM
+    from tracevllm.model_executor.models.registry import ModelRegistry
+
+    assert ModelRegistry.resolve_model_cls(["Phi3ForCausalLM"]) == (
+        Phi3ForCausalLM,
+        "Phi3ForCausalLM",
+    )
+    exporter = InMemorySpanExporter()
+    with LLM(model=phi3_longrope[0], enable_multiprocessing=False, trace_detail="full") as llm:
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    spans = exporter.get_finished_spans()
+
+    def children(span: Any) -> list[Any]:
+        return [s for s in spans if s.parent and s.parent.span_id == span.context.span_id]
+
+    forwards = [s for s in spans if s.name == "LlamaForCausalLM.forward"]
+    assert len(forwards) == 2  # prefill and one decode
+    for forward in forwards:
+        layers = children(forward)
+        assert [s.name for s in layers] == ["LlamaDecoderLayer.forward"] * 2
+        assert layers[0].attributes["code.file.path"].endswith("models/llama.py")
+        for layer in layers:
+            inside = [s.name for s in children(layer)]
+            assert inside == ["reshape_and_cache_flash", "unified_attention"]
+
+
 # LongRoPE on its own, against HF's rotary embedding.
 
 
