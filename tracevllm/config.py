@@ -379,6 +379,9 @@ class ParallelConfig:
     distributed_timeout_seconds: int | None = None
     # Global rank of this worker (set in each worker's copy of the config).
     rank: int = 0
+    # The Ray placement group the "ray" backend places its workers by (a
+    # ray.util.placement_group.PlacementGroup; set by initialize_ray_cluster).
+    placement_group: Any = None
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -671,6 +674,24 @@ class VllmConfig:
 
     def __post_init__(self) -> None:
         self.model_config.verify_with_parallel_config(self.parallel_config)
+        if self.parallel_config.pipeline_parallel_size > 1:
+            backend = self.parallel_config.distributed_executor_backend
+            # vLLM's EngineArgs check: an executor that cannot run stages.
+            if backend not in ("mp", "ray") and not getattr(backend, "supports_pp", False):
+                name = (
+                    "Pipeline Parallelism without Ray distributed executor "
+                    "or multiprocessing executor"
+                )
+                raise NotImplementedError(
+                    f"{name} is not supported. We recommend to remove {name} from your config."
+                )
+            if self.speculative_config is not None:
+                # tracevllm's: the drafts of a step still in flight in the
+                # batch queue would be scheduled before its tokens are known.
+                raise NotImplementedError(
+                    "Speculative decoding is not supported with pipeline parallelism "
+                    "(pipeline_parallel_size > 1) in tracevllm."
+                )
 
 
 # The config of the engine being built, for layers that need it at construction

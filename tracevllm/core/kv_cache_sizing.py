@@ -15,9 +15,9 @@ As vLLM 0.22.0, the engine refuses to start when the pool, after
 ``num_gpu_blocks_override``, cannot hold one ``max_model_len`` request, and
 the error names the numbers. Which layers share a block table (the groups)
 is kv_cache_groups.py's; a hybrid model's groups share the pool, one tensor
-per layer of a group, shared by a layer of each group. Left out: the
-projection of groups onto pipeline-parallel workers, DeepSeek-V4's layouts,
-and the auto-fit of ``max_model_len = -1``.
+per layer of a group, shared by a layer of each group; each pipeline stage
+gets the groups projected onto its own layers. Left out: DeepSeek-V4's
+layouts and the auto-fit of ``max_model_len = -1``.
 """
 
 from __future__ import annotations
@@ -285,6 +285,24 @@ def _report_kv_cache_config(vllm_config: VllmConfig, kv_cache_config: KVCacheCon
     )
 
 
+def _project_kv_cache_groups_to_worker(
+    global_kv_cache_groups: list[KVCacheGroupSpec], worker_spec: dict[str, KVCacheSpec]
+) -> list[KVCacheGroupSpec]:
+    """The whole model's groups cut down to the layers one worker holds (a
+    pipeline stage holds only its own); a group may be left without layers."""
+    projected_groups: list[KVCacheGroupSpec] = []
+    for group in global_kv_cache_groups:
+        worker_layer_names = [name for name in group.layer_names if name in worker_spec]
+        group_spec = group.kv_cache_spec
+        if worker_layer_names and isinstance(group_spec, UniformTypeKVCacheSpecs):
+            group_spec = UniformTypeKVCacheSpecs(
+                block_size=group_spec.block_size,
+                kv_cache_specs={n: group_spec.kv_cache_specs[n] for n in worker_layer_names},
+            )
+        projected_groups.append(KVCacheGroupSpec(worker_layer_names, group_spec))
+    return projected_groups
+
+
 # --8<-- [start:get_kv_cache_configs]
 def get_kv_cache_configs(
     vllm_config: VllmConfig,
@@ -294,11 +312,13 @@ def get_kv_cache_configs(
     """The KV cache config of each worker, from its layers' specs and memory.
 
     Every worker gets the same groups and the same number of blocks (the
-    scheduler allocates one block id for all of them). With
-    ``num_gpu_blocks_override`` the memory that counts is what the override's
-    blocks take, so the start-up check judges the pool that will exist.
-    tracevllm has one worker; with tensor parallelism each would have every
-    layer, as assumed here (pipeline parallelism would split them).
+    scheduler allocates one block id for all of them). The groups are made
+    from the whole model's layers (every worker's specs merged), then each
+    worker's are projected onto the layers it holds: the TP ranks of a stage
+    hold the same layers, a pipeline stage only its own, so its tensors are
+    only for them. With ``num_gpu_blocks_override`` the memory that counts is
+    what the override's blocks take, so the start-up check judges the pool
+    that will exist.
     """
     merged_kv_cache_specs: dict[str, KVCacheSpec] = {}
     for kv_cache_spec_one_worker in kv_cache_specs:
@@ -306,31 +326,45 @@ def get_kv_cache_configs(
             assert merged_kv_cache_specs.setdefault(layer_name, layer_spec) == layer_spec, (
                 f"Layer {layer_name} has different KV cache specs on different workers."
             )
-    kv_cache_groups = get_kv_cache_groups(vllm_config, merged_kv_cache_specs)
+    global_kv_cache_groups = get_kv_cache_groups(vllm_config, merged_kv_cache_specs)
+    projected_groups_per_worker = [
+        _project_kv_cache_groups_to_worker(global_kv_cache_groups, worker_spec)
+        for worker_spec in kv_cache_specs
+    ]
     override = vllm_config.cache_config.num_gpu_blocks_override
-    if override is not None and kv_cache_groups:
-        bytes_per_block = _pool_bytes_per_block(kv_cache_groups)
-        logger.info(
-            "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
-            available_memory[0] // bytes_per_block,
-            override,
-        )
-        available_memory = [override * bytes_per_block for _ in available_memory]
+    if override is not None:
+        adjusted_memory: list[int] = []
+        for groups, avail_mem in zip(projected_groups_per_worker, available_memory):
+            if not groups:
+                adjusted_memory.append(avail_mem)
+                continue
+            bytes_per_block = _pool_bytes_per_block(groups)
+            logger.info(
+                "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
+                avail_mem // bytes_per_block,
+                override,
+            )
+            adjusted_memory.append(override * bytes_per_block)
+        available_memory = adjusted_memory
 
-    for avail_mem in available_memory:
-        if kv_cache_groups:
+    for groups, avail_mem in zip(projected_groups_per_worker, available_memory):
+        if groups:
             _check_enough_kv_cache_memory(
                 avail_mem,
-                partial(_max_memory_usage_bytes_from_groups, vllm_config, kv_cache_groups),
+                partial(_max_memory_usage_bytes_from_groups, vllm_config, groups),
                 vllm_config.model_config.get_max_model_len(),
-                partial(_estimate_max_model_len_from_groups, vllm_config, kv_cache_groups),
-                bytes_per_block=_pool_bytes_per_block(kv_cache_groups),
+                partial(_estimate_max_model_len_from_groups, vllm_config, groups),
+                bytes_per_block=_pool_bytes_per_block(groups),
             )
 
-    kv_cache_configs = [
-        get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, avail_mem)
-        for avail_mem in available_memory
-    ]
+    kv_cache_configs = []
+    for groups, worker_spec, avail_mem in zip(
+        projected_groups_per_worker, kv_cache_specs, available_memory
+    ):
+        assert sum(len(g.layer_names) for g in groups) == len(worker_spec), (
+            "Some layers are not assigned to any group."
+        )
+        kv_cache_configs.append(get_kv_cache_config_from_groups(vllm_config, groups, avail_mem))
     # The fewest blocks any worker has, for all (tensors shrunk to match).
     min_num_blocks = min(config.num_blocks for config in kv_cache_configs)
     for config in kv_cache_configs:

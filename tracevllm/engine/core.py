@@ -3,9 +3,11 @@
 Mirrors vllm/v1/engine/core.py. ``EngineCore`` is the engine itself (used
 in-process by ``InprocClient``); ``EngineCoreProc`` wraps it in its own process
 behind ZeroMQ, with an input thread and an output thread around
-``run_busy_loop``. Left out: the async-scheduling batch queue
-(``step_with_batch_queue``), data parallelism, KV connectors, sleep/wake and
-elastic scaling. The start-up handshake is folded into one READY message on
+``run_busy_loop``. When the executor runs several batches at once
+(``max_concurrent_batches`` > 1: pipeline parallelism), the loop steps with
+``step_with_batch_queue``, which keeps that many steps in flight. Left out:
+async scheduling, data parallelism, KV connectors, sleep/wake and elastic
+scaling. The start-up handshake is folded into one READY message on
 the input socket (vLLM uses a separate handshake socket with HELLO →
 addresses → READY).
 """
@@ -22,9 +24,11 @@ import shutil
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -40,6 +44,7 @@ from tracevllm.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
 )
+from tracevllm.core.sched.output import SchedulerOutput
 from tracevllm.core.sched.scheduler import Scheduler
 from tracevllm.engine import (
     EngineCoreOutput,
@@ -51,6 +56,7 @@ from tracevllm.engine import (
 )
 from tracevllm.executor import Executor
 from tracevllm.kv_cache_interface import KVCacheConfig
+from tracevllm.outputs import ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 from tracevllm.structured_output import StructuredOutputManager
@@ -116,6 +122,23 @@ class EngineCore:
             hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
             init_none_hash(hash_fn)
             self.request_block_hasher = get_request_block_hasher(cache_config.block_size, hash_fn)
+
+        # --8<-- [start:batch_queue]
+        # The batch queue: up to max_concurrent_batches steps in flight at
+        # once (P with P pipeline stages, so that each stage has a batch to
+        # run while the others run theirs). One: the synchronous step().
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: (
+            deque[tuple[Future[ModelRunnerOutput], SchedulerOutput, Future[Any]]] | None
+        ) = None
+        if self.batch_queue_size > 1:
+            logger.debug("Batch queue is enabled with size %d", self.batch_queue_size)
+            self.batch_queue = deque(maxlen=self.batch_queue_size)
+        # --8<-- [end:batch_queue]
+        # The most steps that were in flight at once, and what the last turn
+        # of step_with_batch_queue did (tracevllm's: for tests and its span).
+        self.max_batches_in_flight = 0
+        self.batch_queue_info: dict[str, Any] = {}
 
         # Aborts that arrive while a step runs (EngineCoreProc's input thread
         # puts them here as well as in the input queue): applied before the
@@ -195,6 +218,9 @@ class EngineCore:
         so the next call starts clean.
         """
         self.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR)
+        if self.batch_queue is not None:
+            # Their answers are read, in order, before the next call's.
+            self.batch_queue.clear()
         self.model_executor.drop_all_requests()
 
     # --- the step -----------------------------------------------------------
@@ -220,6 +246,76 @@ class EngineCore:
 
     # --8<-- [end:step]
 
+    # --8<-- [start:step_with_batch_queue]
+    @tracing.instrument(
+        "EngineCore.step_with_batch_queue",
+        parent=records.step_parent,
+        record=records.step_with_batch_queue,
+    )
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
+        """Schedule a step without waiting for the ones in flight, while the
+        batch queue has room; else wait for the oldest and make its output.
+
+        Returns None as the outputs when this call only scheduled. The
+        scheduler never schedules a request whose step is in flight again
+        before its output is in: ``_update_after_schedule`` has already
+        counted its tokens as computed, so a decode has nothing left to run
+        (a long prompt's next chunk may go, which is how prefills pipeline).
+        """
+        batch_queue = self.batch_queue
+        assert batch_queue is not None
+        assert len(batch_queue) < self.batch_queue_size
+
+        model_executed = False
+        info = self.batch_queue_info = dict(
+            scheduled_step_id=-1, output_step_id=-1, in_flight=0, req_ids=set()
+        )
+        if self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            info["scheduled_step_id"] = scheduler_output.step_id
+            info["req_ids"].update(scheduler_output.num_scheduled_tokens)
+            exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
+            model_executed = scheduler_output.total_num_scheduled_tokens > 0
+            future: Future[Any]
+            if not model_executed:
+                future = exec_future  # nothing to sample: EMPTY_MODEL_RUNNER_OUTPUT
+            else:
+                # Every request in this step has its earlier tokens in: the
+                # bitmask can be built now (vLLM defers it under async scheduling).
+                grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+                future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+            batch_queue.appendleft(
+                (cast("Future[ModelRunnerOutput]", future), scheduler_output, exec_future)
+            )
+            # Steps that run the model, sent and not yet answered.
+            in_flight = sum(so.total_num_scheduled_tokens > 0 for _, so, _ in batch_queue)
+            info["in_flight"] = in_flight
+            self.max_batches_in_flight = max(self.max_batches_in_flight, in_flight)
+            if (
+                model_executed
+                and len(batch_queue) < self.batch_queue_size
+                and not batch_queue[-1][0].done()
+            ):
+                # Room for another step: schedule it before waiting for this one.
+                return None, True
+        elif not batch_queue:
+            return None, False
+
+        # Wait for the oldest step in flight.
+        future, scheduler_output, exec_future = batch_queue.pop()
+        model_output = future.result()
+        if model_output is None:
+            # sample_tokens gave nothing: execute_model must have failed; raise that.
+            exec_future.result()
+            raise RuntimeError("unexpected error")
+        info["output_step_id"] = scheduler_output.step_id
+        info["req_ids"].update(scheduler_output.num_scheduled_tokens)
+        self._process_aborts_queue()
+        engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        return engine_core_outputs, model_executed
+
+    # --8<-- [end:step_with_batch_queue]
+
     def _process_aborts_queue(self) -> None:
         """Apply the aborts that came in while the step ran, as one batch.
 
@@ -232,15 +328,24 @@ class EngineCore:
         if request_ids:
             self.abort_requests(request_ids)
 
-    def step_fn(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
-        if self.scheduler.only_waiting_for_grammars():
+    def step_fn(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
+        """One turn of the loop: step(), or step_with_batch_queue() when
+        the executor runs several batches at once (vLLM picks one of the two
+        as ``step_fn`` at start-up)."""
+        if self.scheduler.only_waiting_for_grammars() and not self.batch_queue:
             # tracevllm: nothing can run before a grammar compiles, so wait
             # for one (50 ms at most: new requests are read between waits)
             # instead of spinning through empty steps, as vLLM does.
             self.structured_output_manager.wait_for_grammars(
                 self.scheduler.skipped_waiting, timeout=0.05
             )
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         return self.step()
+
+    def has_work(self) -> bool:
+        """Whether the engine should be stepped: requests, or steps in flight."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
 
     # --8<-- [start:post_step]
     def post_step(self, model_executed: bool) -> None:
@@ -386,7 +491,7 @@ class EngineCoreProc(EngineCore):
 
         Returns False when the engine should stop (the frontend is gone).
         """
-        while not self.scheduler.has_requests():
+        while not self.has_work():
             if self.input_queue.empty():
                 # Idle: every abort queued so far is in the input queue too.
                 with self.aborts_queue.mutex:
@@ -407,7 +512,7 @@ class EngineCoreProc(EngineCore):
 
     def _process_engine_step(self) -> bool:
         outputs, model_executed = self.step_fn()
-        for output in outputs.items():
+        for output in (outputs or {}).items():
             self.output_queue.put_nowait(output)
         self.post_step(model_executed)
         return model_executed

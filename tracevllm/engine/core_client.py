@@ -111,7 +111,8 @@ class InprocClient(EngineCoreClient):
             self.engine_core.abort_all_after_failed_step()
             raise
         self.engine_core.post_step(model_executed)
-        return outputs.get(0) or EngineCoreOutputs()
+        # None: the step was only scheduled (the batch queue had room).
+        return (outputs or {}).get(0) or EngineCoreOutputs()
 
     @tracing.instrument("InprocClient.add_request")
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -168,6 +168,29 @@ def step(span: Span, result: Any, engine_core: Any) -> None:
 # --8<-- [end:step_span]
 
 
+def step_with_batch_queue(span: Span, result: Any, engine_core: Any) -> None:
+    """Which step this turn scheduled, which one's output it made (-1: none),
+    and how many steps were in flight; linked to the requests of both."""
+    info = engine_core.batch_queue_info
+    span.set_attributes(
+        {
+            SpanAttributes.STEP_ID: info["scheduled_step_id"],
+            "tracevllm.batch_queue.output_step_id": info["output_step_id"],
+            "tracevllm.batch_queue.in_flight": info["in_flight"],
+            "tracevllm.batch_queue.size": engine_core.batch_queue_size,
+        }
+    )
+    scheduler = engine_core.scheduler
+    served = sorted(info["req_ids"])
+    for req_id in served:
+        request = scheduler.requests.get(req_id)
+        context = extract_trace_context(request.trace_headers if request else None)
+        if context is not None:
+            req_span_context = trace.get_current_span(context).get_span_context()
+            span.add_link(req_span_context, {SpanAttributes.GEN_AI_REQUEST_ID: req_id})
+    span.set_attribute(SpanAttributes.REQUEST_IDS, served)
+
+
 def update_from_output(
     span: Span, engine_core_outputs: Any, scheduler: Any, so: Any, runner_output: Any
 ) -> None:

@@ -11,8 +11,11 @@ are computed at every draft position and one past the last
 (``_calc_spec_decode_metadata``), the ``RejectionSampler`` decides what each
 request emits, and the drafter proposes the next drafts
 (``propose_draft_token_ids``), which EngineCore collects with
-``take_draft_token_ids``. Left out: CUDA graphs, torch.compile, async
-scheduling, the padded drafter batch, pipeline/tensor/data parallelism, LoRA,
+``take_draft_token_ids``. A pipeline stage runs its own layers: one
+before the last returns ``IntermediateTensors`` from ``execute_model``
+(the Worker sends them on) and learns the tokens it runs from the
+scheduler's ``new_token_ids``, since only the last stage samples. Left out:
+CUDA graphs, torch.compile, async scheduling, the padded drafter batch, LoRA,
 multimodal, pooling, prompt logprobs, KV connectors, cascade attention,
 profiling runs (the KV cache size comes from a configured budget).
 """
@@ -34,6 +37,7 @@ from tracevllm.core.kv_cache_sizing import (
     get_kv_cache_config_from_groups,
     get_kv_cache_groups,
 )
+from tracevllm.distributed.parallel_state import get_pp_group
 from tracevllm.forward_context import set_forward_context
 from tracevllm.kv_cache_interface import (
     AttentionSpec,
@@ -47,6 +51,7 @@ from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRun
 from tracevllm.sample.rejection_sampler import RejectionSampler
 from tracevllm.sample.sampler import Sampler
 from tracevllm.sampling_params import SamplingType
+from tracevllm.sequence import IntermediateTensors
 from tracevllm.spec_decode.draft_model import DraftModelProposer
 from tracevllm.spec_decode.metadata import SpecDecodeMetadata
 from tracevllm.spec_decode.ngram_proposer import NgramProposer
@@ -273,15 +278,25 @@ class ModelRunner:
             self.requests[new.req_id] = state
             reqs_to_add.append(state)
 
+        is_last_rank = get_pp_group().is_last_rank
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
+            new_token_ids: list[int] = []
+            if not is_last_rank:
+                # An earlier pipeline stage never samples: the scheduler sends
+                # the tokens this step runs, and the ones it has not seen yet
+                # (the last stage's samples) are appended.
+                new_token_ids = cached.new_token_ids[i]
+                num_new_tokens = state.num_computed_tokens + len(new_token_ids) - state.num_tokens
+                if num_new_tokens > 0:
+                    state.output_token_ids.extend(new_token_ids[-num_new_tokens:])
             # The runner appended every token it sampled (sample_tokens), so its
             # copy is current; cached.all_token_ids is for KV connectors and
             # async scheduling, which tracevllm leaves out. Only trim tokens the
             # scheduler did not keep, as vLLM does.
-            if cached.num_output_tokens and cached.num_output_tokens[i] < len(
+            elif cached.num_output_tokens and cached.num_output_tokens[i] < len(
                 state.output_token_ids
             ):
                 del state.output_token_ids[cached.num_output_tokens[i] :]
@@ -301,6 +316,14 @@ class ModelRunner:
             batch.num_computed_tokens_cpu[req_index] = state.num_computed_tokens
             if new_block_ids is not None:
                 batch.block_table.append_row(new_block_ids, req_index)
+            if not is_last_rank:
+                # The last stage caches what it sampled; the others write the
+                # tokens they were sent (a prefill chunk may end short of them).
+                start = int(batch.num_tokens_no_spec[req_index])
+                end = max(start, state.num_computed_tokens + len(new_token_ids))
+                if end > start:
+                    batch.token_ids_cpu[req_index, start:end] = new_token_ids[start - end :]
+                    batch.num_tokens_no_spec[req_index] = end
 
         for state in reqs_to_add:
             batch.add_request(state)
@@ -418,11 +441,18 @@ class ModelRunner:
     # --8<-- [start:execute_model]
     @tracing.instrument("ModelRunner.execute_model")
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(
+        self,
+        scheduler_output: SchedulerOutput,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
         """Run the forward pass; sample_tokens() finishes the step.
 
         Returns None, or EMPTY_MODEL_RUNNER_OUTPUT when nothing was scheduled
-        (then there is nothing to sample).
+        (then there is nothing to sample). A pipeline stage before the last
+        starts from ``intermediate_tensors`` (unless it is the first) and
+        returns its own, for the Worker to send on: only the last stage
+        computes logits and samples.
         """
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -436,7 +466,12 @@ class ModelRunner:
             no_compile_layers=dict(self.attn_layers),
             slot_mapping={name: md.slot_mapping for name, md in attn_metadata.items()},
         ):
-            hidden_states = self.model(self.input_ids, self.positions)  # [num_tokens, hidden]
+            hidden_states = self.model(self.input_ids, self.positions, intermediate_tensors)
+        if not get_pp_group().is_last_rank:
+            assert isinstance(hidden_states, IntermediateTensors)
+            self.execute_model_state = None  # nothing to sample here
+            return hidden_states
+        assert isinstance(hidden_states, torch.Tensor)  # [num_tokens, hidden]
         # Only the last token of each request needs logits (and each draft position).
         logits = self.model.compute_logits(hidden_states[logits_indices])  # [num_logits, vocab]
         self.execute_model_state = ExecuteModelState(

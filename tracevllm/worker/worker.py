@@ -3,9 +3,11 @@
 Mirrors vllm/v1/worker/gpu_worker.py (``Worker``; with vllm/v1/worker/
 cpu_worker.py's CPU threads folded in). The executor calls these methods on
 every rank, by name, through ``collective_rpc``; the ``ModelRunner`` does the
-work. Left out: sleep/wake, profiling, LoRA, weight transfer, memory
-profiling (the KV cache budget is configured, as vLLM's CPU backend's
-``VLLM_CPU_KVCACHE_SPACE``), CUDA graph capture and compilation.
+work. With pipeline parallelism ``execute_model`` receives the previous
+stage's ``IntermediateTensors`` and sends its own on. Left out: sleep/wake,
+profiling, LoRA, weight transfer, memory profiling (the KV cache budget is
+configured, as vLLM's CPU backend's ``VLLM_CPU_KVCACHE_SPACE``), CUDA graph
+capture and compilation.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class Worker(WorkerBase):
         """Allocate this rank's KV cache: the block count every rank shares."""
         assert self.model_runner is not None
         self.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-        self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
+        # The config names this rank's tensors: a pipeline stage's layers only.
+        self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> None:
         """Nothing to compile or capture on this path; the seed is set again,
@@ -98,12 +101,37 @@ class Worker(WorkerBase):
         state the same (a request without a seed samples alike on all)."""
         set_random_seed(self.model_config.seed)
 
+    # --8<-- [start:worker_execute_model]
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        # None: the forward ran and sample_tokens() will finish the step (vLLM
-        # splits the two so the scheduler can build the grammar bitmask in
-        # between). An output here: nothing was scheduled.
+        """One step's forward pass on this rank's layers.
+
+        None: the forward ran and sample_tokens() will finish the step (vLLM
+        splits the two so the scheduler can build the grammar bitmask in
+        between). An output here: nothing was scheduled. With pipeline
+        parallelism a stage after the first first receives the previous
+        stage's ``IntermediateTensors``, and a stage before the last sends
+        its own to the next (then it is done: only the last samples).
+        """
+        from tracevllm.distributed.parallel_state import get_pp_group
+        from tracevllm.sequence import IntermediateTensors
+
         assert self.model_runner is not None
-        return self.model_runner.execute_model(scheduler_output)
+        pp_group = get_pp_group()
+        intermediate_tensors = None
+        forward_pass = scheduler_output.total_num_scheduled_tokens > 0
+        if forward_pass and not pp_group.is_first_rank:
+            # In step order: every stage runs the steps in the order they were sent.
+            tensor_dict = pp_group.recv_tensor_dict()
+            assert tensor_dict is not None
+            intermediate_tensors = IntermediateTensors(tensor_dict)
+        output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
+        if not isinstance(output, IntermediateTensors):
+            return output
+        assert not pp_group.is_last_rank
+        pp_group.send_tensor_dict(output.tensors)
+        return None
+
+    # --8<-- [end:worker_execute_model]
 
     def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         assert self.model_runner is not None

@@ -13,7 +13,8 @@ the drafts proposed after the last step (``spec_token_ids``): they are
 scheduled with it (``scheduled_spec_decode_tokens``), and after the step
 ``num_computed_tokens`` goes back by the drafts the target rejected.
 Left out: KV connectors, encoder inputs, LoRA, async scheduling (output
-placeholders), streaming input, pause states, pipeline parallelism.
+placeholders), streaming input, pause states. With pipeline parallelism
+each step carries the tokens it runs (``new_token_ids``), as vLLM's sync path.
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ class Scheduler:
         self.step_id = 0
         self.num_preempted_reqs = 0  # in the last step, for make_stats
         self.spec_decoding_stats: SpecDecodingStats | None = None  # likewise
+        # Pipeline stages other than the last do not sample: each step tells
+        # them the tokens they run (_make_cached_request_data).
+        self.use_pp = vllm_config.parallel_config.pipeline_parallel_size > 1
 
         # Drafts per step; a draft model also writes its KV that many slots
         # ahead of the tokens it was given (vLLM's lookahead slots).
@@ -331,7 +335,11 @@ class Scheduler:
             for req in scheduled_new_reqs
         ]
         cached_reqs_data = self._make_cached_request_data(
-            scheduled_running_reqs, scheduled_resumed_reqs, req_to_new_blocks
+            scheduled_running_reqs,
+            scheduled_resumed_reqs,
+            num_scheduled_tokens,
+            scheduled_spec_decode_tokens,
+            req_to_new_blocks,
         )
         self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
         scheduler_output = SchedulerOutput(
@@ -389,6 +397,8 @@ class Scheduler:
         self,
         running_reqs: list[Request],
         resumed_reqs: list[Request],
+        num_scheduled_tokens: dict[str, int],
+        spec_decode_tokens: dict[str, list[int]],
         req_to_new_blocks: dict[str, KVCacheBlocks],
     ) -> CachedRequestData:
         # Resumed requests come last; the runner replaces their block ids.
@@ -396,6 +406,12 @@ class Scheduler:
         for req in running_reqs + resumed_reqs:
             req_id = req.request_id
             data.req_ids.append(req_id)
+            if self.use_pp:
+                # The tokens this step runs (drafts aside): the first stage
+                # never hears from the last, which sampled them.
+                num_tokens = num_scheduled_tokens[req_id] - len(spec_decode_tokens.get(req_id, ()))
+                start = req.num_computed_tokens
+                data.new_token_ids.append(req.all_token_ids[start : start + num_tokens])
             # For a request not scheduled last step, the whole sequence goes
             # along, as in vLLM: KV connectors read it, and async scheduling
             # rebuilds a resumed request's outputs from it. The synchronous
