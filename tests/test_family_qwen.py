@@ -1,4 +1,5 @@
-"""Qwen2 against HF transformers' own Qwen2ForCausalLM (tests/family_check.py).
+"""Qwen2 and Qwen3 against HF transformers' own Qwen2ForCausalLM and
+Qwen3ForCausalLM (tests/family_check.py).
 
 Each tiny checkpoint is made so that what the family changes relative to
 Llama shows in the tokens or the log-probabilities:
@@ -7,10 +8,12 @@ Llama shows in the tokens or the log-probabilities:
   model without them would agree);
 - Qwen2 with ``use_sliding_window`` and ``max_window_layers`` 1: layer 0 full,
   layer 1 sliding over 12 tokens (HF's ``layer_types``), so two KV cache
-  groups and a block bound as tests/test_sliding_window.py checks it.
+  groups and a block bound as tests/test_sliding_window.py checks it;
+- Qwen3: ``head_dim`` 32 with 4 heads of a 64-wide model (not 64 / 4), the
+  q_norm/k_norm weights drawn at random (HF starts them at one), tied embeddings.
 
-It also runs on two tensor-parallel ranks (the mp executor), and its spans
-are named after its own classes.
+Both also run on two tensor-parallel ranks (the mp executor), and their spans
+are named after their own classes.
 """
 
 from __future__ import annotations
@@ -69,6 +72,20 @@ def qwen2_sliding(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     return path, model
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path, vocab_size = new_checkpoint_dir(tmp_path_factory, "tiny-qwen3-family")
+    torch.manual_seed(0)
+    config = Qwen3Config(**tiny_config_kwargs(vocab_size, head_dim=32, tie_word_embeddings=True))
+    assert not config.attention_bias and config.layer_types == ["full_attention"] * 2
+    model = Qwen3ForCausalLM(config).eval()
+    _randomize(model, ("q_norm.weight", "k_norm.weight"), mean=1.0)
+    save_hf_model(model, path)
+    return path, model
+
+
 def _randomize(model: Any, suffixes: tuple[str, ...], mean: float) -> None:
     """Draw the parameters HF starts at a constant (biases 0, norm weights 1)."""
     params = [p for name, p in model.named_parameters() if name.endswith(suffixes)]
@@ -81,6 +98,11 @@ def _randomize(model: Any, suffixes: tuple[str, ...], mean: float) -> None:
 @pytest.mark.parametrize("enable_multiprocessing", [False, True])
 def test_qwen2_matches_hf(qwen2: tuple[str, Any], enable_multiprocessing: bool) -> None:
     check_against_hf(*qwen2, enable_multiprocessing=enable_multiprocessing)
+
+
+@pytest.mark.parametrize("enable_multiprocessing", [False, True])
+def test_qwen3_matches_hf(qwen3: tuple[str, Any], enable_multiprocessing: bool) -> None:
+    check_against_hf(*qwen3, enable_multiprocessing=enable_multiprocessing)
 
 
 def _with_window_bound(bounds: list[WindowBound]) -> Callable[..., LLM]:
@@ -113,7 +135,7 @@ def test_qwen2_sliding_window_matches_hf(
     }
 
 
-@pytest.mark.parametrize("family", ["qwen2"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_tensor_parallel_matches_hf(family: str, request: pytest.FixtureRequest) -> None:
     """Two ranks over the mp executor: heads (and the q/k/v biases with them),
     MLP and vocabulary split in two."""
@@ -136,7 +158,7 @@ def test_qwen_tensor_parallel_matches_hf(family: str, request: pytest.FixtureReq
         assert list(output.outputs[0].token_ids) == tokens, f"prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize(("family", "cls"), [("qwen2", "Qwen2")])
+@pytest.mark.parametrize(("family", "cls"), [("qwen2", "Qwen2"), ("qwen3", "Qwen3")])
 def test_qwen_spans(family: str, cls: str, request: pytest.FixtureRequest) -> None:
     """Llama's spans, named after the family's classes: the forward, and at
     detail full one span per decoder layer holding that layer's KV write and read."""
