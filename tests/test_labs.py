@@ -401,6 +401,75 @@ def test_the_moe_router_lab_routes_the_real_layer(tmp_path: Path) -> None:
     assert proc.stderr.count(f"lab 13: fused_topk from {folder / 'lab.py'}") == 1, proc.stderr
 
 
+MOE_GENERATE = textwrap.dedent(
+    """
+    import json, sys
+    from tracevllm import LLM, SamplingParams
+
+    def run(model_dir, trace_dir):
+        with LLM(model=model_dir, enable_multiprocessing=False, trace_detail="full",
+                 trace_dir=trace_dir) as llm:
+            outs = llm.generate(
+                [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9], [10, 11, 12, 13])],
+                SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                use_tqdm=False,
+            )
+        import tracevllm.labs as labs
+
+        calls = {p.parent.name[:2]: m.CALLS for p, m in labs._LOADED.items()}
+        return {"tokens": [o.outputs[0].token_ids for o in outs], "calls": calls}
+    """
+)
+
+
+def test_the_moe_router_lab_serves_a_moe_model(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TRACEVLLM_LAB=13 (a pass-through lab.py) while a tiny Qwen3-MoE
+    generates: the same tokens as the engine's own router, the lab called in
+    every MoE layer of every step, and each FusedMoE.forward span names it."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tests.family_check import new_checkpoint_dir, save_hf_model, tiny_config_kwargs
+    from tracevllm.tracing.exporters import read_spans_jsonl
+
+    model_dir, vocab_size = new_checkpoint_dir(tmp_path_factory, "lab13-qwen3-moe")
+    config = Qwen3MoeConfig(
+        **tiny_config_kwargs(
+            vocab_size, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # HF starts the router at zero: every expert tied
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0.0, 0.5)
+    save_hf_model(model, model_dir)
+
+    folder = tmp_path / "13-moe-router"
+    folder.mkdir()
+    (folder / "lab.py").write_text(PASS_THROUGH_LAB.format(name="fused_topk"))
+    namespace: dict[str, Any] = {}
+    exec(MOE_GENERATE, namespace)  # the baseline, here: no lab is plugged into this process
+    baseline = namespace["run"](model_dir, str(tmp_path / "baseline"))
+    code = MOE_GENERATE + "\nprint('RESULT=' + json.dumps(run(sys.argv[1], sys.argv[2])))\n"
+    proc = _python(code, str(folder), model_dir, str(tmp_path / "plugged"))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT="))
+    plugged = json.loads(line.removeprefix("RESULT="))
+
+    assert baseline["calls"] == {}
+    assert plugged["tokens"] == baseline["tokens"]
+    spans = read_spans_jsonl(str(tmp_path / "plugged" / "spans.jsonl"))
+    moe = [s for s in spans if s.name == "FusedMoE.forward"]
+    # Every MoE layer (both) of every step called the lab's router once.
+    assert len(moe) == plugged["calls"]["13"] > 0
+    named = f"13: fused_topk from {folder / 'lab.py'}"
+    assert all(s.attributes.get("tracevllm.labs") == [named] for s in moe)
+
+
 def test_a_plugged_lab_says_so(tiny_model_dir: str, tmp_path: Path) -> None:
     """TRACEVLLM_LAB=03,04 prints one line naming each lab's file when the
     engine loads it, tags the spans its function ran under (``tracevllm.labs``;
