@@ -1,7 +1,8 @@
 """Collectives over the tensor-parallel group, the ones the layers call.
 
 Mirrors vllm/distributed/communication_op.py. Each is one line: the layer
-code says *what* crosses ranks, ``GroupCoordinator`` says *how*. Left out:
+code says *what* crosses ranks, ``GroupCoordinator`` says *how* (and, at
+trace detail "full", records each as a span). Left out:
 ``tensor_model_parallel_reduce_scatter`` (sequence parallelism).
 """
 

@@ -13,6 +13,10 @@ layer always asks its group (``get_tp_group().world_size`` is 1 there, and
 every collective returns its input untouched). That world is made once per
 process and reused by every later ``LLM`` in it.
 
+At trace detail "full" each collective of more than one rank is a
+``GroupCoordinator.<op>`` span (its group, bytes and milliseconds); below
+"full" the only cost is one check of the detail.
+
 Departures: collectives go straight to torch.distributed rather than through
 a device communicator (no custom all-reduce, no PyNccl, no shared-memory
 broadcaster in the group); on gloo the device group *is* the CPU group (vLLM
@@ -25,15 +29,21 @@ elastic EP, graph capture.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
+import time
 from collections import namedtuple
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from tracevllm import tracing
+from tracevllm.tracing.attributes import SpanAttributes
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
@@ -154,10 +164,42 @@ class GroupCoordinator:
         """
         if self.world_size == 1:
             return input_
+        if tracing.is_full_detail():  # a span per call: only at detail "full"
+            with self._comm_span("all_reduce", input_.nbytes):
+                dist.all_reduce(input_, group=self.device_group)
+            return input_
         dist.all_reduce(input_, group=self.device_group)
         return input_
 
     # --8<-- [end:group_all_reduce]
+
+    @contextlib.contextmanager
+    def _comm_span(self, op: str, nbytes: int | None = None) -> Iterator[Any]:
+        """A ``GroupCoordinator.<op>`` span around one collective: its group,
+        the bytes of its result and the milliseconds it took.
+
+        Inside a model's forward it is timed and made when the forward ends
+        (``tracing.span``). On a CUDA group the device is synchronized on
+        both sides, so the milliseconds are the collective's, not its launch
+        (detail "full" already trades speed for what it shows).
+        """
+        attributes: dict[str, Any] = {
+            **_COMM_CODE[op],
+            SpanAttributes.COMM_GROUP: self.unique_name,
+            SpanAttributes.COMM_WORLD_SIZE: self.world_size,
+        }
+        if nbytes is not None:
+            attributes[SpanAttributes.COMM_BYTES] = nbytes
+        with tracing.span(f"GroupCoordinator.{op}", attributes) as span:
+            self._synchronize()
+            start = time.perf_counter()
+            yield span
+            self._synchronize()
+            span.set_attribute(SpanAttributes.COMM_MS, (time.perf_counter() - start) * 1e3)
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's ``input_``, concatenated along ``dim`` in rank order."""
@@ -168,7 +210,11 @@ class GroupCoordinator:
         )
         input_ = input_.contiguous()
         parts = [torch.empty_like(input_) for _ in range(self.world_size)]
-        dist.all_gather(parts, input_, group=self.device_group)
+        if tracing.is_full_detail():
+            with self._comm_span("all_gather", input_.nbytes * self.world_size):
+                dist.all_gather(parts, input_, group=self.device_group)
+        else:
+            dist.all_gather(parts, input_, group=self.device_group)
         return torch.cat(parts, dim=dim)
 
     def gather(self, input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
@@ -182,13 +228,21 @@ class GroupCoordinator:
             if self.rank_in_group == dst
             else None
         )
-        dist.gather(input_, parts, dst=self.ranks[dst], group=self.device_group)
+        if tracing.is_full_detail():
+            with self._comm_span("gather", input_.nbytes * self.world_size):
+                dist.gather(input_, parts, dst=self.ranks[dst], group=self.device_group)
+        else:
+            dist.gather(input_, parts, dst=self.ranks[dst], group=self.device_group)
         return torch.cat(parts, dim=dim) if parts is not None else None
 
     def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank ``src``'s tensor into every rank's ``input_`` (same shape)."""
         assert src < self.world_size, f"Invalid src rank ({src})"
         if self.world_size == 1:
+            return input_
+        if tracing.is_full_detail():
+            with self._comm_span("broadcast", input_.nbytes):
+                dist.broadcast(input_, src=self.ranks[src], group=self.device_group)
             return input_
         dist.broadcast(input_, src=self.ranks[src], group=self.device_group)
         return input_
@@ -229,6 +283,18 @@ class GroupCoordinator:
         if not dist.is_initialized() or self.world_size == 1:
             return tensor_dict
         assert src < self.world_size, f"Invalid src rank ({src})"
+        if tracing.is_full_detail():
+            # The bytes are known once the metadata has crossed.
+            with self._comm_span("broadcast_tensor_dict") as span:
+                result = self._broadcast_tensor_dict(tensor_dict, src)
+                nbytes = sum(v.nbytes for v in result.values() if isinstance(v, torch.Tensor))
+                span.set_attribute(SpanAttributes.COMM_BYTES, nbytes)
+            return result
+        return self._broadcast_tensor_dict(tensor_dict, src)
+
+    def _broadcast_tensor_dict(
+        self, tensor_dict: dict[str, torch.Tensor | Any] | None, src: int
+    ) -> dict[str, torch.Tensor | Any]:
         if self.rank_in_group == src:
             assert isinstance(tensor_dict, dict), f"Expecting a dictionary, got {type(tensor_dict)}"
             metadata_list, tensor_list = _split_tensor_dict(tensor_dict)
@@ -299,6 +365,12 @@ class GroupCoordinator:
     def _device(self, metadata: TensorMetadata) -> torch.device:
         return torch.device("cpu") if metadata.device == "cpu" else self.device
 
+
+# The code.* attributes of each collective's span (tracing.code_attributes).
+_COMM_CODE = {
+    op: tracing.code_attributes(getattr(GroupCoordinator, op))
+    for op in ("all_reduce", "all_gather", "gather", "broadcast", "broadcast_tensor_dict")
+}
 
 _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None

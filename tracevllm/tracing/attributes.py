@@ -49,6 +49,13 @@ class SpanAttributes:
     TP_RANK = "tracevllm.tp_rank"
     PP_RANK = "tracevllm.pp_rank"
     DP_RANK = "tracevllm.dp_rank"
+    # A collective between ranks (detail "full"): its group ("tp", "pp", "dp",
+    # "world") and size, the bytes of its result (nccl-tests' "size": the
+    # gathered tensor for an all-gather), and the milliseconds it took.
+    COMM_GROUP = "tracevllm.comm.group"
+    COMM_WORLD_SIZE = "tracevllm.comm.world_size"
+    COMM_BYTES = "tracevllm.comm.bytes"
+    COMM_MS = "tracevllm.comm.ms"
     STEP_ID = "tracevllm.step_id"
     REQUEST_IDS = "tracevllm.request_ids"
     NUM_CACHED_TOKENS = "tracevllm.num_cached_tokens"

@@ -21,6 +21,7 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.table import Table
 from rich.text import Text
 
+from tracevllm.tracing.attributes import SpanAttributes
 from tracevllm.tracing.exporters import SpanRecord
 
 PROCESS_STYLE = {
@@ -28,8 +29,15 @@ PROCESS_STYLE = {
     "frontend": "cyan",
     "engine_core": "magenta",
     "inprocess": "cyan",
+    "worker": "yellow",
 }
-PROCESS_SHORT = {"client": "CL", "frontend": "FE", "engine_core": "EC", "inprocess": "1P"}
+PROCESS_SHORT = {
+    "client": "CL",
+    "frontend": "FE",
+    "engine_core": "EC",
+    "inprocess": "1P",
+    "worker": "W",  # W0, W1 ...: the worker of that global rank
+}
 # Siblings with the same name beyond this many are folded into one line.
 MAX_SAME_NAME = 3
 # The timeline never gets narrower than this while another column can give way,
@@ -117,7 +125,7 @@ class Waterfall:
         return " " * (layout.indent * row.depth) + mark + (row.short if layout.short else row.name)
 
     def _proc(self, span: SpanRecord, layout: _Layout) -> str:
-        kind = PROCESS_SHORT.get(span.process_kind, "?")
+        kind = _kind(span)
         return f"{kind} {span.pid}" if layout.pid else kind
 
     def _columns(self, layout: _Layout) -> dict[str, int]:
@@ -176,14 +184,38 @@ class Waterfall:
             table.add_row(*cells, Bar(self.total, begin, end, width=timeline, color=style))
         pids = ""
         if not layout.pid:  # the pids leave their column for the legend
-            by_kind = {PROCESS_SHORT.get(s.process_kind, "?"): s.pid for s in self.spans}
+            by_kind = {_kind(s): s.pid for s in self.spans}
             pids = " (" + ", ".join(f"{k} pid {p}" for k, p in sorted(by_kind.items())) + ")"
         kinds = {s.process_kind for s in self.spans}
         legend = "FE frontend · EC engine core · 1P one process" + pids
         if "client" in kinds:
             legend = "CL HTTP client · FE API server · " + legend.split(" · ", 1)[1]
+        workers = _worker_places(self.spans)
+        if workers:
+            legend += " · " + ", ".join(workers)
         legend += " · ⇄ parent in the other process"
         yield Group(Text("Span waterfall", style="bold"), Text(legend, style="dim"), table)
+
+
+def _kind(span: SpanRecord) -> str:
+    """The process column: FE, EC ..., and a worker by its global rank (W0, W1 ...)."""
+    kind = PROCESS_SHORT.get(span.process_kind, "?")
+    rank = span.resource.get(SpanAttributes.RANK)
+    return f"{kind}{rank}" if span.process_kind == "worker" and rank is not None else kind
+
+
+def _worker_places(spans: list[SpanRecord]) -> list[str]:
+    """Each worker's place in the parallel layout: "W1 TP 1 PP 0", rank order."""
+    places: dict[int, str] = {}
+    for s in spans:
+        rank = s.resource.get(SpanAttributes.RANK)
+        if s.process_kind == "worker" and rank is not None and rank not in places:
+            tp, pp = s.resource.get(SpanAttributes.TP_RANK), s.resource.get(SpanAttributes.PP_RANK)
+            places[rank] = f"W{rank} TP {tp} PP {pp}"
+            dp = s.resource.get(SpanAttributes.DP_RANK)
+            if dp:
+                places[rank] += f" DP {dp}"
+    return [places[rank] for rank in sorted(places)]
 
 
 def render_waterfall(
