@@ -89,6 +89,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # How many decoder layers each pipeline stage runs, comma-separated, e.g.
     # "8,8,8,6" (vLLM's VLLM_PP_LAYER_PARTITION); unset: an even split.
     "TRACEVLLM_PP_LAYER_PARTITION": lambda: os.environ.get("TRACEVLLM_PP_LAYER_PARTITION") or None,
+    # This machine's address as the other machines of a Ray cluster should
+    # reach it (vLLM's VLLM_HOST_IP); unset: the address of the interface
+    # that routes outwards. Set it on each node, to that node's own address.
+    "TRACEVLLM_HOST_IP": lambda: os.environ.get("TRACEVLLM_HOST_IP", ""),
 }
 
 if TYPE_CHECKING:  # the names above, as module attributes
@@ -107,6 +111,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_XGRAMMAR_CACHE_MB: int
     TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE: int
     TRACEVLLM_PP_LAYER_PARTITION: str | None
+    TRACEVLLM_HOST_IP: str
 
 
 def __getattr__(name: str) -> Any:

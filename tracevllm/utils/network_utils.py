@@ -19,7 +19,12 @@ def get_loopback_ip() -> str:
 
 
 def get_ip() -> str:
-    """This machine's address as other machines see it (the loopback if none)."""
+    """This machine's address as other machines see it (the loopback if none);
+    ``TRACEVLLM_HOST_IP`` wins (vLLM's ``VLLM_HOST_IP``)."""
+    from tracevllm import envs
+
+    if host_ip := envs.TRACEVLLM_HOST_IP:
+        return host_ip
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             # No packet is sent: connect() on UDP only picks the outgoing interface.

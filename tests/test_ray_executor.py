@@ -1,0 +1,277 @@
+"""``distributed_executor_backend="ray"`` on a real local Ray cluster.
+
+Ray's start-up is slow and leaves state in the process that starts it (a
+connection, atexit hooks, a local cluster), so everything Ray runs in one
+child process per module (``python -m tests.test_ray_executor``, under a
+timeout): the T = 1 reference, then the tiny model at T = 2 on Ray with
+chunked prefill, prefix caching and preemption, in this process on a Ray it
+starts (with a worker's error, a killed rank, shutdown); then P = 2 in its
+own EngineCore process joining a two-node ``ray.cluster_utils.Cluster`` by
+RAY_ADDRESS, as across machines. It prints one JSON line per engine; the
+tests read them. The whole module is skipped without Ray (``make setup-ray``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+BLOCK_SIZE = 4
+NUM_TOKENS = 24
+# Lengths from one token to several chunks; the last two share a 20-token prefix.
+PROMPT_LENS = [1, 5, 13, 30, 41, 20, 20, 27]
+
+
+def _prompts() -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts[7] = prompts[6] + prompts[7][:7]
+    return prompts
+
+
+def _make_llm(model: str, **kw: Any) -> Any:
+    from tracevllm import LLM
+
+    return LLM(
+        model=model,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,  # chunked prefill
+        max_num_seqs=8,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=40,  # small: requests get preempted
+        max_model_len=128,
+        **kw,
+    )
+
+
+def _generate(llm: Any) -> dict[str, Any]:
+    from tracevllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], params, use_tqdm=False)
+    return dict(
+        tokens=[list(o.outputs[0].token_ids) for o in outs],
+        cached=outs[7].num_cached_tokens,
+        preemptions=llm.llm_engine.num_preemptions,
+    )
+
+
+# --- run on the actors by collective_rpc (module level: Ray pickles them) -------
+def rank_and_pid(worker: Any) -> tuple[int, int]:
+    return worker.rank, os.getpid()
+
+
+def fail_on_purpose(worker: Any) -> None:
+    raise ValueError(f"rank {worker.rank} says no")
+
+
+def read_env(worker: Any, name: str) -> tuple[str | None, str | None]:
+    """The variable in this actor, and in the runtime environment Ray gave it
+    (a node's raylet started elsewhere has none of the driver's variables)."""
+    import ray
+
+    env_vars = ray.get_runtime_context().runtime_env.get("env_vars", {})
+    return os.environ.get(name), env_vars.get(name)
+
+
+# --- the child process ------------------------------------------------------------
+def _ray_processes() -> list[str]:
+    """This process's descendants that are Ray's (its cluster, its workers)."""
+    import psutil
+
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "ray" in cmd or p.name().startswith("ray::"):
+            found.append(f"{p.pid} {cmd[:120]}")
+    return found
+
+
+def _wait_gone(pids: list[int], timeout: float = 20) -> list[int]:
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return alive
+
+
+def _say(**kw: Any) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def _in_process(model: str) -> None:
+    """T = 2 on Ray with EngineCore (the Ray driver) in this process: its
+    executor is at hand."""
+    import ray
+
+    from tracevllm.executor.ray_executor import RayDistributedExecutor
+
+    os.environ["TRACEVLLM_RAY_TEST_MARK"] = "from-the-driver"
+    llm = _make_llm(
+        model, tensor_parallel_size=2, distributed_executor_backend="ray",
+        enable_multiprocessing=False,
+    )  # fmt: skip
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    assert isinstance(executor, RayDistributedExecutor)
+    out = _generate(llm)
+    ranks = executor.collective_rpc(rank_and_pid)
+    out["ranks"] = [r for r, _ in ranks]
+    pids = [p for _, p in ranks]
+    out["actor_pids_differ"] = len(set(pids)) == 2 and os.getpid() not in pids
+    out["env"] = executor.collective_rpc(read_env, args=("TRACEVLLM_RAY_TEST_MARK",))
+    pg = executor.parallel_config.placement_group
+    out["bundles"] = pg.bundle_specs
+    try:
+        executor.collective_rpc(fail_on_purpose)
+        out["worker_error"] = None
+    except Exception as e:
+        out["worker_error"] = str(e)
+    out["after_error"] = [r for r, _ in executor.collective_rpc(rank_and_pid)]
+    # A killed rank: the next call says which, within seconds.
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        executor.check_health()
+        out["dead_error"] = None
+    except Exception as e:
+        out["dead_error"] = str(e)
+    out["dead_waited"] = time.monotonic() - start
+    llm.shutdown()
+    out["pg_removed"] = executor.parallel_config.placement_group is None
+    out["ray_shut_down"] = not ray.is_initialized()
+    out["left"] = _wait_gone(pids)
+    out["ray_processes"] = _ray_processes()
+    _say(engine="in_process", **out)
+
+
+def _two_nodes(model: str) -> None:
+    """P = 2 over two Ray nodes (``ray.cluster_utils.Cluster``: two raylets on
+    this machine, one CPU each) joined as across machines: EngineCore, in its
+    own process as under `tracevllm serve`, finds the cluster by RAY_ADDRESS,
+    places one stage on each node (two steps in flight: the batch queue),
+    and leaves the cluster running."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util import placement_group_table
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1))
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        os.environ["RAY_ADDRESS"] = cluster.address
+        llm = _make_llm(model, pipeline_parallel_size=2, distributed_executor_backend="ray")
+        del os.environ["RAY_ADDRESS"]
+        out = _generate(llm)
+        # Connected only now: EngineCore's process may have been forked from this one.
+        ray.init(address=cluster.address)
+        (table,) = [t for t in placement_group_table().values() if t["state"] == "CREATED"]
+        out["bundle_nodes"] = len(set(table["bundles_to_node_id"].values()))
+        llm.shutdown()
+        deadline = time.monotonic() + 20
+        while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["cpus_free"] = ray.available_resources().get("CPU")
+        out["pg_states"] = [t["state"] for t in placement_group_table().values()]
+        out["cluster_kept"] = len([n for n in ray.nodes() if n["Alive"]]) == 2
+        ray.shutdown()
+    finally:
+        cluster.shutdown()
+    out["ray_processes"] = _ray_processes()
+    _say(engine="two_nodes", **out)
+
+
+def _main(model: str, *phases: str) -> None:
+    llm = _make_llm(model, enable_multiprocessing=False)
+    _say(engine="reference", **_generate(llm))
+    llm.shutdown()
+    for phase in phases or ("in_process", "two_nodes"):
+        globals()[f"_{phase}"](model)
+
+
+# --- the tests -------------------------------------------------------------------
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="Ray is not installed (make setup-ray)",
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: str) -> dict[str, dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_ray_executor", tiny_model_dir],
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {line.pop("engine"): line for line in lines}
+
+
+def test_ray_tp2_and_pp2_give_the_single_worker_tokens(runs: dict[str, dict[str, Any]]) -> None:
+    reference = runs["reference"]
+    assert reference["preemptions"] > 0, "no request was preempted: make the pool smaller"
+    assert reference["cached"] >= 16, "the shared prefix was not a cache hit"
+    for engine in ("in_process", "two_nodes"):
+        out = runs[engine]
+        assert out["tokens"] == reference["tokens"], engine
+        assert out["preemptions"] > 0 and out["cached"] >= 16, engine
+
+
+def test_ray_places_one_actor_per_rank(runs: dict[str, dict[str, Any]]) -> None:
+    out = runs["in_process"]
+    assert out["ranks"] == [0, 1]
+    assert out["actor_pids_differ"]
+    # One CPU bundle per rank, the first pinned to the driver's node.
+    assert [b["CPU"] for b in out["bundles"]] == [1.0, 1.0]
+    assert any(k.startswith("node:") for k in out["bundles"][0])
+    # The driver's TRACEVLLM_* settings reach the actors.
+    assert out["env"] == [["from-the-driver"] * 2] * 2
+
+
+def test_ray_spreads_the_ranks_over_two_nodes(runs: dict[str, dict[str, Any]]) -> None:
+    out = runs["two_nodes"]
+    assert out["bundle_nodes"] == 2
+    # The user's cluster is left running, its CPUs free, the group removed.
+    assert out["cluster_kept"] and out["cpus_free"] == 2.0
+    assert out["pg_states"] == ["REMOVED"]
+
+
+def test_ray_worker_error_and_dead_rank(runs: dict[str, dict[str, Any]]) -> None:
+    out = runs["in_process"]
+    assert out["worker_error"] is not None
+    assert re.search("rank [01] says no", out["worker_error"]), out["worker_error"]
+    assert out["after_error"] == [0, 1]
+    assert out["dead_error"] is not None, out
+    assert "the Ray worker of rank 1 died" in out["dead_error"], out
+    assert out["dead_waited"] < 10
+
+
+def test_ray_shutdown_leaves_nothing_behind(runs: dict[str, dict[str, Any]]) -> None:
+    out = runs["in_process"]
+    # The actors are gone, the group removed, and the Ray this engine started stopped.
+    assert out["pg_removed"] and out["ray_shut_down"]
+    assert out["left"] == [] and out["ray_processes"] == []
+    assert runs["two_nodes"]["ray_processes"] == []
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])
