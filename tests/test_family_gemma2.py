@@ -174,3 +174,61 @@ def test_gemma2_without_layer_types_keeps_its_full_layers_full(
     assert completion.logprobs is not None
     ours = [lp[t].logprob for lp, t in zip(completion.logprobs, tokens, strict=True)]
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=1e-4, rtol=0)
+
+
+# --- the layers Gemma-2 adds, against HF's own --------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_is_hfs(dtype: torch.dtype) -> None:
+    """``x * (1 + w)`` with the product in fp32 (bf16 shows the order), and the
+    residual form returning the sum."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from tracevllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    hf, ours = Gemma2RMSNorm(64, eps=1e-6).to(dtype), GemmaRMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.normal_(0.0, 0.5)
+        ours.weight.copy_(hf.weight)
+    x, residual = (torch.randn(5, 64) * 3).to(dtype), torch.randn(5, 64).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(x), hf(x))
+        out, summed = ours(x, residual)
+        assert torch.equal(summed, x + residual) and torch.equal(out, hf(x + residual))
+
+
+def test_gelu_and_mul_is_hfs_gelu_pytorch_tanh() -> None:
+    from transformers.activations import ACT2FN
+
+    from tracevllm.model_executor.layers.activation import GeluAndMul
+
+    x = torch.linspace(-6, 6, 2 * 500).reshape(2, 500)
+    expected = ACT2FN["gelu_pytorch_tanh"](x[:, :250]) * x[:, 250:]
+    torch.testing.assert_close(GeluAndMul(approximate="tanh")(x), expected, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="Unknown approximate mode: fast"):
+        GeluAndMul(approximate="fast")
+
+
+def test_the_embedding_scale_is_rounded_to_the_models_dtype() -> None:
+    """sqrt(72) = 8.485 is 8.5 in bf16: HF multiplies by the rounded constant, so must we."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tests.parallel_utils import init_world_of_one
+    from tracevllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from tracevllm.model_executor.model_loader import initialize_model
+
+    init_world_of_one()
+    config = Gemma2Config(
+        **gemma2_config_kwargs(100) | dict(hidden_size=72, num_hidden_layers=2),
+        architectures=["Gemma2ForCausalLM"],
+    )
+    torch.manual_seed(0)
+    hf = Gemma2ForCausalLM(config).to(torch.bfloat16)
+    model_config = ModelConfig(model="unused", hf_config=config, dtype="bfloat16")
+    ours = initialize_model(VllmConfig(model_config, CacheConfig(), SchedulerConfig()))
+    with torch.no_grad():
+        ours.model.embed_tokens.weight[:100].copy_(hf.model.embed_tokens.weight)  # padded to 128
+        ids = torch.arange(3, 100)
+        assert torch.equal(ours.embed_input_ids(ids), hf.model.embed_tokens(ids))
