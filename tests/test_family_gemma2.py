@@ -176,6 +176,75 @@ def test_gemma2_without_layer_types_keeps_its_full_layers_full(
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=1e-4, rtol=0)
 
 
+def test_gemma2_spans_are_llamas_and_the_kv_view_shows_the_freed_blocks(
+    gemma2: tuple[str, Any],
+) -> None:
+    """At detail ``full``: the forward's spans nest as llama.py's (named after
+    this model's classes), each layer's attention span carries its window and
+    soft cap, and the step view gives the sliding group's freed blocks."""
+    import json
+
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from tracevllm.tracing.attributes import SpanAttributes
+    from tracevllm.views.report import STEP_SPAN
+
+    path, model = gemma2
+    prompts = make_prompts(model.config.vocab_size)[3:5]  # 30 and 41 tokens
+    exporter = InMemorySpanExporter()
+    llm = LLM(
+        model=path,
+        block_size=BLOCK_SIZE,
+        max_model_len=128,
+        enable_multiprocessing=False,
+        trace_detail="full",
+    )
+    try:
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    spans = list(exporter.get_finished_spans())
+    by_id = {s.context.span_id: s for s in spans}
+
+    def parent(span: Any) -> Any:
+        return by_id.get(span.parent.span_id) if span.parent else None
+
+    forwards = [s for s in spans if s.name == "Gemma2ForCausalLM.forward"]
+    assert forwards and all(parent(f).name == "ModelRunner.execute_model" for f in forwards)
+    assert not any(s.name.startswith("Llama") for s in spans)
+    layers = [s for s in spans if s.name == "Gemma2DecoderLayer.forward"]
+    assert {parent(s).name for s in layers} == {"Gemma2ForCausalLM.forward"}
+    assert len(layers) == 4 * len(forwards)
+    assert layers[0].attributes["code.function.name"] == "Gemma2DecoderLayer.forward"
+    for name in ("reshape_and_cache_flash", "unified_attention"):
+        inside = [s for s in spans if s.name == name]
+        assert {parent(s).name for s in inside} == {"Gemma2DecoderLayer.forward"}
+    for read in (s for s in spans if s.name == "unified_attention"):
+        layer = read.attributes["tracevllm.layer"]
+        assert read.attributes["tracevllm.attention.logits_soft_cap"] == 5.0
+        window = read.attributes.get("tracevllm.attention.sliding_window")
+        assert window == (WINDOW if layer % 2 == 0 else None), layer
+    views = [
+        json.loads(str(s.attributes[SpanAttributes.STEP_VIEW]))
+        for s in spans
+        if s.name == STEP_SPAN and SpanAttributes.STEP_VIEW in s.attributes
+    ]
+    groups = views[-1]["kv"]["groups"]
+    assert [(g["kind"], g["sliding_window"]) for g in groups] == [
+        ("SlidingWindowSpec", WINDOW),
+        ("FullAttentionSpec", None),
+    ]
+    assert groups[0]["freed_by_window"] > 0 and groups[1]["freed_by_window"] == 0
+
+
 # --- the layers Gemma-2 adds, against HF's own --------------------------------------
 
 
