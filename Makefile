@@ -9,6 +9,9 @@ STAMP := $(VENV)/.setup-stamp
 PROMPT ?= What is the capital of France?
 TRACE_DIR ?= traces/latest
 MAX_TOKENS ?= 48
+# Tensor-parallel ranks for `make trace` (TP=3: the default model's 9 query
+# heads over three worker processes, all in the request's one trace).
+TP ?= 1
 
 .PHONY: setup setup-ray generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing clean
 
@@ -38,7 +41,7 @@ generate: setup
 	$(VENV)/bin/tracevllm generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
 trace: setup
-	$(VENV)/bin/tracevllm trace --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR)
+	$(VENV)/bin/tracevllm trace --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR) -tp $(TP)
 
 # The same request through `tracevllm serve` and the official openai client:
 # one trace over three processes (client, API server, engine core).

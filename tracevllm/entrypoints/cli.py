@@ -118,6 +118,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     mode = "one process (--no-mp)" if args.no_mp else "two processes over ZeroMQ"
     if args.serve:
         mode = "three processes: HTTP client, API server, engine core"
+    world_size = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+    if world_size > 1:  # the mp executor: a worker process per rank
+        mode += (
+            f", {world_size} workers (TP {engine_args.tensor_parallel_size}"
+            f", PP {engine_args.pipeline_parallel_size})"
+        )
     console.rule(f"tracevllm trace · {mode} · detail={args.detail}")
     if args.serve:
         from tracevllm.entrypoints.trace_serve import trace_serve
