@@ -394,7 +394,8 @@ def _trace(model: str, out_dir: str, detail: str, tp: int = 2) -> dict[str, Any]
 def test_full_detail_traces_each_collective_on_every_rank(
     tiny_model_dir: str, tiny_config: Any, tmp_path: Any
 ) -> None:
-    spans = _trace(tiny_model_dir, str(tmp_path), "full")["spans"]
+    result = _trace(tiny_model_dir, str(tmp_path), "full")
+    spans = result["spans"]
     by_id = {s.span_id: s for s in spans}
     assert len({s.trace_id for s in spans}) == 1  # one request, one trace
     runs = [s for s in spans if s.name == "ModelRunner.execute_model"]
@@ -429,6 +430,17 @@ def test_full_detail_traces_each_collective_on_every_rank(
     # A layer's all-reduces are inside its span.
     in_layers = [s for s in comms if by_id[s.parent_span_id].name != "ModelRunner.execute_model"]
     assert any(by_id[s.parent_span_id].name == "LlamaDecoderLayer.forward" for s in in_layers)
+    # The ranks view: who holds which layers and KV heads, and its collectives.
+    from tracevllm.views.ranks import rank_rows
+
+    rows = rank_rows(spans)
+    assert [(r.rank, r.tp_rank, r.pp_rank) for r in rows] == [(0, 0, 0), (1, 1, 0)]
+    for r in rows:
+        assert r.layers == set(range(layers))
+        assert r.kv_cache_shape is not None and r.kv_cache_shape[3] == 1  # 2 KV heads / 2
+        assert r.pages and r.comms["all_reduce"][0] == 3 * (1 + 2 * layers)
+        assert r.comms["all_gather"][0] == 3
+    assert "Collectives, per rank" in result["stdout"]
 
 
 def test_below_full_detail_no_collective_span(tiny_model_dir: str, tmp_path: Any) -> None:
@@ -438,8 +450,9 @@ def test_below_full_detail_no_collective_span(tiny_model_dir: str, tmp_path: Any
     assert {s.resource["tracevllm.tp_rank"] for s in runs} == {0, 1}
     assert not [s for s in spans if s.name.startswith("GroupCoordinator.")]
     assert len({s.trace_id for s in spans}) == 1
-    # The waterfall names each worker by its rank.
+    # The waterfall names each worker by its rank; the ranks view has no collectives.
     assert "W0" in result["stdout"] and "W1" in result["stdout"]
+    assert "Ranks" in result["stdout"] and "Collectives, per rank" not in result["stdout"]
 
 
 def traced_collectives(rank: int) -> dict[str, list[tuple[str, dict[str, Any]]]]:

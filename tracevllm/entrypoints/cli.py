@@ -141,9 +141,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
     # Every process has flushed its spans by now (shut down above).
     spans = read_spans_jsonl(os.path.join(out, SPANS_FILE))
     write_perfetto(spans, os.path.join(out, "trace.perfetto.json"))
+    from tracevllm.views.ranks import render_ranks
     from tracevllm.views.waterfall import render_waterfall
 
     console.print(render_waterfall(spans))
+    ranks = render_ranks(spans)
+    if ranks is not None:  # worker processes: which rank holds what
+        console.print(ranks)
     recorder = Console(record=True, width=140, file=io.StringIO())
     render_report(spans, recorder)
     recorder.save_svg(os.path.join(out, "views.svg"), title="tracevllm trace")

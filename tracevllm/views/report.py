@@ -1,4 +1,5 @@
-"""Draw a whole run from its spans: every step, each completion, the waterfall.
+"""Draw a whole run from its spans: every step, each completion, the waterfall
+(and, with worker processes, which rank holds what).
 
 Used for ``views.svg`` / ``views.html`` after ``tracevllm trace``, for
 ``tracevllm view spans.jsonl``, and (one span at a time) for the live view.
@@ -18,6 +19,7 @@ from tracevllm.labs import LABS_ATTRIBUTE
 from tracevllm.tracing.attributes import SpanAttributes
 from tracevllm.tracing.exporters import SpanRecord
 from tracevllm.views.completion import render_completion
+from tracevllm.views.ranks import render_ranks
 from tracevllm.views.step import render_step, with_grammar, with_spec
 from tracevllm.views.waterfall import render_waterfall
 
@@ -55,6 +57,9 @@ def render_report(spans: list[SpanRecord], console: Console, steps: bool = True)
         if span.name == REQUEST_SPAN:
             console.print(render_completion(span.attributes))
     console.print(render_waterfall(spans))
+    ranks = render_ranks(spans)
+    if ranks is not None:
+        console.print(ranks)
 
 
 def render_lab_value(labs: Any, label: str, value: Any) -> Text:
