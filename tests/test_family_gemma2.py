@@ -21,7 +21,7 @@ attention soft cap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -30,6 +30,7 @@ import torch
 import tests.family_check as family_check
 from tests.family_check import (
     BLOCK_SIZE,
+    NUM_TOKENS,
     check_against_hf,
     hf_greedy,
     make_prompts,
@@ -75,6 +76,24 @@ def gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
                 param.normal_(0.0, 0.5)
     save_hf_model(model, path)
     return path, model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hf_greedy_once(gemma2: tuple[str, Any]) -> Iterator[None]:
+    """HF's eager Gemma-2 takes ~0.1 s a token here: each prompt's reference is
+    computed once for the module, not once per test (it is deterministic)."""
+    cache: dict[tuple[int, tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+
+    def cached(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        key = (id(model), tuple(prompt), n)
+        if key not in cache:
+            cache[key] = hf_greedy(model, prompt, n)
+        return cache[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(family_check, "hf_greedy", cached)
+    yield
+    patch.undo()
 
 
 def _with_window_bound(bounds: list[WindowBound]) -> Callable[..., LLM]:
@@ -132,7 +151,7 @@ def test_gemma2_tensor_parallel_matches_hf(gemma2: tuple[str, Any]) -> None:
     finally:
         llm.shutdown()
     for prompt, output in zip(prompts, outputs, strict=True):
-        tokens, _ = hf_greedy(model, prompt, 16)
+        tokens = family_check.hf_greedy(model, prompt, NUM_TOKENS)[0][:16]
         assert list(output.outputs[0].token_ids) == tokens, f"prompt of {len(prompt)} tokens"
 
 
@@ -168,7 +187,7 @@ def test_gemma2_without_layer_types_keeps_its_full_layers_full(
         )
     finally:
         llm.shutdown()
-    tokens, logprobs = hf_greedy(model, prompt, 8)
+    tokens, logprobs = (x[:8] for x in family_check.hf_greedy(model, prompt, NUM_TOKENS))
     completion = output.outputs[0]
     assert list(completion.token_ids) == tokens
     assert completion.logprobs is not None
