@@ -72,6 +72,7 @@ PAGES: dict[str, tuple[str, int]] = {
     "chapters/paged-attention/": ("block_table", 0),
     "chapters/sampling/": ("stop string", 0),
     "chapters/serving/": ("AsyncLLM", 1),
+    "chapters/model-families/": ("moe_align_block_size", 1),
     "chapters/tracing/": ("spans.jsonl", 0),
     "chapters/pytorch-to-triton/": ("online softmax", 0),
     "chapters/structured-outputs/": ("token bitmask", 0),
