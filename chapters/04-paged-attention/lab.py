@@ -20,8 +20,15 @@ def unified_attention_torch(
     max_seq_len: int,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
     softmax_scale: float,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> None:
-    """Causal attention of each request's queries over its paged keys and values."""
+    """Causal attention of each request's queries over its paged keys and values.
+
+    ``window_size`` and ``softcap`` are for the sliding-window and soft-capped
+    families (Mistral, Gemma-2); a Llama leaves them at their defaults, and so
+    may this lab: refuse anything else.
+    """
     # For each request r (a simple loop over requests is fine):
     # TODO 1: its queries: q[query_start_loc[r] : query_start_loc[r + 1]], Q of them;
     #         its seq_len L counts every token in the cache, these Q included.
@@ -32,4 +39,6 @@ def unified_attention_torch(
     # TODO 4: query i sits at position L - Q + i and sees keys 0 .. L - Q + i
     #         (causal, with the context before this chunk fully visible).
     # TODO 5: softmax(q . k * softmax_scale) . v, written into out's rows of r.
+    # (Optional, for the Mistral/Gemma-2 families: a window (W - 1, 0) keeps keys
+    #  p - W + 1 .. p; softcap > 0 bends each score s into softcap * tanh(s / softcap).)
     raise NotImplementedError("Lab 04: unified_attention_torch (see chapters/04-paged-attention)")
