@@ -134,8 +134,13 @@ def test_gemma2_matches_hf_in_a_separate_engine_process(gemma2: tuple[str, Any])
     check_against_hf(*gemma2, enable_multiprocessing=True)
 
 
-def test_gemma2_tensor_parallel_matches_hf(gemma2: tuple[str, Any]) -> None:
-    """Two ranks over the mp executor: heads, MLP and vocabulary split in two."""
+@pytest.mark.parametrize(
+    "parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"]
+)
+def test_gemma2_on_two_ranks_matches_hf(gemma2: tuple[str, Any], parallel: dict[str, int]) -> None:
+    """Two ranks over the mp executor. TP: heads, MLP and vocabulary split in
+    two. PP: a sliding and a full layer on each stage, the embedding on both
+    (the last reads it as the LM head)."""
     path, model = gemma2
     prompts = [make_prompts(model.config.vocab_size)[i] for i in (2, 4)]  # 13 and 41 tokens
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -143,8 +148,8 @@ def test_gemma2_tensor_parallel_matches_hf(gemma2: tuple[str, Any]) -> None:
         model=path,
         block_size=BLOCK_SIZE,
         max_model_len=128,
-        tensor_parallel_size=2,
         distributed_executor_backend="mp",
+        **parallel,
     )
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
