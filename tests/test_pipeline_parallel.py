@@ -76,8 +76,13 @@ def kv_cache_layers(worker: Any) -> dict[str, Any]:
 
 
 # --- the child process ------------------------------------------------------------
-def run_pp(model: str, tp: str, pp: str, batch_queue: str, trace_dir: str) -> None:
-    """Generate the family check's workload at T x P; print what the test checks."""
+def run_pp(
+    model: str, tp: str, pp: str, batch_queue: str, trace_dir: str, mode: str = "inproc"
+) -> None:
+    """Generate the family check's workload at T x P; print what the test checks.
+
+    ``mode`` "proc": EngineCore in its own process (EngineCoreProc's busy
+    loop), which this process cannot look into: tokens and counts only."""
     from tests.test_pipeline_parallel import NoBatchQueueMultiprocExecutor as NoQueue
     from tracevllm import LLM, SamplingParams
 
@@ -104,12 +109,16 @@ def run_pp(model: str, tp: str, pp: str, batch_queue: str, trace_dir: str) -> No
         enable_prefix_caching=True,
         num_gpu_blocks_override=40,  # small: requests get preempted
         max_model_len=128,
-        enable_multiprocessing=False,  # in this process, so the engine core is reachable
+        # In this process, so the engine core is reachable.
+        enable_multiprocessing=mode == "proc",
         **kwargs,
     )
-    core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
     try:
-        kv = core.model_executor.collective_rpc(kv_cache_layers)
+        core: Any = None
+        kv = None
+        if mode != "proc":
+            core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+            kv = core.model_executor.collective_rpc(kv_cache_layers)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         result = {
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
@@ -119,8 +128,8 @@ def run_pp(model: str, tp: str, pp: str, batch_queue: str, trace_dir: str) -> No
             ],
             "num_cached_tokens": [o.num_cached_tokens for o in outputs],
             "num_preemptions": llm.llm_engine.num_preemptions,
-            "batch_queue_size": core.batch_queue_size,
-            "max_batches_in_flight": core.max_batches_in_flight,
+            "batch_queue_size": core and core.batch_queue_size,
+            "max_batches_in_flight": core and core.max_batches_in_flight,
             "kv": kv,
         }
     finally:
@@ -263,6 +272,13 @@ def test_tp2_pp2_matches_hf_and_each_rank_holds_a_quarter(
     assert out["tokens"] == pp1["tokens"]
     _check_kv(out, pp1, tp=2, pp=2)
     assert out["max_batches_in_flight"] == 2
+
+
+def test_pp2_in_the_engine_core_process(llama4: tuple[str, Any], pp1: dict[str, Any]) -> None:
+    """EngineCoreProc's busy loop steps while steps are in flight (has_work)."""
+    out = _run(llama4[0], "1", "2", "1", "-", "proc")
+    _check_hf(out, llama4[1])
+    assert out["tokens"] == pp1["tokens"]
 
 
 def test_pp_is_refused_where_vllm_refuses_it(tiny_model_dir: str) -> None:
