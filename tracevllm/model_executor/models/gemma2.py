@@ -267,7 +267,7 @@ class Gemma2Model(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # The embedding scaled by sqrt(hidden_size), a constant rounded to the
         # model's dtype (the default dtype while the model is built), as HF's
-        # (transformers#29402): in bf16, 48.0 for hidden_size 2304, not 48.0000x.
+        # (transformers#29402): in bf16, Gemma-2 9B's sqrt(3584) = 59.87 is 59.75.
         normalizer = torch.tensor(config.hidden_size**0.5)
         self.register_buffer("normalizer", normalizer, persistent=False)
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
