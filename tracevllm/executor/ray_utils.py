@@ -269,12 +269,22 @@ def initialize_ray_cluster(parallel_config: ParallelConfig, ray_address: str | N
     else makes one and waits for it. Sets ``parallel_config.placement_group``.
     """
     assert_ray_available()
-    import ray
-
     if os.environ.get("RAY_USAGE_STATS_ENABLED", "0") != "1":
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     with _cluster_lock:
         _connect_or_start_ray(parallel_config, ray_address)
+    try:
+        _reserve_placement_group(parallel_config)
+    except BaseException:
+        release_ray_cluster()
+        raise
+
+
+# --8<-- [end:initialize_ray_cluster]
+
+
+def _reserve_placement_group(parallel_config: ParallelConfig) -> None:
+    import ray
 
     world_size = parallel_config.world_size
     current_placement_group = (
@@ -289,6 +299,7 @@ def initialize_ray_cluster(parallel_config: ParallelConfig, ray_address: str | N
                 f"in the placement group. Required number of devices: {world_size}. "
                 f"Total number of devices: {cpu_bundles}."
             )
+        _verify_bundles(current_placement_group, parallel_config)
     else:
         logger.info("No current placement group found. Creating a new placement group.")
         if world_size > ray.cluster_resources().get("CPU", 0):
@@ -300,12 +311,13 @@ def initialize_ray_cluster(parallel_config: ParallelConfig, ray_address: str | N
         # Bundle 0 on the driver's node: rank 0 hosts the rendezvous at its address.
         specs[0][f"node:{ray.util.get_node_ip_address()}"] = 0.001
         current_placement_group = ray.util.placement_group(specs, strategy="PACK")
-        _wait_until_pg_ready(current_placement_group)
-    _verify_bundles(current_placement_group, parallel_config)
+        try:
+            _wait_until_pg_ready(current_placement_group)
+            _verify_bundles(current_placement_group, parallel_config)
+        except BaseException:
+            ray.util.remove_placement_group(current_placement_group)
+            raise
     parallel_config.placement_group = current_placement_group
-
-
-# --8<-- [end:initialize_ray_cluster]
 
 
 def _wait_until_pg_ready(placement_group: Any) -> None:
