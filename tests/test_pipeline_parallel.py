@@ -39,6 +39,7 @@ from tests.family_check import (
 from tracevllm.executor.multiproc_executor import MultiprocExecutor
 
 NUM_LAYERS = 4
+STRUCTURED_REGEX = "[0-9]{3}-[a-z]{2}"
 NUM_KV_HEADS = 2
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,6 +133,17 @@ def run_pp(
             "max_batches_in_flight": core and core.max_batches_in_flight,
             "kv": kv,
         }
+        if mode == "proc":
+            # A structured request: the last stage masks with the grammar's bitmask.
+            from tracevllm.sampling_params import StructuredOutputsParams
+
+            structured = SamplingParams(
+                temperature=0.0,
+                max_tokens=24,
+                structured_outputs=StructuredOutputsParams(regex=STRUCTURED_REGEX),
+            )
+            out = llm.generate(["Write a code:"] * 2, structured, use_tqdm=False)
+            result["structured"] = [o.outputs[0].text for o in out]
     finally:
         llm.shutdown()
     print(json.dumps(result), flush=True)
@@ -275,10 +287,13 @@ def test_tp2_pp2_matches_hf_and_each_rank_holds_a_quarter(
 
 
 def test_pp2_in_the_engine_core_process(llama4: tuple[str, Any], pp1: dict[str, Any]) -> None:
-    """EngineCoreProc's busy loop steps while steps are in flight (has_work)."""
+    """EngineCoreProc's busy loop steps while steps are in flight (has_work),
+    and structured outputs hold at P = 2."""
     out = _run(llama4[0], "1", "2", "1", "-", "proc")
     _check_hf(out, llama4[1])
     assert out["tokens"] == pp1["tokens"]
+    for text in out["structured"]:
+        assert re.fullmatch(STRUCTURED_REGEX, text), text
 
 
 def test_pp_is_refused_where_vllm_refuses_it(tiny_model_dir: str) -> None:
