@@ -1,6 +1,7 @@
 """One check for every model family: a tiny random-weight checkpoint, written
 by HF transformers' own model class, served by tracevllm must give HF's greedy
-tokens token for token and HF's log-probabilities within fp32 tolerance.
+tokens token for token and HF's log-probabilities within fp32 tolerance: the
+chosen token's and each step's top 5 (the logits, up to their log-sum-exp).
 
 ``check_against_hf(path, hf_model)`` runs 8 prompts x 32 tokens with pages of
 4 tokens, chunked prefill (16 tokens a step), prefix caching (two prompts
@@ -25,6 +26,8 @@ BLOCK_SIZE = 4
 NUM_TOKENS = 32
 # Prompt lengths from one token to several chunks; the last two share a prefix.
 PROMPT_LENS = [1, 5, 13, 30, 41, 20, 20, 27]
+# Log-probabilities compared per step: the chosen token's and the top ones.
+TOP_LOGPROBS = 5
 
 
 def tiny_config_kwargs(vocab_size: int, **overrides: Any) -> dict[str, Any]:
@@ -72,21 +75,28 @@ def make_prompts(vocab_size: int, seed: int = 3) -> list[list[int]]:
     return prompts
 
 
+# Every log-probability row HF computed, by (model, prompt, n): hf_greedy
+# keeps them here so check_against_hf can compare more than the chosen token's
+# (a test may wrap hf_greedy in a cache; the rows stay found).
+HF_LOGPROB_ROWS: dict[tuple[int, tuple[int, ...], int], torch.Tensor] = {}
+
+
 @torch.inference_mode()
 def hf_greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """HF's greedy tokens (ignoring EOS) and the log-probability of each."""
     out = model(input_ids=torch.tensor([prompt]), use_cache=True)
     tokens: list[int] = []
-    logprobs: list[float] = []
+    rows: list[torch.Tensor] = []
     for _ in range(n):
-        logits = out.logits[0, -1].float()
-        token = int(logits.argmax())
+        row = torch.log_softmax(out.logits[0, -1].float(), -1)
+        token = int(row.argmax())
         tokens.append(token)
-        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        rows.append(row)
         out = model(
             input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True
         )
-    return tokens, logprobs
+    HF_LOGPROB_ROWS[(id(model), tuple(prompt), n)] = torch.stack(rows)
+    return tokens, [float(row[t]) for row, t in zip(rows, tokens, strict=True)]
 
 
 def check_against_hf(
@@ -100,7 +110,9 @@ def check_against_hf(
     """Serve ``path`` with tracevllm and compare with ``hf_model`` (see the module
     docstring). Returns the (shut down) LLM, for tests that look further."""
     prompts = make_prompts(hf_model.config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS
+    )
     llm = LLM(
         model=path,
         block_size=BLOCK_SIZE,
@@ -125,6 +137,16 @@ def check_against_hf(
         assert completion.logprobs is not None
         ours = [lp[t].logprob for lp, t in zip(completion.logprobs, tokens, strict=True)]
         torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=atol, rtol=0)
+        # Beyond the chosen token: each step's top TOP_LOGPROBS, ids and values,
+        # against HF's row (the logits up to their log-sum-exp).
+        rows = HF_LOGPROB_ROWS[(id(hf_model), tuple(prompt), NUM_TOKENS)]
+        for step, (lp, row) in enumerate(zip(completion.logprobs, rows, strict=True)):
+            ids = sorted(lp)
+            assert len(ids) >= TOP_LOGPROBS, (step, lp)
+            ours_row = torch.tensor([lp[i].logprob for i in ids])
+            torch.testing.assert_close(ours_row, row[ids], atol=atol, rtol=0)
+            # Ours are HF's top ones: none below HF's k-th largest (up to atol).
+            assert float(row[ids].min()) >= float(row.topk(TOP_LOGPROBS).values[-1]) - atol
     assert outputs[7].num_cached_tokens >= 16, "the shared prefix was not a cache hit"
     assert num_preemptions > 0, "no request was preempted: make the pool smaller"
     return llm
