@@ -3,12 +3,13 @@
 Ray's start-up is slow and leaves state in the process that starts it (a
 connection, atexit hooks, a local cluster), so everything Ray runs in one
 child process per module (``python -m tests.test_ray_executor``, under a
-timeout): the T = 1 reference, then the tiny model at T = 2 on Ray with
-chunked prefill, prefix caching and preemption, in this process on a Ray it
-starts (with a worker's error, a killed rank, shutdown); then P = 2 in its
-own EngineCore process joining a two-node ``ray.cluster_utils.Cluster`` by
-RAY_ADDRESS, as across machines. It prints one JSON line per engine; the
-tests read them. The whole module is skipped without Ray (``make setup-ray``).
+timeout), which prints one JSON line per engine for the tests to read: the
+T = 1 reference; T = 2 with EngineCore in its own process starting Ray on
+this machine (as `tracevllm serve` runs), traced; then P = 2 in this process
+over a two-node ``ray.cluster_utils.Cluster`` joined by RAY_ADDRESS, as
+across machines (placement, a worker's error, a killed rank, shutdown). All
+with chunked prefill, prefix caching and preemption. The Ray tests are
+skipped without Ray (``make setup-ray``).
 """
 
 from __future__ import annotations
@@ -119,49 +120,26 @@ def _say(**kw: Any) -> None:
     print(json.dumps(kw), flush=True)
 
 
-def _in_process(model: str) -> None:
-    """T = 2 on Ray with EngineCore (the Ray driver) in this process: its
-    executor is at hand."""
-    import ray
-
-    from tracevllm.executor.ray_executor import RayDistributedExecutor
-
-    os.environ["TRACEVLLM_RAY_TEST_MARK"] = "from-the-driver"
-    llm = _make_llm(
-        model, tensor_parallel_size=2, distributed_executor_backend="ray",
-        enable_multiprocessing=False,
-    )  # fmt: skip
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
-    assert isinstance(executor, RayDistributedExecutor)
-    out = _generate(llm)
-    ranks = executor.collective_rpc(rank_and_pid)
-    out["ranks"] = [r for r, _ in ranks]
-    pids = [p for _, p in ranks]
-    out["actor_pids_differ"] = len(set(pids)) == 2 and os.getpid() not in pids
-    out["env"] = executor.collective_rpc(read_env, args=("TRACEVLLM_RAY_TEST_MARK",))
-    pg = executor.parallel_config.placement_group
-    out["bundles"] = pg.bundle_specs
+def _engine_process(model: str) -> None:
+    """T = 2 with EngineCore in its own process, as `tracevllm serve` runs it:
+    it starts Ray on this machine, traces each rank's spans into the step's
+    trace, and stops Ray again at shutdown."""
+    trace_dir = tempfile.mkdtemp(prefix="tracevllm-ray-test-")
     try:
-        executor.collective_rpc(fail_on_purpose)
-        out["worker_error"] = None
-    except Exception as e:
-        out["worker_error"] = str(e)
-    out["after_error"] = [r for r, _ in executor.collective_rpc(rank_and_pid)]
-    # A killed rank: the next call says which, within seconds.
-    os.kill(pids[1], signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        executor.check_health()
-        out["dead_error"] = None
-    except Exception as e:
-        out["dead_error"] = str(e)
-    out["dead_waited"] = time.monotonic() - start
-    llm.shutdown()
-    out["pg_removed"] = executor.parallel_config.placement_group is None
-    out["ray_shut_down"] = not ray.is_initialized()
-    out["left"] = _wait_gone(pids)
+        llm = _make_llm(
+            model, tensor_parallel_size=2, distributed_executor_backend="ray",
+            trace_detail="request", trace_dir=trace_dir,
+        )  # fmt: skip
+        out = _generate(llm)
+        llm.shutdown()
+        out["worker_spans"] = _worker_spans(trace_dir)
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
+    deadline = time.monotonic() + 20
+    while _ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
     out["ray_processes"] = _ray_processes()
-    _say(engine="in_process", **out)
+    _say(engine="engine_process", **out)
 
 
 def _worker_spans(trace_dir: str) -> dict[str, Any]:
@@ -190,43 +168,68 @@ def _worker_spans(trace_dir: str) -> dict[str, Any]:
 
 def _two_nodes(model: str) -> None:
     """P = 2 over two Ray nodes (``ray.cluster_utils.Cluster``: two raylets on
-    this machine, one CPU each) joined as across machines: EngineCore, in its
-    own process as under `tracevllm serve`, finds the cluster by RAY_ADDRESS,
-    places one stage on each node (two steps in flight: the batch queue),
-    traces each rank's spans into the step's trace, and leaves the cluster
-    running."""
+    this machine, one CPU each) joined as across machines, by RAY_ADDRESS; one
+    stage a node, two steps in flight (the batch queue). EngineCore is in this
+    process, so its executor is at hand, and the cluster outlives it: shutdown
+    must kill the actors and remove the placement group itself."""
     import ray
     from ray.cluster_utils import Cluster
     from ray.util import placement_group_table
 
-    trace_dir = tempfile.mkdtemp(prefix="tracevllm-ray-test-")
+    from tracevllm.executor.ray_executor import RayDistributedExecutor
+
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=1))
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         os.environ["RAY_ADDRESS"] = cluster.address
+        os.environ["TRACEVLLM_RAY_TEST_MARK"] = "from-the-driver"
         llm = _make_llm(
             model, pipeline_parallel_size=2, distributed_executor_backend="ray",
-            trace_detail="request", trace_dir=trace_dir,
+            enable_multiprocessing=False,
         )  # fmt: skip
-        del os.environ["RAY_ADDRESS"]
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        assert isinstance(executor, RayDistributedExecutor)
         out = _generate(llm)
-        # Connected only now: EngineCore's process may have been forked from this one.
-        ray.init(address=cluster.address)
-        (table,) = [t for t in placement_group_table().values() if t["state"] == "CREATED"]
+        out["batches_in_flight"] = llm.llm_engine.engine_core.engine_core.max_batches_in_flight
+        (table,) = placement_group_table().values()
         out["bundle_nodes"] = len(set(table["bundles_to_node_id"].values()))
+        out["bundles"] = executor.parallel_config.placement_group.bundle_specs
+        ranks = executor.collective_rpc(rank_and_pid)
+        out["ranks"] = [r for r, _ in ranks]
+        pids = [p for _, p in ranks]
+        out["actor_pids_differ"] = len(set(pids)) == 2 and os.getpid() not in pids
+        out["env"] = executor.collective_rpc(read_env, args=("TRACEVLLM_RAY_TEST_MARK",))
+        try:
+            executor.collective_rpc(fail_on_purpose)
+            out["worker_error"] = None
+        except Exception as e:
+            out["worker_error"] = str(e)
+        out["after_error"] = [r for r, _ in executor.collective_rpc(rank_and_pid)]
+        # A killed rank: the next call says which, within seconds.
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            executor.check_health()
+            out["dead_error"] = None
+        except Exception as e:
+            out["dead_error"] = str(e)
+        out["dead_waited"] = time.monotonic() - start
         llm.shutdown()
+        out["left"] = _wait_gone(pids)
         deadline = time.monotonic() + 20
         while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         out["cpus_free"] = ray.available_resources().get("CPU")
         out["pg_states"] = [t["state"] for t in placement_group_table().values()]
-        out["cluster_kept"] = len([n for n in ray.nodes() if n["Alive"]]) == 2
+        # A cluster this engine joined stays up, and connected.
+        out["cluster_kept"] = (
+            ray.is_initialized() and len([n for n in ray.nodes() if n["Alive"]]) == 2
+        )
         ray.shutdown()
-        out["worker_spans"] = _worker_spans(trace_dir)
     finally:
+        os.environ.pop("RAY_ADDRESS", None)
         cluster.shutdown()
-        shutil.rmtree(trace_dir, ignore_errors=True)
     out["ray_processes"] = _ray_processes()
     _say(engine="two_nodes", **out)
 
@@ -235,7 +238,7 @@ def _main(model: str, *phases: str) -> None:
     llm = _make_llm(model, enable_multiprocessing=False)
     _say(engine="reference", **_generate(llm))
     llm.shutdown()
-    for phase in phases or ("in_process", "two_nodes"):
+    for phase in phases or ("engine_process", "two_nodes"):
         globals()[f"_{phase}"](model)
 
 
@@ -289,7 +292,7 @@ def test_ray_tp2_and_pp2_give_the_single_worker_tokens(runs: dict[str, dict[str,
     reference = runs["reference"]
     assert reference["preemptions"] > 0, "no request was preempted: make the pool smaller"
     assert reference["cached"] >= 16, "the shared prefix was not a cache hit"
-    for engine in ("in_process", "two_nodes"):
+    for engine in ("engine_process", "two_nodes"):
         out = runs[engine]
         differ = [i for i, (a, b) in enumerate(zip(out["tokens"], reference["tokens"])) if a != b]
         assert out["tokens"] == reference["tokens"], f"{engine}: prompts {differ} differ"
@@ -297,31 +300,30 @@ def test_ray_tp2_and_pp2_give_the_single_worker_tokens(runs: dict[str, dict[str,
 
 
 @requires_ray
-def test_ray_places_one_actor_per_rank(runs: dict[str, dict[str, Any]]) -> None:
-    out = runs["in_process"]
+def test_ray_places_one_actor_per_rank_one_stage_per_node(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    out = runs["two_nodes"]
     assert out["ranks"] == [0, 1]
     assert out["actor_pids_differ"]
-    # One CPU bundle per rank, the first pinned to the driver's node.
+    # One CPU bundle per rank, the first pinned to the driver's node; one per node here.
     assert [b["CPU"] for b in out["bundles"]] == [1.0, 1.0]
     assert any(k.startswith("node:") for k in out["bundles"][0])
-    # The driver's TRACEVLLM_* settings reach the actors.
+    assert out["bundle_nodes"] == 2
+    assert out["batches_in_flight"] == 2  # P = 2: the batch queue fills the pipeline
+    # The driver's TRACEVLLM_* settings reach the actors, in their runtime environment.
     assert out["env"] == [["from-the-driver"] * 2] * 2
 
 
 @requires_ray
-def test_ray_spreads_the_ranks_over_two_nodes(runs: dict[str, dict[str, Any]]) -> None:
-    out = runs["two_nodes"]
-    assert out["bundle_nodes"] == 2
-    # The user's cluster is left running, its CPUs free, the group removed.
-    assert out["cluster_kept"] and out["cpus_free"] == 2.0
-    assert out["pg_states"] == ["REMOVED"]
-    # Each rank's spans, on its own provider, join the step's trace.
-    assert out["worker_spans"] == dict(ranks=[[0, 0], [1, 1]], kinds=["worker"], all_joined=True)
+def test_ray_worker_spans_join_the_steps_trace(runs: dict[str, dict[str, Any]]) -> None:
+    spans = runs["engine_process"]["worker_spans"]
+    assert spans == dict(ranks=[[0, 0], [1, 0]], kinds=["worker"], all_joined=True)
 
 
 @requires_ray
 def test_ray_worker_error_and_dead_rank(runs: dict[str, dict[str, Any]]) -> None:
-    out = runs["in_process"]
+    out = runs["two_nodes"]
     assert out["worker_error"] is not None
     assert re.search("rank [01] says no", out["worker_error"]), out["worker_error"]
     assert out["after_error"] == [0, 1]
@@ -332,11 +334,15 @@ def test_ray_worker_error_and_dead_rank(runs: dict[str, dict[str, Any]]) -> None
 
 @requires_ray
 def test_ray_shutdown_leaves_nothing_behind(runs: dict[str, dict[str, Any]]) -> None:
-    out = runs["in_process"]
-    # The actors are gone, the group removed, and the Ray this engine started stopped.
-    assert out["pg_removed"] and out["ray_shut_down"]
-    assert out["left"] == [] and out["ray_processes"] == []
-    assert runs["two_nodes"]["ray_processes"] == []
+    # A joined cluster: the actors gone, the placement group removed, the CPUs
+    # free again, the cluster itself still up.
+    out = runs["two_nodes"]
+    assert out["left"] == [] and out["cpus_free"] == 2.0
+    assert out["pg_states"] == ["REMOVED"]
+    assert out["cluster_kept"]
+    assert out["ray_processes"] == []
+    # The Ray that EngineCore started for itself is stopped with it.
+    assert runs["engine_process"]["ray_processes"] == []
 
 
 if __name__ == "__main__":
