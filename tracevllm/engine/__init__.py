@@ -2,7 +2,7 @@
 
 Mirrors vllm/v1/engine/__init__.py. Each message is a msgspec Struct encoded as
 a msgpack array (``array_like=True``), so a frame holds values, not field names.
-Left out: multimodal features, pooling, LoRA, data parallel waves, prompt
+Left out: multimodal features, pooling, LoRA, prompt
 embeddings and KV-transfer parameters.
 """
 
@@ -57,6 +57,9 @@ class EngineCoreRequest(
     # InputProcessor.assign_request_id, so that a reused id can never be
     # credited with the tokens of the request that had it before.
     external_req_id: str | None = None
+    # The data-parallel request wave the frontend saw when it sent this
+    # (DPEngineCoreProc, coordinator.py).
+    current_wave: int = 0
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -156,6 +159,10 @@ class EngineCoreOutputs(
     timestamp: float = 0.0
     utility_output: UtilityOutput | None = None
     finished_requests: set[str] | None = None
+    # Data parallelism, engine to coordinator: the wave this engine finished,
+    # or the wave it asks to start (it got a request of an older one while idle).
+    wave_complete: int | None = None
+    start_wave: int | None = None
 
     def __post_init__(self) -> None:
         # The engine core's clock when the outputs were made (as vLLM).

@@ -8,8 +8,9 @@ handler, pulls every batch of outputs from EngineCore, turns them into
 ``RequestOutput``s and puts each into its request's collector, where its
 ``generate()`` is waiting. A ``generate()`` that is cancelled (the client hung
 up) aborts its request, which frees its KV blocks in the core. Left out:
-pooling (``encode``), LoRA, streaming input, pause/resume, sleep, data
-parallelism, the profiler.
+pooling (``encode``), LoRA, streaming input, pause/resume, sleep, the
+profiler. With ``data_parallel_size`` D > 1 the client is
+``DPLBAsyncMPClient`` (D engines, the DP coordinator, least-loaded routing).
 
 Make it inside the event loop that will use it (``from_engine_args`` in an
 ``async`` function): its ZeroMQ sockets and its output handler belong to

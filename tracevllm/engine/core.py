@@ -56,11 +56,13 @@ from tracevllm.engine import (
 )
 from tracevllm.executor import Executor
 from tracevllm.kv_cache_interface import KVCacheConfig
+from tracevllm.metrics.stats import SchedulerStats
 from tracevllm.outputs import ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 from tracevllm.structured_output import StructuredOutputManager
 from tracevllm.tracing import records
+from tracevllm.tracing.attributes import SpanAttributes
 from tracevllm.utils.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
@@ -426,7 +428,10 @@ class EngineCoreProc(EngineCore):
 
     @staticmethod
     def run_engine_core(
-        *args: Any, startup_error_pipe: Connection | None = None, **kwargs: Any
+        *args: Any,
+        startup_error_pipe: Connection | None = None,
+        dp_rank: int | None = None,
+        **kwargs: Any,
     ) -> None:
         """Entry point of the engine process (the target of multiprocessing).
 
@@ -452,13 +457,22 @@ class EngineCoreProc(EngineCore):
         signal.signal(signal.SIGINT, signal_handler)
         engine_core: EngineCoreProc | None = None
         vllm_config: VllmConfig = kwargs["vllm_config"]
+        resource_attributes = None
+        if dp_rank is not None:
+            # One of D data-parallel engines: its copy of the config says which.
+            vllm_config.parallel_config.data_parallel_rank = dp_rank
+            resource_attributes = {SpanAttributes.DP_RANK: dp_rank}
         tracing.init_tracer(
-            "engine_core", vllm_config.trace_config, vllm_config.observability_config
+            "engine_core",
+            vllm_config.trace_config,
+            vllm_config.observability_config,
+            resource_attributes=resource_attributes,
         )
         try:
             # The labs plugged into this process's engine, in its own words.
             labs.announce(f"engine core process, pid {os.getpid()}")
-            engine_core = EngineCoreProc(*args, **kwargs)
+            proc_class = EngineCoreProc if dp_rank is None else DPEngineCoreProc
+            engine_core = proc_class(*args, **kwargs)
             engine_core.run_busy_loop()
         except SystemExit:
             logger.debug("EngineCore exiting.")
@@ -660,3 +674,225 @@ class EngineCoreProc(EngineCore):
         # thread can hang. The socket files belong to the frontend, which
         # removes them.
         super().shutdown()
+
+
+class DPEngineCoreProc(EngineCoreProc):
+    """One data-parallel engine core: EngineCoreProc plus the coordinator's side.
+
+    Mirrors vLLM's ``DPEngineCoreProc``: the engine's index is its DP rank;
+    it publishes its queue lengths (waiting, running) to the ``DPCoordinator``
+    whenever they change, before and after each step, for the frontend's
+    least-loaded choice; and it keeps the request wave (``current_wave``):
+    a request of a newer wave moves it on, ``START_DP_WAVE`` from the
+    coordinator wakes it into the wave, and when it runs out of work it says
+    ``wave_complete`` and moves to the next wave. Departure (see
+    coordinator.py): vLLM uses this class for MoE models only, whose DP
+    engines must step in lockstep (an idle one runs dummy batches, and an
+    all-reduce over the DP group every 32 steps decides when all are idle).
+    tracevllm's models are dense: no collective joins the engines, so
+    ``_has_global_unfinished_reqs`` is this engine's own answer, and an idle
+    engine woken by START_DP_WAVE takes one empty turn and reports the wave
+    finished, holding up no one.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        input_address: str,
+        output_address: str,
+        engine_index: int = 0,
+        log_stats: bool = True,
+        *,
+        coordinator_input: str,
+        coordinator_output: str,
+    ) -> None:
+        parallel_config = vllm_config.parallel_config
+        self.dp_rank = parallel_config.data_parallel_rank
+        self.dp_size = parallel_config.data_parallel_size
+        assert self.dp_size > 1 and 0 <= self.dp_rank < self.dp_size
+        # Counts the turns of this wave; the wave; the counts last published.
+        self.step_counter = 0
+        self.current_wave = 0
+        self.last_counts = (0, 0)
+        self.engines_running = False
+        self.coordinator_output = coordinator_output
+        # tracevllm's, for get_dp_state: requests taken, steps that ran the
+        # model, and turns that did not (a wave joined with nothing to do).
+        self.num_requests_added = 0
+        self.num_model_steps = 0
+        self.num_empty_steps = 0
+        # request id -> the wave its frontend saw (written by the input thread).
+        self._request_waves: dict[str, int] = {}
+        # Subscribe to the coordinator before loading the model: it answers
+        # READY once every engine has, so no START_DP_WAVE is missed.
+        self.coord_ctx = zmq.Context()
+        self.coord_input_socket = self.coord_ctx.socket(zmq.XSUB)
+        self.coord_input_socket.setsockopt(zmq.LINGER, 0)
+        self.coord_input_socket.connect(coordinator_input)
+        self.coord_input_socket.send(b"\x01")
+        self._wait_for_coordinator()
+        super().__init__(
+            vllm_config,
+            input_address,
+            output_address,
+            engine_index=self.dp_rank,
+            log_stats=log_stats,
+        )
+        self.coord_thread = threading.Thread(
+            target=self.process_coordinator_socket, name="DPCoordinatorInputThread", daemon=True
+        )
+        self.coord_thread.start()
+
+    def _wait_for_coordinator(self) -> None:
+        parent = multiprocessing.parent_process()
+        poller = zmq.Poller()
+        poller.register(self.coord_input_socket, zmq.POLLIN)
+        if parent is not None:
+            poller.register(parent.sentinel, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if parent is not None and parent.sentinel in events:
+                raise SystemExit()
+            if self.coord_input_socket in events and self.coord_input_socket.recv() == b"READY":
+                return
+
+    def process_coordinator_socket(self) -> None:
+        """Coordinator thread: START_DP_WAVE messages into the input queue."""
+        decoder = MsgpackDecoder()
+        try:
+            while True:
+                frames = self.coord_input_socket.recv_multipart()
+                if frames[0] != EngineCoreRequestType.START_DP_WAVE.value:
+                    continue  # a READY re-sent for another engine
+                wave, exclude_eng_index = decoder.decode(frames[1])
+                self.input_queue.put_nowait(
+                    (EngineCoreRequestType.START_DP_WAVE, (wave, exclude_eng_index))
+                )
+        except BaseException as e:
+            logger.exception("DPEngineCoreProc coordinator thread failed.")
+            self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, e))
+
+    def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
+        req = super().preprocess_add_request(request)
+        self._request_waves[req.request_id] = request.current_wave
+        return req
+
+    def add_request(self, request: Request, request_wave: int = 0) -> None:
+        super().add_request(request)
+        self.num_requests_added += 1
+        if request_wave != self.current_wave:
+            if request_wave > self.current_wave:
+                self.current_wave = request_wave
+            elif not self.engines_running:
+                # A request of a wave that has ended: the others must start
+                # the next one too (the frontend did not know it had ended).
+                self.engines_running = True
+                self.output_queue.put_nowait((-1, EngineCoreOutputs(start_wave=self.current_wave)))
+
+    def _handle_client_request(self, request_type: EngineCoreRequestType, request: Any) -> bool:
+        if request_type == EngineCoreRequestType.ADD:
+            wave = self._request_waves.pop(request.request_id, self.current_wave)
+            self.add_request(request, wave)
+            return True
+        if request_type == EngineCoreRequestType.START_DP_WAVE:
+            new_wave, exclude_eng_index = request
+            if exclude_eng_index != self.engine_index and new_wave >= self.current_wave:
+                self.current_wave = new_wave
+                if not self.engines_running:
+                    logger.debug("EngineCore starting idle loop for wave %d.", new_wave)
+                    self.engines_running = True
+            return True
+        return super()._handle_client_request(request_type, request)
+
+    def has_work(self) -> bool:
+        # In a wave, the loop turns even with nothing scheduled: to say it is done.
+        return super().has_work() or self.engines_running
+
+    def _maybe_publish_request_counts(self) -> None:
+        """Send (running, waiting) to the coordinator if they changed."""
+        scheduler = self.scheduler
+        counts = (len(scheduler.running), len(scheduler.waiting) + len(scheduler.skipped_waiting))
+        if counts != self.last_counts:
+            self.last_counts = counts
+            stats = SchedulerStats(
+                num_running_reqs=counts[0],
+                num_waiting_reqs=counts[1],
+                step_counter=self.step_counter,
+                current_wave=self.current_wave,
+            )
+            self.output_queue.put_nowait((-1, EngineCoreOutputs(scheduler_stats=stats)))
+
+    # --8<-- [start:dp_busy_loop]
+    def run_busy_loop(self) -> None:
+        """Core busy loop of a data-parallel engine: steps, counts and waves."""
+        while True:
+            # 1) Wait for work (a request, or a wave to join), take it in.
+            if not self._process_input_queue():
+                return
+            self._maybe_publish_request_counts()
+            # 2) Step; publish the counts again so the frontend sees them fresh.
+            executed = self._process_engine_step()
+            self._maybe_publish_request_counts()
+            if executed:
+                self.num_model_steps += 1
+            else:
+                self.num_empty_steps += 1
+            local_unfinished_reqs = EngineCore.has_work(self)
+            if not executed and not local_unfinished_reqs and not self.engines_running:
+                continue
+            # 3) Whether the wave goes on (vLLM: an all-reduce over the DP group).
+            self.engines_running = self._has_global_unfinished_reqs(local_unfinished_reqs)
+            if not self.engines_running:
+                # This engine is done with the wave: the coordinator ends it
+                # once every engine is.
+                logger.debug("Wave %d finished, pausing engine loop.", self.current_wave)
+                self.output_queue.put_nowait(
+                    (-1, EngineCoreOutputs(wave_complete=self.current_wave))
+                )
+                self.current_wave += 1
+                self.step_counter = 0
+
+    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
+        # Dense models: nothing to agree on with the other engines.
+        self.step_counter += 1
+        return local_unfinished
+
+    # --8<-- [end:dp_busy_loop]
+
+    def get_dp_state(self) -> dict[str, Any]:
+        """This engine's DP view (a utility, for tests and views)."""
+        return {
+            "dp_rank": self.dp_rank,
+            "pid": os.getpid(),
+            "current_wave": self.current_wave,
+            "engines_running": self.engines_running,
+            "num_requests_added": self.num_requests_added,
+            "num_model_steps": self.num_model_steps,
+            "num_empty_steps": self.num_empty_steps,
+        }
+
+    def process_output_sockets(self, output_address: str) -> None:
+        """Output thread: outputs to the frontend, and (client index -1) the
+        counts and wave notices to the coordinator, as vLLM's."""
+        try:
+            encoder = MsgpackEncoder()
+            with (
+                self.ctx.socket(zmq.PUSH) as socket,
+                self.ctx.socket(zmq.PUSH) as coord_socket,
+            ):
+                socket.setsockopt(zmq.LINGER, 4000)
+                socket.connect(output_address)
+                coord_socket.setsockopt(zmq.LINGER, 0)
+                coord_socket.connect(self.coordinator_output)
+                while True:
+                    output = self.output_queue.get()
+                    if isinstance(output, bytes):  # ENGINE_CORE_DEAD
+                        socket.send(output)
+                        return
+                    client_index, outputs = output
+                    outputs.engine_index = self.engine_index
+                    target = coord_socket if client_index == -1 else socket
+                    target.send(encoder.encode(outputs))
+        except BaseException as e:
+            logger.exception("EngineCore output thread failed.")
+            self.input_queue.put_nowait((EngineCoreRequestType.EXECUTOR_FAILED, e))

@@ -6,8 +6,11 @@ Mirrors vllm/v1/engine/core_client.py: ``EngineCoreClient.make_client`` picks
 process, for breakpoints); ``make_async_mp_client`` gives ``AsyncMPClient``,
 the same process and wire driven from asyncio (what ``AsyncLLM`` and the
 OpenAI server use). ``MPClient`` holds what the two share: the sockets, the
-engine process, its start-up and its death watch. Left out: data-parallel
-clients, elastic scaling, zero-copy tensor frames.
+engine process (with ``data_parallel_size`` D > 1: D of them, ``DPEngineCoreProc``,
+and the ``DPCoordinator``), its start-up and its death watch.
+``DPLBAsyncMPClient`` (serving) and ``DPLBSyncMPClient`` (offline, tracevllm's)
+send each request to the least-loaded engine. Left out: external and hybrid
+DP load balancing, elastic scaling, zero-copy tensor frames.
 
 The wire, as vLLM's: the frontend binds a ROUTER (input) and a PULL (output)
 on ``ipc://`` paths in a private temp dir; the engine connects a DEALER and a
@@ -27,6 +30,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -34,12 +38,14 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from tracevllm import envs, tracing
 from tracevllm.config import VllmConfig
 from tracevllm.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from tracevllm.engine.coordinator import DPCoordinator
 from tracevllm.engine.core import (
     ENGINE_CORE_DEAD,
     READY,
@@ -63,12 +69,20 @@ class EngineCoreClient:
 
     @staticmethod
     def make_client(multiprocess_mode: bool, vllm_config: VllmConfig) -> EngineCoreClient:
+        data_parallel = vllm_config.parallel_config.data_parallel_size > 1
         if multiprocess_mode:
-            return SyncMPClient(vllm_config)
+            return DPLBSyncMPClient(vllm_config) if data_parallel else SyncMPClient(vllm_config)
+        if data_parallel:
+            raise ValueError(
+                "data_parallel_size > 1 runs each engine core in its own process: "
+                "it needs enable_multiprocessing=True (TRACEVLLM_ENABLE_MULTIPROCESSING=1)."
+            )
         return InprocClient(vllm_config)
 
     @staticmethod
     def make_async_mp_client(vllm_config: VllmConfig) -> AsyncMPClient:
+        if vllm_config.parallel_config.data_parallel_size > 1:
+            return DPLBAsyncMPClient(vllm_config)
         return AsyncMPClient(vllm_config)
 
     def get_output(self) -> EngineCoreOutputs:
@@ -136,6 +150,12 @@ class BackgroundResources:
     def __init__(self, ctx: zmq.Context) -> None:
         self.ctx = ctx
         self.proc: BaseProcess | None = None
+        # Every engine process (D with data parallelism; proc is the first)
+        # and the DP coordinator's.
+        self.engine_procs: list[BaseProcess] = []
+        self.coordinator_proc: BaseProcess | None = None
+        # The DP client's thread that reads the coordinator's stats.
+        self.stats_thread: threading.Thread | None = None
         self.socket_dir: str | None = None
         self.sockets: list[zmq.Socket] = []
         self.shutdown_path: str | None = None
@@ -169,7 +189,7 @@ class BackgroundResources:
                     s.setsockopt(zmq.LINGER, 0)
                     s.connect(self.shutdown_path)
                     s.send(b"")
-            for thread in (self.output_thread, self.monitor_thread):
+            for thread in (self.output_thread, self.monitor_thread, self.stats_thread):
                 if thread is not None and thread is not threading.current_thread():
                     thread.join(timeout=5)
         finally:
@@ -182,20 +202,24 @@ class BackgroundResources:
             self.monitor_wake_w.close()
 
     def _stop_process(self) -> None:
-        proc = self.proc
-        if proc is None or not proc.is_alive():
-            return
-        if proc.pid is not None:
-            # A stopped process (SIGSTOP, Ctrl-Z) would hold SIGTERM until it
-            # continues: let it continue, so that it can exit.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGCONT)
-        proc.terminate()  # SIGTERM: the engine exits through its finally
-        proc.join(timeout=10)
-        if proc.is_alive():
-            logger.warning("EngineCore did not exit on SIGTERM; killing it.")
-            proc.kill()
-            proc.join(timeout=5)
+        procs = [p for p in (*self.engine_procs, self.coordinator_proc) if p is not None]
+        if self.proc is not None and self.proc not in procs:
+            procs.append(self.proc)
+        procs = [p for p in procs if p.is_alive()]
+        # All told first, then waited for: D engines stop side by side.
+        for proc in procs:
+            if proc.pid is not None:
+                # A stopped process (SIGSTOP, Ctrl-Z) would hold SIGTERM until it
+                # continues: let it continue, so that it can exit.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+            proc.terminate()  # SIGTERM: the engine exits through its finally
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                logger.warning("%s did not exit on SIGTERM; killing it.", proc.name)
+                proc.kill()
+                proc.join(timeout=5)
 
 
 # Why the engine stopped, when it says so itself (ENGINE_CORE_DEAD).
@@ -264,94 +288,137 @@ class MPClient(EngineCoreClient):
 
         self.mp_method = _get_mp_method()
         mp: Any = multiprocessing.get_context(self.mp_method)
-        # The engine reports a start-up failure here (its exception, in words).
-        startup_error_r, startup_error_w = mp.Pipe(duplex=False)
-        proc = mp.Process(
-            target=EngineCoreProc.run_engine_core,
-            name="EngineCore",
-            kwargs=dict(
-                vllm_config=vllm_config,
-                input_address=input_address,
-                output_address=output_address,
-                startup_error_pipe=startup_error_w,
-            ),
-            daemon=True,
-        )
-        proc.start()
-        # --8<-- [end:mp_client_sockets]
-        resources.proc = proc
-        startup_error_w.close()
+        # Data parallelism: D engines behind these same two sockets (the
+        # ROUTER tells them apart by identity, the PULL merges their outputs)
+        # and a coordinator between them and this frontend.
+        dp_size = vllm_config.parallel_config.data_parallel_size
+        dp_kwargs: dict[str, Any] = {}
+        self.stats_update_address: str | None = None
+        if dp_size > 1:
+            coordinator = DPCoordinator(vllm_config.parallel_config, resources.socket_dir, mp)
+            resources.coordinator_proc = coordinator.proc
+            coord_in, coord_out = coordinator.get_engine_socket_addresses()
+            dp_kwargs = dict(coordinator_input=coord_in, coordinator_output=coord_out)
+            self.stats_update_address = coordinator.get_stats_publish_address()
+        startup_errors: list[Connection] = []
+        for index in range(dp_size):
+            # The engine reports a start-up failure here (its exception, in words).
+            startup_error_r, startup_error_w = mp.Pipe(duplex=False)
+            proc = mp.Process(
+                target=EngineCoreProc.run_engine_core,
+                name="EngineCore" if dp_size == 1 else f"EngineCore_DP{index}",
+                kwargs=dict(
+                    vllm_config=vllm_config,
+                    input_address=input_address,
+                    output_address=output_address,
+                    startup_error_pipe=startup_error_w,
+                    **(dict(dp_rank=index, **dp_kwargs) if dp_size > 1 else {}),
+                ),
+                daemon=True,
+            )
+            proc.start()
+            # --8<-- [end:mp_client_sockets]
+            resources.engine_procs.append(proc)
+            startup_error_w.close()
+            startup_errors.append(startup_error_r)
+        resources.proc = resources.engine_procs[0]
         try:
-            ready = self._wait_for_engine_startup(input_socket, proc, startup_error_r)
+            readies = self._wait_for_engine_startup(
+                input_socket, resources.engine_procs, startup_errors
+            )
         except BaseException:
             resources()
             raise
         finally:
-            startup_error_r.close()
-        self.core_engine = ready[0]  # the DEALER's identity
-        self.num_gpu_blocks = ready[1].num_gpu_blocks
-        self.max_model_len = ready[1].max_model_len
-        self.kv_cache_block_limits = [(g[0], g[1]) for g in ready[1].kv_cache_block_limits]
-        self.engine_pid = ready[1].pid
+            for pipe in startup_errors:
+                pipe.close()
+        # The DEALERs' identities, in DP rank order.
+        self.core_engines = [identity for identity, _ in readies]
+        self.core_engine = self.core_engines[0]
+        ready = readies[0][1]
+        self.num_gpu_blocks = ready.num_gpu_blocks
+        self.max_model_len = ready.max_model_len
+        self.kv_cache_block_limits = [(g[0], g[1]) for g in ready.kv_cache_block_limits]
+        self.engine_pids = [r.pid for _, r in readies]
+        self.engine_pid = self.engine_pids[0]
         self.input_socket: Any = input_socket
         self.output_socket: Any = output_socket
 
     def _wait_for_engine_startup(
-        self, input_socket: zmq.Socket, proc: BaseProcess, startup_error: Connection
-    ) -> tuple[bytes, EngineCoreReadyResponse]:
-        """Wait for READY, but notice at once if the process fails instead."""
+        self, input_socket: zmq.Socket, procs: list[BaseProcess], startup_errors: list[Connection]
+    ) -> list[tuple[bytes, EngineCoreReadyResponse]]:
+        """Wait for every engine's READY, but notice at once if one fails instead."""
         timeout_s = envs.TRACEVLLM_ENGINE_READY_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         poller = zmq.Poller()
         poller.register(input_socket, zmq.POLLIN)
-        poller.register(proc.sentinel, zmq.POLLIN)
-        poller.register(startup_error.fileno(), zmq.POLLIN)
-        events = dict(poller.poll(timeout=int(timeout_s * 1000)))
-        if input_socket in events:
-            identity, status, payload = input_socket.recv_multipart()
-            assert status == READY, f"expected READY from EngineCore, got {status!r}"
-            return identity, MsgpackDecoder(EngineCoreReadyResponse).decode(payload)
-        if not events:
-            raise TimeoutError(
-                f"EngineCore did not report READY within {timeout_s:.0f}s "
-                "(TRACEVLLM_ENGINE_READY_TIMEOUT_S)."
+        for proc, startup_error in zip(procs, startup_errors):
+            poller.register(proc.sentinel, zmq.POLLIN)
+            poller.register(startup_error.fileno(), zmq.POLLIN)
+        readies: dict[bytes, EngineCoreReadyResponse] = {}
+        decoder = MsgpackDecoder(EngineCoreReadyResponse)
+        while len(readies) < len(procs):
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            events = dict(poller.poll(timeout=max(left_ms, 0)))
+            if input_socket in events:
+                identity, status, payload = input_socket.recv_multipart()
+                assert status == READY, f"expected READY from EngineCore, got {status!r}"
+                readies[identity] = decoder.decode(payload)
+                continue
+            if not events:
+                raise TimeoutError(
+                    f"EngineCore did not report READY within {timeout_s:.0f}s "
+                    "(TRACEVLLM_ENGINE_READY_TIMEOUT_S)."
+                )
+            # One failed: read its reason, and wait for the exit so the code is known.
+            index = next(
+                i
+                for i, (p, e) in enumerate(zip(procs, startup_errors))
+                if p.sentinel in events or e.fileno() in events
             )
-        # It failed: read its reason, and wait for the exit so the code is known.
-        reason = ""
-        with contextlib.suppress(EOFError, OSError):
-            if startup_error.poll(5):
-                reason = startup_error.recv()
-        proc.join(timeout=10)
-        hint = ""
-        if not reason and self.mp_method == "spawn":
-            hint = (
-                " The engine process was started with spawn (torch was already imported), "
-                "which runs your script's top level again in it: if your script has no "
-                "`if __name__ == '__main__':` guard, add one."
+            proc, startup_error = procs[index], startup_errors[index]
+            reason = ""
+            with contextlib.suppress(EOFError, OSError):
+                if startup_error.poll(5):
+                    reason = startup_error.recv()
+            proc.join(timeout=10)
+            hint = ""
+            if not reason and self.mp_method == "spawn":
+                hint = (
+                    " The engine process was started with spawn (torch was already imported), "
+                    "which runs your script's top level again in it: if your script has no "
+                    "`if __name__ == '__main__':` guard, add one."
+                )
+            raise RuntimeError(
+                f"{proc.name} failed to start (it {describe_exit(proc.exitcode)})"
+                + (f": {reason}" if reason else "; see the engine process's error above.")
+                + hint
             )
-        raise RuntimeError(
-            f"EngineCore failed to start (it {describe_exit(proc.exitcode)})"
-            + (f": {reason}" if reason else "; see the engine process's error above.")
-            + hint
-        )
+        # The identity is the DP rank, little-endian.
+        return sorted(readies.items(), key=lambda item: int.from_bytes(item[0], "little"))
 
     # --8<-- [start:engine_core_monitor]
     def _start_engine_core_monitor(self, on_dead: Any) -> None:
-        """Watch the process sentinel: a dead engine becomes EngineDeadError, not a hang.
+        """Watch the process sentinels: a dead engine becomes EngineDeadError, not a hang.
 
-        ``on_dead(error)`` hands the error to whoever waits for outputs.
+        ``on_dead(error)`` hands the error to whoever waits for outputs. With
+        data parallelism every engine is watched, and the coordinator: the
+        error names the one that died.
         """
         resources = self.resources
-        proc = resources.proc
-        assert proc is not None
+        procs = [p for p in (*resources.engine_procs, resources.coordinator_proc) if p]
         utility_results = self.utility_results
 
         def monitor_engine_cores() -> None:
-            ready = wait([proc.sentinel, resources.monitor_wake_r])
-            if resources.shutting_down or proc.sentinel not in ready:
+            sentinels = {p.sentinel: p for p in procs}
+            ready = wait([*sentinels, resources.monitor_wake_r])
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if resources.shutting_down or not dead:
                 return
             resources.engine_dead = True
+            proc = dead[0]
             proc.join(timeout=5)  # reap it, so the exit code is known
-            reason = f"EngineCore process (pid {proc.pid}) {describe_exit(proc.exitcode)}."
+            reason = f"{proc.name} process (pid {proc.pid}) {describe_exit(proc.exitcode)}."
             logger.error(reason)
             on_dead(EngineDeadError(reason))
             for future in list(utility_results.values()):
@@ -378,9 +445,13 @@ class MPClient(EngineCoreClient):
         self.utility_results[call_id] = future
         return (0, call_id, method, args), future
 
-    def _encode(self, request_type: EngineCoreRequestType, request: Any) -> tuple[Any, ...]:
+    def _encode(
+        self, request_type: EngineCoreRequestType, request: Any, engine: bytes | None = None
+    ) -> tuple[Any, ...]:
+        """The frames for one engine (the first, unless ``engine`` names another)."""
         self.ensure_alive()
-        return (self.core_engine, request_type.value, self.encoder.encode(request))
+        engine = self.core_engine if engine is None else engine
+        return (engine, request_type.value, self.encoder.encode(request))
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -556,6 +627,253 @@ class AsyncMPClient(MPClient):
         call, future = self._utility_future(method, args)
         await self._send_input_async(EngineCoreRequestType.UTILITY, call)
         return await asyncio.wrap_future(future)
+
+
+# --- data parallelism --------------------------------------------------------------
+class DPLoadBalancer:
+    """What the DP clients share: the least-loaded choice, the in-flight
+    requests' engines, and the coordinator's view (kept up to date by a
+    thread that holds this object, never the client).
+
+    vLLM keeps these on ``DPAsyncMPClient`` / ``DPLBAsyncMPClient`` and reads
+    the coordinator in an asyncio task; here a thread does it for the sync
+    client and the asyncio one alike.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        resources: BackgroundResources,
+        core_engines: list[bytes],
+        stats_update_address: str,
+    ) -> None:
+        self.core_engines = core_engines
+        # [waiting, running] per engine, from the coordinator (plus the
+        # requests sent since its last word).
+        self.lb_engines: list[list[int]] = [[0, 0] for _ in core_engines]
+        self.current_wave = 0
+        self.engines_running = False
+        # request id -> the engine it went to (aborts go there too).
+        self.reqs_in_flight: dict[str, bytes] = {}
+        # vLLM's client_count / client_index: one frontend here.
+        self.client_count = 1
+        self.eng_start_index = 0
+        # Sends "this engine got the first request of a wave" to the stats
+        # thread, which owns the socket to the coordinator.
+        first_req_addr = f"inproc://first-req-{uuid.uuid4().hex}"
+        self.first_req_send_socket = ctx.socket(zmq.PAIR)
+        self.first_req_send_socket.setsockopt(zmq.LINGER, 0)
+        self.first_req_send_socket.bind(first_req_addr)
+        resources.sockets.append(self.first_req_send_socket)
+        subscribed = threading.Event()
+        thread = threading.Thread(
+            target=_run_engine_stats_update,
+            args=(self, ctx, resources, stats_update_address, first_req_addr, subscribed),
+            name="DPEngineStatsUpdateThread",
+            daemon=True,
+        )
+        thread.start()
+        resources.stats_thread = thread
+        subscribed.wait(5)
+
+    def get_core_engine_for_request(self, request: EngineCoreRequest) -> bytes:
+        """The least-loaded engine (waiting x 4 + running, as vLLM scores it);
+        the request carries the wave this frontend knows."""
+        request.current_wave = self.current_wave
+        current_counts = self.lb_engines
+        num_engines = len(current_counts)
+        min_score, eng_index = sys.maxsize, 0
+        for i in range(num_engines):
+            # Start from this client's index: spreads ties when all are empty.
+            idx = (self.eng_start_index + i) % num_engines
+            waiting, running = current_counts[idx]
+            score = waiting * 4 + running
+            if score < min_score:
+                min_score, eng_index = score, idx
+        # Counted here until the coordinator's next update (every 100 ms).
+        current_counts[eng_index][0] += self.client_count
+        chosen_engine = self.core_engines[eng_index]
+        self.reqs_in_flight[request.request_id] = chosen_engine
+        if not self.engines_running:
+            # The engines are idle: the coordinator wakes the others into the wave.
+            self.engines_running = True
+            self.first_req_send_socket.send(msgspec.msgpack.encode(("FIRST_REQ", eng_index)))
+        return chosen_engine
+
+    def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if self.reqs_in_flight:
+            for output in outputs.outputs:
+                if output.finish_reason is not None:
+                    self.reqs_in_flight.pop(output.request_id, None)
+
+    def requests_by_engine(self, request_ids: list[str]) -> dict[bytes, list[str]]:
+        """Aborted requests, grouped by the engine that has them (forgotten here)."""
+        by_engine: dict[bytes, list[str]] = {}
+        for req_id in request_ids:
+            if (engine := self.reqs_in_flight.pop(req_id, None)) is not None:
+                by_engine.setdefault(engine, []).append(req_id)
+        return by_engine
+
+
+def _run_engine_stats_update(
+    balancer: DPLoadBalancer,
+    ctx: zmq.Context,
+    resources: BackgroundResources,
+    stats_addr: str,
+    first_req_addr: str,
+    subscribed: threading.Event,
+) -> None:
+    """The stats thread: the coordinator's (counts, wave, running) into the
+    balancer, and FIRST_REQ notices up to the coordinator."""
+    socket = ctx.socket(zmq.XSUB)
+    first_req_rcv_socket = ctx.socket(zmq.PAIR)
+    try:
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(stats_addr)
+        socket.send(b"\x01")  # subscribe to everything
+        first_req_rcv_socket.setsockopt(zmq.LINGER, 0)
+        first_req_rcv_socket.connect(first_req_addr)
+        subscribed.set()
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(first_req_rcv_socket, zmq.POLLIN)
+        while not resources.shutting_down:
+            # A timeout, so that shutdown (which joins this thread) is seen.
+            events = dict(poller.poll(timeout=int(IDLE_POLL_S * 1000)))
+            if first_req_rcv_socket in events:
+                _, eng_index = msgspec.msgpack.decode(first_req_rcv_socket.recv())
+                socket.send(msgspec.msgpack.encode((eng_index, balancer.current_wave)))
+            if socket not in events:
+                continue
+            buf = None
+            while True:  # only the latest update matters
+                try:
+                    buf = socket.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            if buf is None:
+                continue
+            counts, wave, running = msgspec.msgpack.decode(buf)
+            balancer.current_wave = wave
+            balancer.engines_running = running
+            if counts is not None:
+                balancer.lb_engines = counts
+    except zmq.ContextTerminated:
+        pass
+    except Exception:
+        logger.exception("DP stats update thread failed.")
+    finally:
+        subscribed.set()
+        socket.close(linger=0)
+        first_req_rcv_socket.close(linger=0)
+
+
+# How often the DP stats thread checks for shutdown (seconds).
+IDLE_POLL_S = 0.2
+
+
+class DPLBSyncMPClient(SyncMPClient):
+    """D engine processes behind blocking calls: the offline ``LLM``'s client.
+
+    tracevllm's: vLLM's offline DP runs one ``LLM`` per DP rank (each its own
+    process, SPMD); here one ``LLM`` drives all D engines, as the serving
+    client does, and sends each request to the least-loaded one. Outputs of
+    every engine arrive merged on the one PULL socket.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
+        assert self.stats_update_address is not None
+        try:
+            self.balancer = DPLoadBalancer(
+                self.ctx, self.resources, self.core_engines, self.stats_update_address
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs = super().get_output()
+        self.balancer.process_engine_outputs(outputs)
+        return outputs
+
+    @tracing.instrument("DPLBSyncMPClient.add_request")
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.ensure_alive()
+        engine = self.balancer.get_core_engine_for_request(request)
+        frames = self._encode(EngineCoreRequestType.ADD, request, engine)
+        self.input_socket.send_multipart(frames, copy=False)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if not request_ids or self.resources.engine_dead:
+            return
+        for engine, req_ids in self.balancer.requests_by_engine(request_ids).items():
+            frames = self._encode(EngineCoreRequestType.ABORT, req_ids, engine)
+            self.input_socket.send_multipart(frames, copy=False)
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """The first engine's answer (as vLLM's DP clients); every engine is called."""
+        return self.call_utility_all(method, *args)[0]
+
+    def call_utility_all(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every engine; their answers in DP rank order."""
+        futures = []
+        for engine in self.core_engines:
+            call, future = self._utility_future(method, args)
+            frames = self._encode(EngineCoreRequestType.UTILITY, call, engine)
+            self.input_socket.send_multipart(frames, copy=False)
+            futures.append(future)
+        return [f.result() for f in futures]
+
+
+class DPLBAsyncMPClient(AsyncMPClient):
+    """D engine processes driven from asyncio (``AsyncLLM``, the server):
+    each request goes to the least-loaded engine, by the coordinator's
+    counts. vLLM's ``DPAsyncMPClient`` (one engine per frontend, external
+    load balancing) is folded in: tracevllm has the internal balancer only."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
+        assert self.stats_update_address is not None
+        try:
+            self.balancer = DPLoadBalancer(
+                self.ctx, self.resources, self.core_engines, self.stats_update_address
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        outputs = await super().get_output_async()
+        self.balancer.process_engine_outputs(outputs)
+        return outputs
+
+    @tracing.instrument("DPLBAsyncMPClient.add_request_async")
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        self.ensure_alive()
+        engine = self.balancer.get_core_engine_for_request(request)
+        frames = self._encode(EngineCoreRequestType.ADD, request, engine)
+        await self.input_socket.send_multipart(frames, copy=False)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if not request_ids or self.resources.engine_dead:
+            return
+        for engine, req_ids in self.balancer.requests_by_engine(request_ids).items():
+            frames = self._encode(EngineCoreRequestType.ABORT, req_ids, engine)
+            await self.input_socket.send_multipart(frames, copy=False)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """The first engine's answer (as vLLM's); every engine is called."""
+        return (await self.call_utility_all_async(method, *args))[0]
+
+    async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
+        futures = []
+        for engine in self.core_engines:
+            call, future = self._utility_future(method, args)
+            frames = self._encode(EngineCoreRequestType.UTILITY, call, engine)
+            await self.input_socket.send_multipart(frames, copy=False)
+            futures.append(asyncio.wrap_future(future))
+        return list(await asyncio.gather(*futures))
 
 
 def _get_mp_method() -> str:

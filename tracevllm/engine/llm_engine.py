@@ -4,7 +4,9 @@ Mirrors vllm/v1/engine/llm_engine.py. ``add_request`` validates and tokenizes
 (``InputProcessor``), registers the request with the ``OutputProcessor`` and
 sends it to the engine core; ``step`` takes one batch of core outputs, turns
 them into ``RequestOutput``s and aborts requests the frontend finished (stop
-strings). Left out: pooling, LoRA, data parallelism, the stat loggers.
+strings). With ``data_parallel_size`` D > 1 the client is ``DPLBSyncMPClient``:
+D engine processes, each request sent to the least-loaded one, their outputs
+merged. Left out: pooling, LoRA, the stat loggers.
 """
 
 from __future__ import annotations

@@ -89,6 +89,8 @@ class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     step_counter: int = 0
+    # The data-parallel request wave (DPEngineCoreProc's counts for the coordinator).
+    current_wave: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     # tracevllm additions, for the views: KV pool counts and this step's preemptions.

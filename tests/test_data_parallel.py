@@ -1,0 +1,332 @@
+"""Data parallelism: D engine cores behind one frontend, on the tiny Llama.
+
+Each scenario runs in a child process (``python -m tests.test_data_parallel
+NAME MODEL ...``) under a timeout and prints one JSON line, so a crash or a
+hang fails the test instead of pytest. The engines are real processes
+(``DPEngineCoreProc``, one ``uni`` executor each) with the real
+``DPCoordinator`` process between them and the frontend. Checked: D = 2 gives
+D = 1's greedy tokens with chunked prefill, prefix caching and preemption on,
+and the requests are spread over both engines (each engine's own count,
+asked through a utility call); an engine with nothing to do holds up no one
+(a short request finishes while the other engine is still busy; an idle
+engine joins a wave with one empty turn and no model step) and the request
+wave advances once both are idle; an engine SIGKILLed mid-generate becomes
+EngineDeadError naming it within 10 s, and shutdown leaves no process or
+socket file; a frontend killed with SIGKILL leaves none either; AsyncLLM (the
+serving path) over D = 2 gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_TOKENS = 24
+
+
+def say(**kw: Any) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def _prompts(model: str) -> list[list[int]]:
+    from transformers import AutoConfig
+
+    from tests.family_check import make_prompts
+
+    return make_prompts(AutoConfig.from_pretrained(model).vocab_size)
+
+
+def _llm(model: str, dp: int, **kw: Any) -> Any:
+    from tracevllm import LLM
+
+    return LLM(
+        model=model,
+        data_parallel_size=dp,
+        distributed_executor_backend="uni",
+        block_size=4,
+        max_num_batched_tokens=16,  # chunked prefill: the longest prompts take 3 steps
+        max_num_seqs=8,
+        enable_prefix_caching=True,
+        num_gpu_blocks_override=24,  # small: the longest requests preempt the others
+        max_model_len=96,
+        enable_multiprocessing=True,
+        **kw,
+    )
+
+
+def _greedy(n: int = NUM_TOKENS) -> Any:
+    from tracevllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _dp_states(llm: Any) -> list[dict[str, Any]]:
+    return list(llm.llm_engine.engine_core.call_utility_all("get_dp_state"))
+
+
+# --- scenarios (child processes) ---------------------------------------------------
+def offline(model: str, dp: str) -> None:
+    """The workload at D = dp; then a prompt alone and one sharing its prefix."""
+    prompts = _prompts(model)
+    llm = _llm(model, int(dp))
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+        preemptions = llm.llm_engine.num_preemptions
+        states = _dp_states(llm) if int(dp) > 1 else []
+        # Both engines idle: the second of these goes where the first went (the
+        # least loaded is the first engine again), and finds its prefix cached.
+        time.sleep(0.5)
+        llm.generate([{"prompt_token_ids": prompts[6]}], _greedy(4), use_tqdm=False)
+        time.sleep(0.5)
+        (hit,) = llm.generate([{"prompt_token_ids": prompts[7]}], _greedy(4), use_tqdm=False)
+        say(
+            tokens=[list(o.outputs[0].token_ids) for o in outs],
+            preemptions=preemptions,
+            states=states,
+            cached=hit.num_cached_tokens,
+        )
+    finally:
+        llm.shutdown()
+
+
+def idle_engine(model: str) -> None:
+    """A long and a short request on two engines; then one request alone."""
+    llm = _llm(model, 2)
+    engine = llm.llm_engine
+    client = engine.engine_core
+    prompts = _prompts(model)
+    try:
+        engine.add_request("long", {"prompt_token_ids": prompts[1]}, _greedy(80))
+        engine.add_request("short", {"prompt_token_ids": prompts[2]}, _greedy(3))
+        engines = dict(client.balancer.reqs_in_flight)
+        long_tokens_when_short_done = -1
+        done: set[str] = set()
+        long_tokens = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == "long":
+                    long_tokens = len(out.outputs[0].token_ids)
+                if out.finished:
+                    done.add(out.request_id)
+                    if out.request_id == "short":
+                        long_tokens_when_short_done = long_tokens
+        time.sleep(1.0)  # the coordinator publishes the wave's end
+        after_pair = _dp_states(llm)
+        wave_after_pair = client.balancer.current_wave
+        running_after_pair = client.balancer.engines_running
+        # One request alone: the other engine only joins the wave.
+        engine.add_request("alone", {"prompt_token_ids": prompts[3]}, _greedy(40))
+        while engine.has_unfinished_requests():
+            engine.step()
+        time.sleep(1.0)
+        after_alone = _dp_states(llm)
+        say(
+            engines=[int.from_bytes(engines[k], "little") for k in sorted(engines)],
+            long_tokens_when_short_done=long_tokens_when_short_done,
+            after_pair=after_pair,
+            after_alone=after_alone,
+            wave_after_pair=wave_after_pair,
+            running_after_pair=running_after_pair,
+            wave_after_alone=client.balancer.current_wave,
+            running_after_alone=client.balancer.engines_running,
+        )
+    finally:
+        llm.shutdown()
+
+
+def kill_engine(model: str, victim: str) -> None:
+    """SIGKILL one engine mid-generate: EngineDeadError naming it, nothing left."""
+    from tests.executor_scenarios import wait_gone
+    from tracevllm.engine.exceptions import EngineDeadError
+
+    llm = _llm(model, 2)
+    engine = llm.llm_engine
+    client = engine.engine_core
+    resources = client.resources
+    pids = [p.pid for p in resources.engine_procs] + [resources.coordinator_proc.pid]
+    socket_dir = resources.socket_dir
+    for i, prompt in enumerate(_prompts(model)[:4]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, _greedy(100))
+    engine.step()
+    killed_at = time.monotonic()
+    os.kill(client.engine_pids[int(victim)], signal.SIGKILL)
+    error = None
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    except EngineDeadError as e:
+        error = str(e)
+    waited = time.monotonic() - killed_at
+    llm.shutdown()
+    say(
+        error=error,
+        waited=waited,
+        left=wait_gone(pids),
+        socket_dir=os.path.exists(socket_dir),
+    )
+
+
+def hold(model: str) -> None:
+    """Start D = 2, print every process and the socket dir, then wait to be killed."""
+    llm = _llm(model, 2)
+    resources = llm.llm_engine.engine_core.resources
+    pids = [p.pid for p in resources.engine_procs] + [resources.coordinator_proc.pid]
+    say(pids=pids, socket_dir=resources.socket_dir)
+    time.sleep(600)
+
+
+def serving(model: str) -> None:
+    """The workload through AsyncLLM at D = 2, all requests at once."""
+    import asyncio
+
+    from tracevllm.engine.arg_utils import EngineArgs
+    from tracevllm.engine.async_llm import AsyncLLM
+
+    prompts = _prompts(model)
+
+    async def main() -> None:
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(
+                model=model,
+                data_parallel_size=2,
+                distributed_executor_backend="uni",
+                block_size=4,
+                max_num_batched_tokens=16,
+                enable_prefix_caching=True,
+                num_gpu_blocks_override=24,
+                max_model_len=96,
+            )
+        )
+        try:
+
+            async def one(i: int, prompt: list[int]) -> list[int]:
+                last = None
+                async for out in engine.generate({"prompt_token_ids": prompt}, _greedy(), str(i)):
+                    last = out
+                assert last is not None and last.finished
+                return list(last.outputs[0].token_ids)
+
+            tokens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            states = await engine.engine_core.call_utility_all_async("get_dp_state")  # type: ignore[attr-defined]
+            say(tokens=list(tokens), states=states)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def _run(*args: str, timeout: float = 300) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_data_parallel", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+# --- the tests ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dp1(tiny_model_dir: str) -> dict[str, Any]:
+    return _run("offline", tiny_model_dir, "1")
+
+
+@pytest.mark.timeout(600)
+def test_dp2_greedy_equals_dp1_and_spreads_requests(
+    tiny_model_dir: str, dp1: dict[str, Any]
+) -> None:
+    dp2 = _run("offline", tiny_model_dir, "2")
+    assert dp2["tokens"] == dp1["tokens"]
+    # The workload had what it should: preemptions, and a prefix hit on its engine.
+    assert dp1["preemptions"] > 0 and dp2["preemptions"] > 0
+    assert dp1["cached"] > 0 and dp2["cached"] == dp1["cached"]
+    # Spread over both engines, by each engine's own count.
+    states = dp2["states"]
+    assert [s["dp_rank"] for s in states] == [0, 1]
+    assert len({s["pid"] for s in states}) == 2
+    added = [s["num_requests_added"] for s in states]
+    assert sum(added) == len(dp1["tokens"]) and min(added) >= 2, added
+
+
+@pytest.mark.timeout(400)
+def test_idle_engine_holds_up_no_one(tiny_model_dir: str) -> None:
+    out = _run("idle_engine", tiny_model_dir)
+    # The two requests went to different engines, the short one finished
+    # while the long one still ran on the other.
+    assert sorted(out["engines"]) == [0, 1]
+    assert 0 <= out["long_tokens_when_short_done"] < 40, out
+    # Both idle: the wave ended, and the coordinator says so.
+    assert out["running_after_pair"] is False and out["wave_after_pair"] >= 1
+    assert all(not s["engines_running"] for s in out["after_pair"])
+    # One request alone: its engine ran it, the other took at most one empty
+    # turn (joining the wave) and never ran the model; then the wave ended.
+    before, after = out["after_pair"], out["after_alone"]
+    model_steps = [a["num_model_steps"] - b["num_model_steps"] for a, b in zip(after, before)]
+    empty_steps = [a["num_empty_steps"] - b["num_empty_steps"] for a, b in zip(after, before)]
+    busy = model_steps.index(max(model_steps))
+    assert model_steps[busy] >= 40 and model_steps[1 - busy] == 0, model_steps
+    assert empty_steps[1 - busy] <= 1, empty_steps
+    assert out["running_after_alone"] is False
+    assert out["wave_after_alone"] > out["wave_after_pair"]
+    assert [s["current_wave"] for s in after] == [out["wave_after_alone"]] * 2
+
+
+@pytest.mark.timeout(300)
+def test_killed_engine_is_named_and_nothing_is_left(tiny_model_dir: str) -> None:
+    out = _run("kill_engine", tiny_model_dir, "1")
+    assert out["error"] is not None and "EngineCore_DP1" in out["error"], out
+    assert "SIGKILL" in out["error"], out
+    assert out["waited"] < 10, out
+    assert out["left"] == [] and out["socket_dir"] is False, out
+
+
+@pytest.mark.timeout(300)
+def test_killed_frontend_leaves_nothing(tiny_model_dir: str) -> None:
+    from tests.executor_scenarios import wait_gone
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.test_data_parallel", "hold", tiny_model_dir],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        line = ""
+        while not line.startswith("{"):
+            line = proc.stdout.readline()
+            assert line, "the child exited before starting its engines"
+        info = json.loads(line)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert len(info["pids"]) == 3
+    assert wait_gone(info["pids"], timeout=20) == []
+    deadline = time.monotonic() + 10
+    while os.path.exists(info["socket_dir"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(info["socket_dir"])
+
+
+@pytest.mark.timeout(400)
+def test_async_llm_dp2_equals_dp1(tiny_model_dir: str, dp1: dict[str, Any]) -> None:
+    out = _run("serving", tiny_model_dir)
+    assert out["tokens"] == dp1["tokens"]
+    added = [s["num_requests_added"] for s in out["states"]]
+    assert sum(added) == len(dp1["tokens"]) and min(added) >= 2, added
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
