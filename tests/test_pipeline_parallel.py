@@ -133,6 +133,8 @@ def run_pp(
             "max_batches_in_flight": core and core.max_batches_in_flight,
             "kv": kv,
         }
+        if core is not None and core.batch_queue is not None:
+            result["abort"] = abort_in_flight(llm, core, prompts, params)
         if mode == "proc":
             # A structured request: the last stage masks with the grammar's bitmask.
             from tracevllm.sampling_params import StructuredOutputsParams
@@ -147,6 +149,29 @@ def run_pp(
     finally:
         llm.shutdown()
     print(json.dumps(result), flush=True)
+
+
+def abort_in_flight(llm: Any, core: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
+    """Abort a request while a step that runs it is in flight: its answer is
+    dropped, the other request goes on, and every KV block comes back."""
+    engine = llm.llm_engine
+    a_id = engine.add_request("a", {"prompt_token_ids": prompts[3]}, params)  # 2 chunks
+    engine.add_request("b", {"prompt_token_ids": prompts[2]}, params)
+    outputs: dict[str, list[Any]] = {"a": [], "b": []}
+    in_flight = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        if not in_flight and any(a_id in so.num_scheduled_tokens for _, so, _ in core.batch_queue):
+            in_flight = True
+            engine.abort_request(["a"])
+    a_tokens = outputs["a"][-1].outputs[0].token_ids if outputs["a"] else []
+    return {
+        "in_flight": in_flight,
+        "a_tokens": len(a_tokens),
+        "b_tokens": list(outputs["b"][-1].outputs[0].token_ids),
+        "kv_used": core.get_kv_cache_stats()["used"],
+    }
 
 
 def _run(*args: str, timeout: float = 400) -> dict[str, Any]:
@@ -261,6 +286,16 @@ def test_pp2_matches_hf_and_each_stage_holds_its_layers(
         _check_hf(out, llama4[1])
         assert out["tokens"] == pp1["tokens"]
         _check_kv(out, pp1, tp=1, pp=2)
+
+
+def test_a_request_aborted_in_flight_gets_nothing_more(
+    llama4: tuple[str, Any], pp2_runs: Any
+) -> None:
+    abort = pp2_runs[0]["abort"]
+    assert abort["in_flight"], abort
+    assert abort["a_tokens"] < NUM_TOKENS, abort
+    assert abort["b_tokens"] == llama4[1][2][0]
+    assert abort["kv_used"] == 0
 
 
 def test_the_batch_queue_keeps_two_steps_in_flight(pp2_runs: Any) -> None:
