@@ -449,8 +449,8 @@ class ModelRunner:
         """Run the forward pass; sample_tokens() finishes the step.
 
         Returns None, or EMPTY_MODEL_RUNNER_OUTPUT when nothing was scheduled
-        (then there is nothing to sample). A pipeline stage before the last
-        starts from ``intermediate_tensors`` (unless it is the first) and
+        (then there is nothing to sample). A pipeline stage after the first
+        starts from ``intermediate_tensors``; a stage before the last
         returns its own, for the Worker to send on: only the last stage
         computes logits and samples.
         """
