@@ -1,10 +1,13 @@
-"""Rotary position embeddings (RoPE), neox style, with Llama 3 frequency scaling.
+"""Rotary position embeddings (RoPE), neox style, with Llama 3 and LongRoPE (Phi-3) scaling.
 
 Mirrors vllm/model_executor/layers/rotary_embedding/ (``RotaryEmbedding``,
 ``Llama3RotaryEmbedding``, ``Phi3LongRoPEScaledRotaryEmbedding``, ``get_rope``)
 on its native path. Left out: GPT-J style (interleaved) rotation, partial
 rotary dims outside LongRoPE, and the other scaling types (linear, dynamic
-NTK, YaRN, M-RoPE); asking for one is an error.
+NTK, YaRN, M-RoPE); asking for one is an error. LongRoPE reads the engine's
+``max_model_len`` from the current config as vLLM's does; with none current
+(a layer built on its own) it takes ``max_position_embeddings``, where vLLM
+raises.
 
 The cos/sin table is computed once for every position, then each step indexes
 it with the flat ``positions`` tensor: no per-request offsets, since every
@@ -13,11 +16,17 @@ token carries its own position.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Any
 
 import torch
 from torch import nn
+
+from tracevllm.config import get_current_vllm_config
+
+logger = logging.getLogger(__name__)
 
 
 class RotaryEmbedding(nn.Module):
@@ -102,32 +111,32 @@ class Llama3RotaryEmbedding(RotaryEmbedding):
 # --8<-- [start:longrope]
 class Phi3LongRoPEScaledRotaryEmbedding(nn.Module):
     """LongRoPE (Phi-3): each frequency divided by its own rescale factor, one
-    set (``short_factor``) for positions below ``original_max_position_embeddings``
-    and another (``long_factor``) from there on; cos and sin multiplied by an
+    set (``short_factor``) for contexts within ``original_max_position_embeddings``
+    and another (``long_factor``) for longer ones; cos and sin multiplied by an
     attention factor (``short_mscale`` / ``long_mscale``, by default
     sqrt(1 + ln(max / original) / ln(original)), 1 when not extended).
     Only the first ``rotary_dim`` dims of a head rotate (Phi-4-mini's 0.75).
 
-    Which factors a token gets differs in the three implementations:
+    Which set, vLLM's rule: the long factors for every token of every request
+    when the engine's ``max_model_len`` exceeds the original length, the short
+    ones otherwise, fixed at construction (``use_long_rope``). A token's
+    rotation then depends on its position alone, so the keys in the cache stay
+    valid when a sequence crosses the original length, and chunked prefill,
+    prefix caching and recomputation after preemption see the same keys.
 
-    - HF transformers (``longrope_frequency_update``): one set per forward
-      call, long iff the call's largest position + 1 exceeds the original
-      length. In ``generate`` a prompt of at most that length is rotated with
-      short factors and each later token with long ones from position
-      ``original`` on (the keys already cached keep their short rotation); a
-      longer prompt is rotated wholly with long factors.
-    - vLLM 0.22.0: long factors for every token when ``max_model_len`` exceeds
-      the original length, short ones otherwise (fixed at construction).
-    - tracevllm: by each token's own position: short below ``original``,
-      long from it on. A token's rotation depends on its position alone, so
-      chunked prefill, prefix caching and recomputation after preemption see
-      the same keys, and HF's greedy generation is matched exactly for every
-      prompt of at most ``original`` tokens. A longer prompt's first
-      ``original`` tokens differ from HF (short here, long there), and from
-      vLLM whenever ``max_model_len`` exceeds ``original`` (vLLM: long).
+    HF transformers (``longrope_frequency_update``) picks per forward call
+    instead: long iff the call's largest position + 1 exceeds the original
+    length (in ``generate``, a prompt within it is rotated with the short
+    factors and each later token past it with the long ones, keeping the
+    short-rotated keys already cached). The two agree when every forward runs
+    past the original length (every prompt longer than it, with
+    ``max_model_len`` above it) and when ``max_model_len`` is at most the
+    original length (short throughout); in between they differ, as vLLM's do.
 
-    As vLLM's, not a ``RotaryEmbedding`` subclass; the one cos/sin table
-    (short rows, then long rows) is fp32 and cast to the query's dtype, as HF.
+    As vLLM's, not a ``RotaryEmbedding`` subclass, and one table
+    (``long_short_cos_sin_cache``): ``original`` short rows, then
+    ``max_position_embeddings`` long ones, indexed at ``position + original``
+    when long. It is fp32 and cast to the query's dtype, as HF's.
     """
 
     def __init__(
@@ -158,6 +167,13 @@ class Phi3LongRoPEScaledRotaryEmbedding(nn.Module):
         self.base = base
         self.short_factor = short_factor
         self.long_factor = long_factor
+        # One set for the engine's whole life: were it picked per token or per
+        # step, a sequence crossing the original length would leave keys in the
+        # cache rotated with the other set.
+        max_model_len = _current_max_model_len(max_position_embeddings)
+        self.use_long_rope = max_model_len > original_max_position_embeddings
+        if self.use_long_rope:
+            _warn_long_rope_once(max_position_embeddings, original_max_position_embeddings)
         scale = max_position_embeddings / original_max_position_embeddings
         default_mscale = (
             math.sqrt(1 + math.log(scale) / math.log(original_max_position_embeddings))
@@ -166,15 +182,13 @@ class Phi3LongRoPEScaledRotaryEmbedding(nn.Module):
         )
         self.short_mscale = default_mscale if short_mscale is None else short_mscale
         self.long_mscale = default_mscale if long_mscale is None else long_mscale
-        # Rows [0, original) from the short factors, the rest from the long ones.
         # A plain attribute (computed on the CPU even under the meta device), as
-        # RotaryEmbedding's.
-        num_rows = max(max_position_embeddings, original_max_position_embeddings)
-        short = self._compute_cos_sin_cache(num_rows, short_factor, self.short_mscale)
-        long = self._compute_cos_sin_cache(num_rows, long_factor, self.long_mscale)
-        self.cos_sin_cache = torch.cat(
-            (short[:original_max_position_embeddings], long[original_max_position_embeddings:])
-        )  # [num_rows, rotary_dim]
+        # RotaryEmbedding's cos_sin_cache.
+        short = self._compute_cos_sin_cache(
+            original_max_position_embeddings, short_factor, self.short_mscale
+        )
+        long = self._compute_cos_sin_cache(max_position_embeddings, long_factor, self.long_mscale)
+        self.long_short_cos_sin_cache = torch.cat((short, long))  # [original + max, rotary_dim]
 
     def _compute_inv_freq(self, rescale_factors: list[float]) -> torch.Tensor:
         # HF's order of operations (int64 arange, factor times base ** exponent):
@@ -185,11 +199,11 @@ class Phi3LongRoPEScaledRotaryEmbedding(nn.Module):
         return 1.0 / (factors * self.base**exponent)  # [rotary_dim // 2]
 
     def _compute_cos_sin_cache(
-        self, num_rows: int, rescale_factors: list[float], mscale: float
+        self, max_position_embeddings: int, rescale_factors: list[float], mscale: float
     ) -> torch.Tensor:
         inv_freq = self._compute_inv_freq(rescale_factors)
-        t = torch.arange(num_rows, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)  # [num_rows, rotary_dim // 2]
+        t = torch.arange(max_position_embeddings, dtype=torch.float32, device="cpu")
+        freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
         return torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1)
 
     def forward(
@@ -198,9 +212,11 @@ class Phi3LongRoPEScaledRotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads * head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos_sin_cache.device != positions.device:
-            self.cos_sin_cache = self.cos_sin_cache.to(positions.device)
-        cos_sin = self.cos_sin_cache[positions]  # [num_tokens, rotary_dim]
+        if self.long_short_cos_sin_cache.device != positions.device:
+            self.long_short_cos_sin_cache = self.long_short_cos_sin_cache.to(positions.device)
+        # The long rows start after the original length's short ones.
+        idx = positions + self.original_max_position_embeddings if self.use_long_rope else positions
+        cos_sin = self.long_short_cos_sin_cache[idx]  # [num_tokens, rotary_dim]
         cos, sin = cos_sin.to(query.dtype).chunk(2, dim=-1)  # 2 x [num_tokens, rotary_dim // 2]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [num_tokens, 1, rotary_dim // 2]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
@@ -212,6 +228,32 @@ class Phi3LongRoPEScaledRotaryEmbedding(nn.Module):
         x1, x2 = x_rot.chunk(2, dim=-1)  # 2 x [num_tokens, heads, rotary_dim // 2]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_pass), dim=-1)
         return out.reshape(num_tokens, -1)  # [num_tokens, heads * head_size]
+
+
+@functools.cache
+def _warn_long_rope_once(max_position_embeddings: int, original: int) -> None:
+    # Once, not once per layer (vLLM's warning_once).
+    logger.warning(
+        "Using LongRoPE scaling factors. This enables longer contexts (%d tokens vs "
+        "original %d tokens) at the cost of some performance degradation for shorter "
+        "sequences. If this is not desired, set `max_model_len` to be at most %d.",
+        max_position_embeddings,
+        original,
+        original,
+    )
+
+
+def _current_max_model_len(max_position_embeddings: int) -> int:
+    """The engine's ``max_model_len``, read as vLLM reads it (the config being built).
+
+    Outside an engine (a layer built on its own) no config is current; vLLM
+    raises there, tracevllm takes ModelConfig's default, the model's
+    ``max_position_embeddings``.
+    """
+    vllm_config = get_current_vllm_config()
+    if vllm_config is None:
+        return max_position_embeddings
+    return vllm_config.model_config.get_max_model_len()
 
 
 def _check_longrope_factors(name: str, factors: Any, expected_len: int) -> None:

@@ -11,7 +11,11 @@ from Llama lives elsewhere:
   (gate, up) and keep this rank's heads (rows) of each;
 - ``rope_parameters.rope_type == "longrope"`` makes ``get_rope`` build a
   ``Phi3LongRoPEScaledRotaryEmbedding`` (short and long rescale factors, an
-  attention factor on cos/sin, partial rotary dims for Phi-4-mini).
+  attention factor on cos/sin, partial rotary dims for Phi-4-mini). Which
+  factors is vLLM's rule, fixed when the model is built: the long ones for
+  every token when ``max_model_len`` exceeds the checkpoint's
+  ``original_max_position_embeddings`` (read from the config being built,
+  ``set_current_vllm_config`` in the model loader), the short ones otherwise.
 
 The forward is Llama's, so are its spans (``LlamaForCausalLM.forward``,
 ``LlamaDecoderLayer.forward``).
