@@ -154,7 +154,7 @@ def kill_engine(model: str, victim: str) -> None:
     pids = [p.pid for p in resources.engine_procs] + [resources.coordinator_proc.pid]
     socket_dir = resources.socket_dir
     for i, prompt in enumerate(_prompts(model)[:4]):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, _greedy(100))
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, _greedy(60))
     engine.step()
     killed_at = time.monotonic()
     os.kill(client.engine_pids[int(victim)], signal.SIGKILL)
