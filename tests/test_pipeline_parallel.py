@@ -309,6 +309,22 @@ def test_the_batch_queue_keeps_two_steps_in_flight(pp2_runs: Any) -> None:
     assert without["batch_queue_size"] == 1 and without["max_batches_in_flight"] == 0
     assert _steps_overlapping(sync_dir) == 0
     assert with_queue["tokens"] == without["tokens"]
+    # EngineCore's span for each turn, the workers' spans below it.
+    from tracevllm.tracing.exporters import read_spans_jsonl
+
+    spans = read_spans_jsonl(os.path.join(queue_dir, "spans.jsonl"))
+    by_id = {s.span_id: s for s in spans}
+    turns = [s for s in spans if s.name == "EngineCore.step_with_batch_queue"]
+    full = [t for t in turns if t.attributes["tracevllm.batch_queue.in_flight"] == 2]
+    assert full, "no turn had two steps in flight"
+    for turn in full:  # it scheduled one step and answered the one before
+        answered = turn.attributes["tracevllm.batch_queue.output_step_id"]
+        assert 0 < answered < turn.attributes["tracevllm.step_id"]
+    runs = [s for s in spans if s.name == "ModelRunner.execute_model"]
+    assert {by_id[s.parent_span_id].name for s in runs} == {"EngineCore.step_with_batch_queue"}
+    sync_spans = read_spans_jsonl(os.path.join(sync_dir, "spans.jsonl"))
+    assert not [s for s in sync_spans if s.name == "EngineCore.step_with_batch_queue"]
+    assert [s for s in sync_spans if s.name == "EngineCore.step"]
 
 
 def test_tp2_pp2_matches_hf_and_each_rank_holds_a_quarter(
