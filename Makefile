@@ -13,7 +13,7 @@ MAX_TOKENS ?= 48
 # heads over three worker processes, all in the request's one trace).
 TP ?= 1
 
-.PHONY: setup setup-ray generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing clean
+.PHONY: setup setup-ray generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing bench-parallel clean
 
 setup: $(STAMP)
 
@@ -103,6 +103,14 @@ bench-spec: setup
 # bench-results/roofline.{png,svg}. A few minutes. ARGS="--threads 1" on a shared machine.
 bench-roofline: setup
 	$(PY) benchmarks/roofline.py $(ARGS)
+
+# Tensor, pipeline and data parallelism on this machine: step time and the
+# collectives' share at T = 1, 2 (tiny model), 3 (default model), P = 2 with and
+# without the batch queue (and D = 2 where the engine has it); gloo's all-reduce
+# and send/recv alone; then the arithmetic for Llama-3-8B/70B over NVLink and
+# PCIe. About 4 minutes; noisy on a shared machine.
+bench-parallel: setup
+	$(PY) benchmarks/bench_parallel.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) site traces .pytest_cache .mypy_cache .ruff_cache
