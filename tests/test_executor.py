@@ -237,6 +237,23 @@ def test_a_worker_error_is_reported_and_the_executor_goes_on(mp1_llm: LLM) -> No
     assert executor.collective_rpc(scenarios.rank_and_threads)[0][0] == 0
 
 
+def test_a_function_a_worker_cannot_load_is_an_error_not_a_dead_worker(
+    mp1_llm: LLM, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A function from a module only this process can import (as a test
+    module's): the worker answers with its import error and keeps serving."""
+    import importlib
+
+    (tmp_path / "only_here_probe.py").write_text("def probe(worker):\n    return worker.rank\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = importlib.import_module("only_here_probe").probe
+    executor = _executor(mp1_llm)
+    with pytest.raises(RuntimeError, match="No module named 'only_here_probe'"):
+        executor.collective_rpc(probe)
+    assert not executor.is_failed
+    assert executor.collective_rpc(scenarios.rank_and_threads)[0][0] == 0
+
+
 def _run_scenario(*args: str, timeout: float = 180) -> list[dict]:
     import json
     import subprocess

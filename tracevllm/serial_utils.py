@@ -9,6 +9,7 @@ malformed frame fails loudly instead of producing a half-filled object.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,11 +39,18 @@ class MsgpackDecoder:
 
 
 def run_method(
-    obj: Any, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    obj: Any,
+    method: str | bytes | Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
     """``obj.method(*args, **kwargs)``, or ``method(obj, *args, **kwargs)`` for a
-    function (vLLM's; its functions may also come cloudpickled, tracevllm's are
-    pickled by reference, so a module-level function)."""
+    function, which may come pickled (vLLM's; vLLM cloudpickles functions,
+    tracevllm pickles them by reference, so a module-level function). A
+    pickled function is loaded here, where a failure to load it (a module the
+    receiving process cannot import) is the call's error, not the process's."""
+    if isinstance(method, bytes):
+        method = pickle.loads(method)
     if isinstance(method, str):
         try:
             func = getattr(obj, method)

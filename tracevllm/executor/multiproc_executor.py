@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import pickle
 import threading
 import time
 import weakref
@@ -218,7 +219,10 @@ class MultiprocExecutor(Executor):
         deadline = None if timeout is None else time.monotonic() + timeout
         # The current span's context goes along: the workers' spans join its trace.
         trace_headers = tracing.inject_trace_context() if tracing.is_enabled() else None
-        message = (method, args, kwargs or {}, unique_reply_rank, trace_headers)
+        # A function travels pickled on its own, so a worker that cannot load it
+        # answers with the error instead of dying on the message (vLLM's too).
+        send_method = method if isinstance(method, str) else pickle.dumps(method)
+        message = (send_method, args, kwargs or {}, unique_reply_rank, trace_headers)
         try:
             self.rpc_broadcast_mq.enqueue(message, timeout=timeout)
         except RuntimeError as e:  # cancelled: a worker died meanwhile
