@@ -49,12 +49,11 @@ def run_method(
     tracevllm pickles them by reference, so a module-level function). A
     pickled function is loaded here, where a failure to load it (a module the
     receiving process cannot import) is the call's error, not the process's."""
-    if isinstance(method, bytes):
-        method = pickle.loads(method)
     if isinstance(method, str):
         try:
             func = getattr(obj, method)
         except AttributeError:
             raise NotImplementedError(f"Method {method!r} is not implemented.") from None
         return func(*args, **kwargs)
-    return method(obj, *args, **kwargs)
+    function: Callable[..., Any] = pickle.loads(method) if isinstance(method, bytes) else method
+    return function(obj, *args, **kwargs)
