@@ -20,6 +20,9 @@ same renderers as ``tracevllm view``) and writes them to
 - ``spec``: n-gram speculative decoding, a copy prompt beside a question,
   one process (the speculative-decoding chapter; docs/record_spec.py, which
   also re-records it alone).
+- ``parallel``: ``tracevllm trace -tp 2 --detail full`` on a tiny Llama: every
+  rank's collectives in one trace (the scaling-out chapter;
+  docs/record_parallel.py, which also re-records it alone).
 - ``moe``: no run, the MoE router's functions on seeded logits (the
   model-families chapter; docs/record_moe.py, which also redraws it alone).
 
@@ -444,6 +447,7 @@ def main() -> None:
     parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
     args = parser.parse_args()
     import record_moe  # docs/, beside this file
+    import record_parallel  # likewise
     import record_performance  # docs/, beside this file (it imports this module)
     import record_spec  # likewise
     import record_structured  # likewise
@@ -459,6 +463,7 @@ def main() -> None:
         record_structured.run()
         record_spec.run()
         record_performance.run()
+        record_parallel.run()
     facts = {
         "single": draw_single(),
         "serve": draw_serve(),
@@ -468,6 +473,7 @@ def main() -> None:
     facts[record_structured.NAME] = record_structured.draw()
     facts[record_spec.NAME] = record_spec.draw()
     facts[record_performance.NAME] = record_performance.draw()
+    facts[record_parallel.NAME] = record_parallel.draw()
     facts[record_moe.NAME] = record_moe.draw()  # computed, not run: the router on seeded logits
     # The roofline and the profile: from committed benchmark results, not re-measured.
     facts |= record_performance.draw_measured()

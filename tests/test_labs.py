@@ -37,6 +37,7 @@ BOOK_PAGES = {
     "11": "structured-outputs",
     "12": "speculative-decoding",
     "13": "model-families",
+    "14": "scaling-out",
 }
 
 

@@ -53,7 +53,8 @@ class Lab:
     function: str  # the name the lab's lab.py defines, and the hook's name
     module: str  # the engine module whose function the lab replaces
     # The span open when the engine calls the function, which names the lab
-    # (tracevllm.labs) when it is plugged in; None for a lab the engine never
+    # (tracevllm.labs) when it is plugged in; "" for one it calls with no
+    # span open (while it builds the model); None for a lab the engine never
     # calls (a kernel only the book runs).
     span: str | None
 
@@ -151,6 +152,9 @@ LABS: dict[str, Lab] = {
             # "full"; otherwise the model's forward span is the open one.
             "FusedMoE.forward",
         ),
+        # Called while each worker builds its model (make_layers), before
+        # any request: no span is open then.
+        Lab("14", "pipeline-stages", "get_pp_indices", "tracevllm.distributed.utils", ""),
     )
 }
 

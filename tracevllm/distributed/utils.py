@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from tracevllm import envs
+from tracevllm.labs import lab_hook
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +48,7 @@ def split_tensor_along_last_dim(
 
 
 # --8<-- [start:get_pp_indices]
+@lab_hook("get_pp_indices")  # lab 14: chapters/14-pipeline-stages
 def get_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
     """The decoder layers ``[start, end)`` that pipeline stage ``pp_rank`` runs.
 

@@ -109,6 +109,7 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:shard_size].copy_(loaded_weight)
         param.data[shard_size:].fill_(0)
 
+    # --8<-- [start:vocab_parallel_embedding_forward]
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         # [num_tokens] -> [num_tokens, embedding_dim]
         if self.tp_size == 1:
@@ -120,6 +121,7 @@ class VocabParallelEmbedding(nn.Module):
         output_parallel.masked_fill_(input_mask.unsqueeze(-1), 0)
         return tensor_model_parallel_all_reduce(output_parallel)
 
+    # --8<-- [end:vocab_parallel_embedding_forward]
     def extra_repr(self) -> str:
         return (
             f"num_embeddings={self.num_embeddings_per_partition}, "

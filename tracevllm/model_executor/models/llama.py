@@ -294,6 +294,7 @@ class LlamaModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # type: ignore[no-any-return]
 
+    # --8<-- [start:llama_model_forward]
     def forward(
         self,
         input_ids: torch.Tensor | None,  # [num_tokens]
@@ -331,8 +332,10 @@ class LlamaModel(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states  # [num_tokens, hidden_size]
 
+    # --8<-- [end:llama_model_forward]
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into this rank's parameters; returns the names loaded."""
+        # --8<-- [start:stacked_params_mapping]
         stacked_params_mapping = [
             # (param_name, shard_name, shard_id)
             (".qkv_proj", ".q_proj", "q"),
@@ -341,6 +344,7 @@ class LlamaModel(nn.Module):
             (".gate_up_proj", ".gate_proj", 0),
             (".gate_up_proj", ".up_proj", 1),
         ]
+        # --8<-- [end:stacked_params_mapping]
         params_dict = dict(self.named_parameters())
         loaded_params: set[str] = set()
         for name, loaded_weight in weights:
