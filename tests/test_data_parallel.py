@@ -250,7 +250,9 @@ def test_dp2_greedy_equals_dp1_and_spreads_requests(
     assert dp2["tokens"] == dp1["tokens"]
     # The workload had what it should: preemptions, and a prefix hit on its engine.
     assert dp1["preemptions"] > 0 and dp2["preemptions"] > 0
-    assert dp1["cached"] > 0 and dp2["cached"] == dp1["cached"]
+    # (At least the 20 shared tokens; its own earlier blocks too if they are
+    # on that engine, which at D = 2 depends on where it went the first time.)
+    assert dp1["cached"] >= 20 and dp2["cached"] >= 20, (dp1["cached"], dp2["cached"])
     # Spread over both engines, by each engine's own count.
     states = dp2["states"]
     assert [s["dp_rank"] for s in states] == [0, 1]
