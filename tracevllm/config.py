@@ -99,11 +99,15 @@ class ModelConfig:
         from tracevllm.model_executor.models.registry import ModelRegistry
 
         # Refused here, before the engine process starts (vLLM's error).
-        ModelRegistry.resolve_arch(self.hf_config_dict.get("architectures") or [])
+        arch = ModelRegistry.resolve_arch(self.hf_config_dict.get("architectures") or [])
         self.registered_models = ModelRegistry.out_of_tree_models()
         for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if from_file and key not in self.hf_config_dict:
-                raise ValueError(f"{path} has no {key!r}, which a Llama config.json must have.")
+                raise ValueError(
+                    f"{path} has no {key!r}, which a {arch} config.json must have: "
+                    "add it, or write config.json again with the model's transformers "
+                    "config class (save_pretrained writes every field)."
+                )
         # fp32 on CPU (DESIGN.md §5): "auto" means float32 here, as vLLM's CPU
         # backend upcasts half types it cannot run fast.
         allowed = ("auto", "float32", "float16", "bfloat16")
@@ -185,11 +189,12 @@ class ModelConfig:
         """The HF config's ``sliding_window``, if the model uses one (vLLM's).
 
         Read from config.json as written: a window of 0 is none, and so is
-        one that ``use_sliding_window: false`` turns off (Qwen2's config class
-        clears it; vLLM reads the config class).
+        one that ``use_sliding_window`` false turns off (Qwen's config classes
+        clear it, and default the flag to false; vLLM reads the config class).
         """
         config = self.hf_config_dict
-        if config.get("use_sliding_window") is False:
+        flag_default = config.get("model_type") not in _USE_SLIDING_WINDOW_DEFAULT_FALSE
+        if not config.get("use_sliding_window", flag_default):
             return None
         window = config.get("sliding_window")
         return int(window) if window else None
@@ -233,6 +238,12 @@ class ModelConfig:
         if "max_new_tokens" in diff:
             diff["max_tokens"] = diff.pop("max_new_tokens")
         return diff
+
+
+# Config classes whose ``use_sliding_window`` defaults to false (transformers'
+# configuration_qwen2.py, _qwen2_moe.py, _qwen3.py, _qwen3_moe.py): their
+# config.json's sliding_window is no window without the flag.
+_USE_SLIDING_WINDOW_DEFAULT_FALSE = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 
 def _make_hf_config(model: str, config_dict: dict[str, Any]) -> Any:

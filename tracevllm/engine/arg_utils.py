@@ -98,13 +98,7 @@ class EngineArgs:
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                # Only a model whose every layer slides (Mistral): with
-                # alternating layers (Gemma-2) it would override the global ones.
-                sliding_window=(
-                    None
-                    if is_interleaved(model_config.hf_config_dict)
-                    else model_config.get_sliding_window()
-                ),
+                sliding_window=model_wide_sliding_window(model_config),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -192,14 +186,64 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def is_interleaved(hf_config: Any) -> bool:
-    """Whether the model mixes kinds of attention layer (vLLM: transformers_utils/config.py)."""
+    """Whether the model mixes kinds of attention layer (vLLM: transformers_utils/config.py).
+
+    vLLM asks the transformers config; the frontend holds config.json as a
+    dict (no transformers: it imports torch), so for a dict the kinds are
+    those the config class would fill in (``hf_layer_types``).
+    """
     if isinstance(hf_config, dict):
-        layer_types = hf_config.get("layer_types")
-        if layer_types is None and hf_config.get("model_type") == "gemma2":
-            # Gemma-2 checkpoints older than layer_types (Google's among them):
-            # Gemma2Config alternates sliding and full layers when it reads
-            # them, which is what vLLM's check (on the config class) sees.
-            return int(hf_config.get("num_hidden_layers", 0)) > 1
+        layer_types = hf_layer_types(hf_config)
     else:
         layer_types = getattr(hf_config, "layer_types", None)
     return bool(layer_types) and len(set(layer_types or ())) > 1
+
+
+# Config classes that fill in layer_types from other fields when config.json
+# has none, as transformers' configuration_qwen2.py / _qwen3.py / _gemma2.py do.
+_QWEN_LAYER_TYPES = ("qwen2", "qwen3")
+
+
+def hf_layer_types(config: dict[str, Any]) -> list[str] | None:
+    """The kind of each layer, as the transformers config class for this
+    config.json (a dict) lists it in ``layer_types``; None for a class without
+    the field (Llama, Mistral: each layer alike).
+
+    Older checkpoints (Google's Gemma-2, Qwen2's) carry no ``layer_types``;
+    their config classes derive it: Gemma-2 alternates sliding and full from
+    layer 0; Qwen2/Qwen3 slide the layers from ``max_window_layers`` on, and
+    only when ``use_sliding_window`` (default false) leaves a window.
+    """
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        return list(layer_types)
+    num_layers = int(config.get("num_hidden_layers", 0))
+    model_type = config.get("model_type")
+    if model_type == "gemma2":
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if model_type in _QWEN_LAYER_TYPES:
+        # The classes' window default is 4096: only an explicit null is none.
+        window = config.get("sliding_window", 4096)
+        slides = bool(config.get("use_sliding_window", False)) and window is not None
+        first = int(config.get("max_window_layers", 28))  # the classes' default
+        return [
+            "sliding_attention" if slides and i >= first else "full_attention"
+            for i in range(num_layers)
+        ]
+    return None
+
+
+def model_wide_sliding_window(model_config: ModelConfig) -> int | None:
+    """``CacheConfig.sliding_window``: the window only for a model whose every
+    layer slides (Mistral), as vLLM's ``create_engine_config`` sets it; with
+    mixed kinds (Gemma-2, Qwen2's ``max_window_layers``) it would override the
+    full layers, which take their kind from ``layer_types`` in the model.
+
+    Departure: where the config class lists every layer as full (Qwen2 with
+    ``max_window_layers`` at or past the last layer), no window either (vLLM
+    would set it; HF's model slides no layer).
+    """
+    layer_types = hf_layer_types(model_config.hf_config_dict)
+    if layer_types is not None and set(layer_types) != {"sliding_attention"}:
+        return None
+    return model_config.get_sliding_window()
