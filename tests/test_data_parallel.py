@@ -13,7 +13,8 @@ engine joins a wave with one empty turn and no model step) and the request
 wave advances once both are idle; an engine SIGKILLed mid-generate becomes
 EngineDeadError naming it within 10 s, and shutdown leaves no process or
 socket file; a frontend killed with SIGKILL leaves none either; AsyncLLM (the
-serving path) over D = 2 gives the same tokens.
+serving path) over D = 2 gives the same tokens, and so does ``tracevllm serve
+-dp 2`` to the official ``openai`` client.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def offline(model: str, dp: str) -> None:
         (hit,) = llm.generate([{"prompt_token_ids": prompts[7]}], _greedy(4), use_tqdm=False)
         say(
             tokens=[list(o.outputs[0].token_ids) for o in outs],
+            texts=[o.outputs[0].text for o in outs],
             preemptions=preemptions,
             states=states,
             cached=hit.num_cached_tokens,
@@ -328,6 +330,49 @@ def test_async_llm_dp2_equals_dp1(tiny_model_dir: str, dp1: dict[str, Any]) -> N
     assert out["tokens"] == dp1["tokens"]
     added = [s["num_requests_added"] for s in out["states"]]
     assert sum(added) == len(dp1["tokens"]) and min(added) >= 2, added
+
+
+@pytest.mark.timeout(400)
+def test_serve_dp2_with_the_openai_client(tiny_model_dir: str, dp1: dict[str, Any]) -> None:
+    """``tracevllm serve -dp 2``: the same completions as D = 1, from
+    concurrent clients; stopping the server stops both engines and the
+    coordinator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    from tests.executor_scenarios import wait_gone
+    from tests.test_serving import Server
+
+    server = Server(
+        tiny_model_dir,
+        *("-dp", "2", "--distributed-executor-backend", "uni", "--block-size", "4"),
+        *("--max-num-batched-tokens", "16", "--max-model-len", "96"),
+    )
+    try:
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        pids = [p.pid for p in children if "resource_tracker" not in " ".join(p.cmdline())]
+        # Two engine cores and the coordinator.
+        assert len(pids) == 3, [p.cmdline() for p in children]
+        client = server.client()
+        prompts = _prompts(tiny_model_dir)
+
+        def complete(prompt: list[int]) -> str:
+            out = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=NUM_TOKENS,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
+            return out.choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(complete, prompts))
+        assert texts == dp1["texts"]
+    finally:
+        assert server.stop() == 0
+    assert wait_gone(pids) == []
 
 
 if __name__ == "__main__":
