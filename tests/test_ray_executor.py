@@ -265,6 +265,22 @@ def test_get_class_picks_the_ray_executor_without_importing_ray() -> None:
     assert proc.stdout.strip() == "False"
 
 
+def test_ray_backend_without_ray_is_vllms_error_even_where_ray_is_installed() -> None:
+    # Ray hidden from the import system, as on an install without the extra.
+    code = (
+        "import sys\n"
+        "sys.modules['ray'] = None\n"
+        "from tracevllm.config import ParallelConfig\n"
+        "try:\n"
+        "    ParallelConfig(distributed_executor_backend='ray')\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Failed to import Ray" in proc.stdout and "pip install ray" in proc.stdout
+
+
 def test_host_ip_variable_is_the_address_given(monkeypatch: pytest.MonkeyPatch) -> None:
     from tracevllm.utils.network_utils import get_ip
 
