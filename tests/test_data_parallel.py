@@ -176,13 +176,28 @@ def kill_engine(model: str, victim: str) -> None:
     )
 
 
-def hold(model: str) -> None:
-    """Start D = 2, print every process and the socket dir, then wait to be killed."""
+def hold(model: str, generate: str) -> None:
+    """Start D = 2, print every process and the socket dir, then wait to be
+    killed (generating, if asked, until Ctrl-C)."""
     llm = _llm(model, 2)
     resources = llm.llm_engine.engine_core.resources
     pids = [p.pid for p in resources.engine_procs] + [resources.coordinator_proc.pid]
     say(pids=pids, socket_dir=resources.socket_dir)
+    if generate == "1":
+        prompts = [{"prompt_token_ids": p} for p in _prompts(model)]
+        while True:
+            llm.generate(prompts, _greedy(60), use_tqdm=False)
     time.sleep(600)
+
+
+def traced(model: str, out_dir: str) -> None:
+    """The workload at D = 2 with tracing on; the spans file is read by the test."""
+    llm = _llm(model, 2, trace_detail="request", trace_dir=out_dir)
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in _prompts(model)], _greedy(4), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    say(ok=True)
 
 
 def serving(model: str) -> None:
@@ -288,7 +303,7 @@ def test_idle_engine_holds_up_no_one(tiny_model_dir: str) -> None:
 
 @pytest.mark.timeout(300)
 def test_killed_engine_is_named_and_nothing_is_left(tiny_model_dir: str) -> None:
-    out = _run("kill_engine", tiny_model_dir, "1")
+    out = _run("kill_engine", tiny_model_dir, "1", timeout=150)
     assert out["error"] is not None and "EngineCore_DP1" in out["error"], out
     assert "SIGKILL" in out["error"], out
     assert out["waited"] < 10, out
@@ -296,15 +311,20 @@ def test_killed_engine_is_named_and_nothing_is_left(tiny_model_dir: str) -> None
 
 
 @pytest.mark.timeout(300)
-def test_killed_frontend_leaves_nothing(tiny_model_dir: str) -> None:
+@pytest.mark.parametrize("how", ["sigkill", "ctrl_c"])
+def test_killed_or_interrupted_frontend_leaves_nothing(tiny_model_dir: str, how: str) -> None:
+    """SIGKILL to the frontend alone (idle), or a terminal's Ctrl-C (SIGINT to
+    the whole group, mid-generate): no engine, coordinator or socket file left."""
     from tests.executor_scenarios import wait_gone
 
+    generate = "1" if how == "ctrl_c" else "0"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.test_data_parallel", "hold", tiny_model_dir],
+        [sys.executable, "-m", "tests.test_data_parallel", "hold", tiny_model_dir, generate],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=REPO_ROOT,
+        start_new_session=True,
     )
     try:
         assert proc.stdout is not None
@@ -313,15 +333,38 @@ def test_killed_frontend_leaves_nothing(tiny_model_dir: str) -> None:
             line = proc.stdout.readline()
             assert line, "the child exited before starting its engines"
         info = json.loads(line)
-    finally:
-        proc.kill()
+        if how == "sigkill":
+            proc.kill()
+        else:
+            time.sleep(1.0)  # mid-generate
+            os.killpg(proc.pid, signal.SIGINT)
         proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
     assert len(info["pids"]) == 3
     assert wait_gone(info["pids"], timeout=20) == []
     deadline = time.monotonic() + 10
     while os.path.exists(info["socket_dir"]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(info["socket_dir"])
+
+
+@pytest.mark.timeout(300)
+def test_each_engine_traces_as_its_dp_rank(tiny_model_dir: str, tmp_path: Any) -> None:
+    from tracevllm.tracing.exporters import read_spans_jsonl
+
+    _run("traced", tiny_model_dir, str(tmp_path))
+    spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
+    adds = [s for s in spans if s.name == "EngineCore.add_request"]
+    assert len(adds) == len(_prompts(tiny_model_dir))
+    assert {s.resource["tracevllm.dp_rank"] for s in adds} == {0, 1}
+    by_rank = {s.resource["tracevllm.dp_rank"]: s.pid for s in adds}
+    assert len(set(by_rank.values())) == 2  # two engine processes
+    # Each joins its request's trace, started in the frontend.
+    requests = {s.trace_id for s in spans if s.name == "llm_request"}
+    assert {s.trace_id for s in adds} <= requests
 
 
 @pytest.mark.timeout(400)
