@@ -202,22 +202,26 @@ def run_layout(layout: Layout, model_dir: str, num_prompts: int, max_tokens: int
             llm.shutdown()
         spans = [s for s in read_spans_jsonl(os.path.join(trace_dir, "spans.jsonl"))
                  if s.start_ns >= start_ns]  # fmt: skip
-    forwards = 0
+    forwards: dict[int, int] = {}  # by DP rank
     for s in spans:
-        # Rank 0 (the first stage's TP rank 0) runs every step's forward;
-        # with D engines, each has its own rank 0.
-        if s.resource.get("tracevllm.rank", 0) != 0:
+        # The first stage's TP rank 0 of each engine runs every step's
+        # forward; the runner and collective times are DP rank 0's.
+        where = (s.resource.get(f"tracevllm.{axis}_rank", 0) for axis in ("tp", "pp", "dp"))
+        tp_rank, pp_rank, dp_rank = where
+        if tp_rank != 0 or pp_rank != 0:
             continue
         if s.name.endswith(FORWARD_SUFFIX):
-            forwards += 1
+            forwards[dp_rank] = forwards.get(dp_rank, 0) + 1
+        elif dp_rank != 0:
+            continue
         elif s.name in RUNNER_SPANS:
             result.runner_ms += (s.end_ns - s.start_ns) / 1e6
         elif s.name.startswith(COMM_SPAN):
             result.comm_ms += float(s.attributes.get("tracevllm.comm.ms", 0.0))
             result.comm_calls += 1
-    # Steps that ran the model (not the last, which only frees requests),
-    # per engine.
-    result.steps = forwards // layout.dp
+    # Steps that ran the model (not the last, which only frees requests):
+    # with D engines, the busiest one's.
+    result.steps = max(forwards.values(), default=0)
     return result
 
 
