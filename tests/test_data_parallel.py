@@ -418,5 +418,13 @@ def test_serve_dp2_with_the_openai_client(tiny_model_dir: str, dp1: dict[str, An
     assert wait_gone(pids) == []
 
 
+def test_dp_needs_engine_processes(tiny_model_dir: str) -> None:
+    """D engines cannot share the caller's process: refused before any loads."""
+    from tracevllm import LLM
+
+    with pytest.raises(ValueError, match="data_parallel_size > 1 runs each engine core"):
+        LLM(model=tiny_model_dir, data_parallel_size=2, enable_multiprocessing=False)
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
