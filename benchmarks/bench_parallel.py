@@ -3,8 +3,8 @@ and what the same arithmetic says for a real cluster.
 
 Three parts, one run:
 
-1. The engine at each layout, on one small workload (4 prompts of 24 random
-   token ids, 12 greedy tokens each, ``ignore_eos``; each layout in a child
+1. The engine at each layout, on one small workload (8 prompts of 24 random
+   token ids, 24 greedy tokens each, ``ignore_eos``; each layout in a child
    process under a timeout, its engine core in that process, its workers in
    their own; one thread per rank): T = 1 and 2 on a tiny random-weight Llama
    (4 layers, hidden 64, 4 query / 2 KV heads), T = 1 and 3 on the default
@@ -424,12 +424,12 @@ def engine_table(results: list[Result]) -> Table:
     for r in results:
         lay = r.layout
         if lay.unavailable or r.error:
-            table.add_row(lay.model, lay.label, lay.unavailable or f"failed: {r.error}",
-                          *[""] * 6)  # fmt: skip
+            why = "not available" if lay.unavailable else f"failed: {r.error}"
+            table.add_row(lay.model, lay.label, why, *[""] * 6)
             continue
         share = f"{r.comm_ms / r.runner_ms:.0%}" if r.runner_ms and lay.tp > 1 else "-"
         if lay.pp > 1:
-            share = "n/a (send/recv untraced)"
+            share = "n/a"  # send/recv are not spans: see the collectives alone
         table.add_row(
             lay.model, lay.label, f"{r.tokens / r.seconds:.1f}",
             f"{r.seconds / max(r.steps, 1) * 1e3:.1f}", str(r.steps), f"{r.runner_ms:.0f}",
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         f"bench-parallel on {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.2f}): "
         "a shared machine, so every time below is noisy; read the ratios."
     )
-    num_prompts, max_tokens = (2, 4) if args.smoke else (4, 12)
+    num_prompts, max_tokens = (2, 4) if args.smoke else (8, 24)
     # One thread per rank (the workers' share when ranks outnumber the cores
     # anyway): T ranks use T cores, and T = 1 is not two threads fighting
     # over a loaded machine.
@@ -498,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         "ms/step: the timed generate's wall time over the steps that ran the model (with the "
         "batch queue, steps overlap). comm share: rank 0's collective time over its runner "
-        "time. in flight: the most steps EngineCore had in flight at once (batch queue only)."
+        "time (P rows: a stage's send/recv is not a span; see the collectives alone). "
+        "in flight: the most steps EngineCore had in flight at once (batch queue only)."
     )
     sizes = [8 << 10] if args.smoke else [8 << 10, 256 << 10, 4 << 20]
     iters = [20] if args.smoke else [50, 20, 5]
