@@ -73,6 +73,7 @@ PAGES: dict[str, tuple[str, int]] = {
     "chapters/sampling/": ("stop string", 0),
     "chapters/serving/": ("AsyncLLM", 1),
     "chapters/model-families/": ("moe_align_block_size", 1),
+    "chapters/scaling-out/": ("all-reduce", 2),
     "chapters/tracing/": ("spans.jsonl", 0),
     "chapters/pytorch-to-triton/": ("online softmax", 0),
     "chapters/structured-outputs/": ("token bitmask", 0),

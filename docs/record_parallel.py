@@ -79,8 +79,9 @@ def draw() -> dict[str, Any]:
     # request): a decode of one token, every rank's forward and collectives under it.
     decode = next(tree for tree in (_subtree(spans, s) for s in reversed(steps))
                   if any(s.name.startswith(COMM) for s in tree))  # fmt: skip
+    # 80 columns, as the book's other waterfalls: legible at the page's width.
     assets.save_svg(f"{NAME}-waterfall.svg", render_waterfall(decode, max_rows=60),
-                    "a decode step at T = 2", 100)  # fmt: skip
+                    "a decode step at T = 2", 80)  # fmt: skip
     comms = [s for s in decode if s.name.startswith(COMM)]
     ranks = sorted({int(s.resource["tracevllm.rank"]) for s in comms})
     per_rank = Counter((int(s.resource["tracevllm.rank"]), s.name) for s in comms)
