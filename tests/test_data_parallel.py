@@ -112,7 +112,10 @@ def idle_engine(model: str) -> None:
         long_tokens_when_short_done = -1
         done: set[str] = set()
         long_tokens = 0
+        # What the coordinator published while they ran: [waiting, running] per engine.
+        seen_counts: list[list[list[int]]] = []
         while engine.has_unfinished_requests():
+            seen_counts.append([list(c) for c in client.balancer.lb_engines])
             for out in engine.step():
                 if out.request_id == "long":
                     long_tokens = len(out.outputs[0].token_ids)
@@ -132,6 +135,7 @@ def idle_engine(model: str) -> None:
         after_alone = _dp_states(llm)
         say(
             engines=[int.from_bytes(engines[k], "little") for k in sorted(engines)],
+            seen_counts=seen_counts,
             long_tokens_when_short_done=long_tokens_when_short_done,
             after_pair=after_pair,
             after_alone=after_alone,
@@ -284,6 +288,10 @@ def test_idle_engine_holds_up_no_one(tiny_model_dir: str) -> None:
     # The two requests went to different engines, the short one finished
     # while the long one still ran on the other.
     assert sorted(out["engines"]) == [0, 1]
+    # The coordinator published the long request's engine as running it
+    # (engines[0] is "long"'s: the ids sort as long, short).
+    long_engine = out["engines"][0]
+    assert any(c[long_engine][1] == 1 for c in out["seen_counts"]), out["seen_counts"][-5:]
     assert 0 <= out["long_tokens_when_short_done"] < 40, out
     # Both idle: the wave ended, and the coordinator says so.
     assert out["running_after_pair"] is False and out["wave_after_pair"] >= 1

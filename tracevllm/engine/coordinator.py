@@ -216,16 +216,20 @@ class DPCoordinatorProc:
             # Publish at most every stats_update_interval_ms when the counts
             # changed, else every 5 s (a frontend that subscribed late catches up).
             wait_for = self.stats_update_interval_ms if stats_changed else 5000
-            events = dict(poller.poll(timeout=max(0, int(wait_for - elapsed_ms))))
-            if parent is not None and parent.sentinel in events:
-                return
-            if not events:
-                counts = [list(e.request_counts) for e in self.engines]
+            if elapsed_ms >= wait_for:
+                # Due even while messages keep coming (vLLM publishes only when
+                # the poll times out, which a busy engine's stream can put off).
+                counts = self._get_engine_counts()
                 publish_front.send(
                     msgspec.msgpack.encode((counts, self.current_wave, self.engines_running))
                 )
                 last_publish_time = time.monotonic()
                 stats_changed = False
+                continue
+            events = dict(poller.poll(timeout=max(0, int(wait_for - elapsed_ms))))
+            if parent is not None and parent.sentinel in events:
+                return
+            if not events:
                 continue
 
             wave_state_changed = False
