@@ -13,6 +13,7 @@ collection.
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 
@@ -27,3 +28,8 @@ def freeze_gc_heap() -> None:
     gc.collect(1)
     gc.collect(2)
     gc.freeze()
+    # An in-process engine never shut down (a script that just ends): its heap
+    # must be collectable at exit, or native extensions (Triton's nanobind
+    # types, imported with transformers' config classes) report it as leaked.
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
