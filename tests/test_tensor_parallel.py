@@ -481,6 +481,12 @@ def traced_collectives(rank: int) -> dict[str, list[tuple[str, dict[str, Any]]]]
             gathered = group.all_gather(x, dim=0)
             broadcast = group.broadcast(x.clone(), src=1)
             received = group.broadcast_tensor_dict({"t": x.clone(), "n": 7}, src=0)
+            # A pipeline stage's hand-over: rank 0 sends, rank 1 receives.
+            if rank == 0:
+                group.send_tensor_dict({"hidden_states": x.clone(), "n": 1})
+            else:
+                passed = group.recv_tensor_dict()
+                assert passed is not None and torch.equal(passed["hidden_states"], 1.0 + 0 * x)
         finally:
             tracing.span = span  # type: ignore[assignment]
         assert received is not None
@@ -496,17 +502,19 @@ def traced_collectives(rank: int) -> dict[str, list[tuple[str, dict[str, Any]]]]
 def test_collective_spans_only_at_full_detail() -> None:
     from tests.parallel_utils import run_ranks
 
-    for made in run_ranks(traced_collectives, 2):
+    for rank, made in enumerate(run_ranks(traced_collectives, 2)):
         assert made["off"] == [] and made["request"] == []
         spans = made["full"]
+        hand_over = "send_tensor_dict" if rank == 0 else "recv_tensor_dict"
         assert [name for name, _ in spans] == [
             "GroupCoordinator.all_reduce",
             "GroupCoordinator.all_gather",
             "GroupCoordinator.broadcast",
             "GroupCoordinator.broadcast_tensor_dict",
+            f"GroupCoordinator.{hand_over}",
         ]
         sizes = [attrs["tracevllm.comm.bytes"] for _, attrs in spans]
-        assert sizes == [48, 96, 48, 48]  # 3 x 4 fp32; the gathered result is twice that
+        assert sizes == [48, 96, 48, 48, 48]  # 3 x 4 fp32; the gathered result is twice that
         for _, attrs in spans:
             assert attrs["tracevllm.comm.group"] == "tp"
             assert attrs["tracevllm.comm.ms"] >= 0

@@ -324,6 +324,14 @@ class GroupCoordinator:
         if dst is None:
             dst = (self.rank_in_group + 1) % self.world_size
         assert dst < self.world_size, f"Invalid dst rank ({dst})"
+        if tracing.is_full_detail():
+            nbytes = sum(v.nbytes for v in tensor_dict.values() if isinstance(v, torch.Tensor))
+            with self._comm_span("send_tensor_dict", nbytes):
+                self._send_tensor_dict(tensor_dict, dst)
+            return
+        self._send_tensor_dict(tensor_dict, dst)
+
+    def _send_tensor_dict(self, tensor_dict: dict[str, torch.Tensor | Any], dst: int) -> None:
         metadata_list, tensor_list = _split_tensor_dict(tensor_dict)
         self.send_object(metadata_list, dst=dst)
         for tensor in tensor_list:
@@ -338,6 +346,17 @@ class GroupCoordinator:
         if src is None:
             src = (self.rank_in_group - 1) % self.world_size
         assert src < self.world_size, f"Invalid src rank ({src})"
+        if tracing.is_full_detail():
+            # The bytes are known once the metadata has crossed; the
+            # milliseconds include the wait for the previous stage.
+            with self._comm_span("recv_tensor_dict") as span:
+                received = self._recv_tensor_dict(src)
+                nbytes = sum(v.nbytes for v in received.values() if isinstance(v, torch.Tensor))
+                span.set_attribute(SpanAttributes.COMM_BYTES, nbytes)
+            return received
+        return self._recv_tensor_dict(src)
+
+    def _recv_tensor_dict(self, src: int) -> dict[str, torch.Tensor | Any]:
         received: dict[str, torch.Tensor | Any] = {}
         for key, value in self.recv_object(src=src):
             if isinstance(value, TensorMetadata):
@@ -369,7 +388,15 @@ class GroupCoordinator:
 # The code.* attributes of each collective's span (tracing.code_attributes).
 _COMM_CODE = {
     op: tracing.code_attributes(getattr(GroupCoordinator, op))
-    for op in ("all_reduce", "all_gather", "gather", "broadcast", "broadcast_tensor_dict")
+    for op in (
+        "all_reduce",
+        "all_gather",
+        "gather",
+        "broadcast",
+        "broadcast_tensor_dict",
+        "send_tensor_dict",
+        "recv_tensor_dict",
+    )
 }
 
 _WORLD: GroupCoordinator | None = None
