@@ -39,7 +39,20 @@ GOOD = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    """This process's descendants, less multiprocessing's resource tracker (one
+    per interpreter, started by the first spawn and kept until it exits)."""
+    return {
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if "resource_tracker" not in " ".join(_cmdline(p))
+    }
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:  # gone, or a zombie
+        return []
 
 
 @pytest.fixture(scope="module", params=["mp", "inproc"])
