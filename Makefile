@@ -12,6 +12,9 @@ MAX_TOKENS ?= 48
 # Tensor-parallel ranks for `make trace` (TP=3: the default model's 9 query
 # heads over three worker processes, all in the request's one trace).
 TP ?= 1
+# Pipeline stages for `make trace` (PP=2: the layers split over two worker
+# processes, the hidden states handed from one to the next).
+PP ?= 1
 # Data-parallel engines for `make trace` (DP=2: two engine cores and the DP
 # coordinator; each engine's spans carry tracevllm.dp_rank).
 DP ?= 1
@@ -44,7 +47,7 @@ generate: setup
 	$(VENV)/bin/tracevllm generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
 trace: setup
-	$(VENV)/bin/tracevllm trace --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR) -tp $(TP) -dp $(DP)
+	$(VENV)/bin/tracevllm trace --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR) -tp $(TP) -pp $(PP) -dp $(DP)
 
 # The same request through `tracevllm serve` and the official openai client:
 # one trace over three processes (client, API server, engine core).
