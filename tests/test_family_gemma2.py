@@ -21,7 +21,7 @@ attention soft cap.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,7 +38,7 @@ from tests.family_check import (
     save_hf_model,
     tiny_config_kwargs,
 )
-from tests.test_sliding_window import WINDOW, WindowBound
+from tests.test_sliding_window import WINDOW, WindowBound, with_window_bound
 from tracevllm import LLM, SamplingParams
 from tracevllm.utils.math_utils import cdiv
 
@@ -96,17 +96,6 @@ def _hf_greedy_once(gemma2: tuple[str, Any]) -> Iterator[None]:
     patch.undo()
 
 
-def _with_window_bound(bounds: list[WindowBound]) -> Callable[..., LLM]:
-    """An ``LLM`` that checks the sliding group's block bound after every step."""
-
-    def make(*args: Any, **kwargs: Any) -> LLM:
-        llm = LLM(*args, **kwargs)
-        bounds.append(WindowBound(llm.llm_engine.engine_core.engine_core))
-        return llm
-
-    return make
-
-
 def test_gemma2_matches_hf_in_process(
     gemma2: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,7 +103,7 @@ def test_gemma2_matches_hf_in_process(
     own; no decoding request holds more than cdiv(W, bs) + 1 sliding blocks."""
     assert BLOCK_SIZE == 4
     bounds: list[WindowBound] = []
-    monkeypatch.setattr(family_check, "LLM", _with_window_bound(bounds))
+    monkeypatch.setattr(family_check, "LLM", with_window_bound(bounds))
     check_against_hf(*gemma2, enable_multiprocessing=False)
     (bound,) = bounds
     assert bound.decode_steps > 0

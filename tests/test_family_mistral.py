@@ -11,7 +11,6 @@ tests/test_sliding_window.py is checked after every step as well.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,8 +24,7 @@ from tests.family_check import (
     save_hf_model,
     tiny_config_kwargs,
 )
-from tests.test_sliding_window import WINDOW, WindowBound
-from tracevllm import LLM
+from tests.test_sliding_window import WINDOW, WindowBound, with_window_bound
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.utils.math_utils import cdiv
 
@@ -44,17 +42,6 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     return path, model
 
 
-def _with_window_bound(bounds: list[WindowBound]) -> Callable[..., LLM]:
-    """An ``LLM`` that checks the sliding group's block bound after every step."""
-
-    def make(*args: Any, **kwargs: Any) -> LLM:
-        llm = LLM(*args, **kwargs)
-        bounds.append(WindowBound(llm.llm_engine.engine_core.engine_core))
-        return llm
-
-    return make
-
-
 def test_mistral_window_is_model_wide(mistral: tuple[str, Any]) -> None:
     config = EngineArgs(model=mistral[0]).create_engine_config()
     assert config.model_config.architecture == "MistralForCausalLM"
@@ -67,7 +54,7 @@ def test_mistral_matches_hf(
 ) -> None:
     bounds: list[WindowBound] = []
     if not enable_multiprocessing:  # the engine core is in this process: watch its KV manager
-        monkeypatch.setattr(family_check, "LLM", _with_window_bound(bounds))
+        monkeypatch.setattr(family_check, "LLM", with_window_bound(bounds))
     # A window needs few blocks: a pool of 12 still preempts 8 requests (40
     # does not), and full attention would need 32 for one 128-token request.
     check_against_hf(

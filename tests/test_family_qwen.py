@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -42,7 +41,7 @@ from tests.family_check import (
     save_hf_model,
     tiny_config_kwargs,
 )
-from tests.test_sliding_window import WINDOW, WindowBound
+from tests.test_sliding_window import WINDOW, WindowBound, with_window_bound
 from tracevllm import LLM, SamplingParams
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.utils.math_utils import cdiv
@@ -172,24 +171,13 @@ def test_qwen3_matches_hf(qwen3: tuple[str, Any], enable_multiprocessing: bool) 
     check_against_hf(*qwen3, enable_multiprocessing=enable_multiprocessing)
 
 
-def _with_window_bound(bounds: list[WindowBound]) -> Callable[..., LLM]:
-    """An ``LLM`` that checks the sliding group's block bound after every step."""
-
-    def make(*args: Any, **kwargs: Any) -> LLM:
-        llm = LLM(*args, **kwargs)
-        bounds.append(WindowBound(llm.llm_engine.engine_core.engine_core))
-        return llm
-
-    return make
-
-
 def test_qwen2_sliding_window_matches_hf(
     qwen2_sliding: tuple[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """HF's layer_types from use_sliding_window/max_window_layers: a full and a
     sliding KV cache group, the sliding one bounded to cdiv(W, bs) + 1 blocks."""
     bounds: list[WindowBound] = []
-    monkeypatch.setattr(family_check, "LLM", _with_window_bound(bounds))
+    monkeypatch.setattr(family_check, "LLM", with_window_bound(bounds))
     check_against_hf(*qwen2_sliding, enable_multiprocessing=False)
     (bound,) = bounds
     assert bound.decode_steps > 0
@@ -212,7 +200,7 @@ def test_qwen2_without_layer_types_slides_only_hf_s_sliding_layers(
     path = qwen2_sliding_no_layer_types[0]
     assert EngineArgs(model=path).create_engine_config().cache_config.sliding_window is None
     bounds: list[WindowBound] = []
-    monkeypatch.setattr(family_check, "LLM", _with_window_bound(bounds))
+    monkeypatch.setattr(family_check, "LLM", with_window_bound(bounds))
     check_against_hf(*qwen2_sliding_no_layer_types, enable_multiprocessing=False)
     (bound,) = bounds
     assert bound.decode_steps > 0 and bound.max_held == cdiv(WINDOW, BLOCK_SIZE) + 1
@@ -232,7 +220,7 @@ def test_qwen2_with_use_sliding_window_off_has_no_window(
     path = qwen2_window_off[0]
     assert EngineArgs(model=path).create_engine_config().cache_config.sliding_window is None
     bounds: list[WindowBound] = []
-    monkeypatch.setattr(family_check, "LLM", _with_window_bound(bounds))
+    monkeypatch.setattr(family_check, "LLM", with_window_bound(bounds))
     check_against_hf(*qwen2_window_off, enable_multiprocessing=False)
     groups = bounds[0].mgr.kv_cache_config.kv_cache_groups
     assert [type(g.kv_cache_spec).__name__ for g in groups] == ["FullAttentionSpec"]

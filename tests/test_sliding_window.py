@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from tests.family_check import tiny_config_kwargs
 from tests.utils import make_tiny_tokenizer
 from tracevllm import LLM, SamplingParams
 from tracevllm.core.single_type_kv_cache_manager import SlidingWindowManager
@@ -45,24 +46,6 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     prompts = [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     prompts[5] = prompts[4] + prompts[5][:7]  # a prefix hit past the window
     return prompts
-
-
-def _config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
-    return dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        initializer_range=0.1,  # logits spread out: no near-ties in greedy decoding
-        bos_token_id=1,
-        eos_token_id=2,
-        **overrides,
-    )
 
 
 def _save(model: Any, path: str, config_json: dict[str, Any] | None = None) -> None:
@@ -93,7 +76,9 @@ def mistral(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     path = str(tmp_path_factory.mktemp("tiny-mistral"))
     tokenizer = make_tiny_tokenizer(path)
     torch.manual_seed(0)
-    config = MistralConfig(**_config(len(tokenizer), num_hidden_layers=2, sliding_window=WINDOW))
+    config = MistralConfig(
+        **tiny_config_kwargs(len(tokenizer), num_hidden_layers=2, sliding_window=WINDOW)
+    )
     model = MistralForCausalLM(config).eval()
     _save(model, path)
     return path, model
@@ -110,7 +95,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     layer_types = ["sliding_attention", "full_attention"] * 2
     torch.manual_seed(1)
     config = Qwen2Config(
-        **_config(len(tokenizer), num_hidden_layers=4),
+        **tiny_config_kwargs(len(tokenizer), num_hidden_layers=4),
         use_sliding_window=True,
         sliding_window=WINDOW,
         max_window_layers=0,
@@ -122,7 +107,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.zero_()
     llama = {
-        **_config(len(tokenizer), num_hidden_layers=4),
+        **tiny_config_kwargs(len(tokenizer), num_hidden_layers=4),
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
@@ -196,6 +181,18 @@ class WindowBound:
                 skipped = max(0, computed - WINDOW + 1)
                 assert ids[: skipped // BLOCK_SIZE] == [0] * (skipped // BLOCK_SIZE)
                 assert 0 not in ids[skipped // BLOCK_SIZE :], (req.request_id, ids)
+
+
+def with_window_bound(bounds: list[WindowBound]) -> Callable[..., LLM]:
+    """An ``LLM`` factory (for ``family_check.LLM``) whose engines check the
+    sliding group's block bound after every step; each bound goes to ``bounds``."""
+
+    def make(*args: Any, **kwargs: Any) -> LLM:
+        llm = LLM(*args, **kwargs)
+        bounds.append(WindowBound(llm.llm_engine.engine_core.engine_core))
+        return llm
+
+    return make
 
 
 def _llm(path: str, **kwargs: Any) -> Iterator[LLM]:
