@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.utils import REPO_ROOT, run_json_lines
+
 NUM_TOKENS = 24
 
 
@@ -245,16 +246,7 @@ def serving(model: str) -> None:
 
 
 def _run(*args: str, timeout: float = 300) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_data_parallel", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO_ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1])  # type: ignore[no-any-return]
+    return run_json_lines("tests.test_data_parallel", *args, timeout=timeout)[-1]
 
 
 # --- the tests ---------------------------------------------------------------------

@@ -255,18 +255,9 @@ def test_a_function_a_worker_cannot_load_is_an_error_not_a_dead_worker(
 
 
 def _run_scenario(*args: str, timeout: float = 180) -> list[dict]:
-    import json
-    import subprocess
-    import sys
+    from tests.utils import run_json_lines
 
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.executor_scenarios", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return run_json_lines("tests.executor_scenarios", *args, timeout=timeout)
 
 
 def test_a_killed_rank_is_engine_dead_naming_it_and_nothing_is_left(tiny_model_dir: str) -> None:

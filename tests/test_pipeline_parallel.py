@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from typing import Any
 
@@ -36,12 +35,12 @@ from tests.family_check import (
     save_hf_model,
     tiny_config_kwargs,
 )
+from tests.utils import run_json_lines
 from tracevllm.executor.multiproc_executor import MultiprocExecutor
 
 NUM_LAYERS = 4
 STRUCTURED_REGEX = "[0-9]{3}-[a-z]{2}"
 NUM_KV_HEADS = 2
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class NoBatchQueueMultiprocExecutor(MultiprocExecutor):
@@ -175,16 +174,7 @@ def abort_in_flight(llm: Any, core: Any, prompts: list[list[int]], params: Any) 
 
 
 def _run(*args: str, timeout: float = 400) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_pipeline_parallel", "run_pp", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO_ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1])  # type: ignore[no-any-return]
+    return run_json_lines("tests.test_pipeline_parallel", "run_pp", *args, timeout=timeout)[-1]
 
 
 # --- the tests --------------------------------------------------------------------

@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.utils import run_json_lines
+
 BLOCK_SIZE = 4
 NUM_TOKENS = 24
 # Lengths from one token to several chunks; the last two share a 20-token prefix.
@@ -292,14 +294,7 @@ def test_host_ip_variable_is_the_address_given(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: str) -> dict[str, dict[str, Any]]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_ray_executor", tiny_model_dir],
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = run_json_lines("tests.test_ray_executor", tiny_model_dir, timeout=420)
     return {line.pop("engine"): line for line in lines}
 
 

@@ -1,9 +1,32 @@
-"""Test helpers: a tiny random-weight Llama, made on the fly and seeded."""
+"""Test helpers: a tiny random-weight Llama, made on the fly and seeded; a
+scenario run in a child process."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from typing import Any
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_json_lines(module: str, *args: str, timeout: float) -> list[dict[str, Any]]:
+    """``python -m module args...`` in a child process, from the repository's
+    root, under ``timeout`` (a hang or a crash fails the test, not pytest):
+    the JSON objects it printed, one a line. A non-zero exit fails with the
+    end of its stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
 
 # A ChatML template like SmolLM2's, so chat() works on the tiny model too.
 CHAT_TEMPLATE = (
