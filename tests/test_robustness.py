@@ -416,12 +416,15 @@ def test_dead_engine_ends_the_request_spans_with_error(tiny_model_dir: str) -> N
         assert provider is not None
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         pid = llm.llm_engine.engine_core.engine_pid
-        timer = threading.Timer(1.0, os.kill, (pid, signal.SIGKILL))
-        timer.start()
         long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        engine = llm.llm_engine
+        for i, prompt in enumerate(["one", "two"]):
+            engine.add_request(str(i), prompt, long)
+        engine.step()  # both running, however fast the machine: then the kill
+        os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
-            llm.generate(["one", "two"], long, use_tqdm=False)
-        timer.join()
+            while engine.has_unfinished_requests():
+                engine.step()
         spans = [s for s in exporter.get_finished_spans() if s.name == "llm_request"]
     assert len(spans) == 2
     for span in spans:
