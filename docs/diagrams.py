@@ -9,6 +9,7 @@ the text is shown at its own size.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from html import escape
 
@@ -22,10 +23,28 @@ def color(req_id: str) -> str:
     return REQUEST_COLORS[int(req_id) % len(REQUEST_COLORS)] if req_id.isdigit() else GREY
 
 
+# What a character takes, in px, at the sizes above: the sans-serif's average
+# and the monospace's advance (0.6 em). A label is measured with these, so that
+# a picture whose label would run past its edge fails to draw.
+CHAR_W, MONO_W = 7.2, 7.2
+
+
+def text_extent(x: float, s: str, anchor: str, mono: bool) -> tuple[float, float]:
+    """(left, right) of a label, in px, as the estimate above puts it."""
+    w = len(s) * (MONO_W if mono else CHAR_W)
+    left = {"start": x, "middle": x - w / 2, "end": x - w}[anchor]
+    return left, left + w
+
+
+class LabelOutside(ValueError):
+    """A label runs past the picture's edge: the reader would see it cut."""
+
+
 class Svg:
     def __init__(self, width: int, height: int, title: str) -> None:
         self.width, self.height, self.title = width, height, title
         self.parts: list[str] = []
+        self.outside: list[str] = []
 
     def rect(
         self, x: float, y: float, w: float, h: float, fill: str, stroke: str = "#ffffff"
@@ -46,6 +65,10 @@ class Svg:
         bold: bool = False,
     ) -> None:
         weight = ' font-weight="bold"' if bold else ""
+        left, right = text_extent(x, s, anchor, mono)
+        # Bold runs a little wider than the estimate.
+        if left < 0 or right * (1.08 if bold else 1.0) > self.width or y > self.height:
+            self.outside.append(f"{s!r} spans x {left:.0f}..{right:.0f}, y {y:.0f}")
         self.parts.append(
             f'<text x="{x:.1f}" y="{y:.1f}" fill="{fill}" text-anchor="{anchor}" '
             f'style="{MONO if mono else FONT}"{weight}>{escape(s)}</text>'
@@ -58,6 +81,11 @@ class Svg:
         )
 
     def render(self) -> str:
+        if self.outside:
+            raise LabelOutside(
+                f"{self.title}: {len(self.outside)} label(s) past the {self.width}x"
+                f"{self.height} picture: " + "; ".join(self.outside)
+            )
         return (
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" '
             f'height="{self.height}" viewBox="0 0 {self.width} {self.height}" role="img">\n'
@@ -153,8 +181,10 @@ def free_queue(
 ) -> str:
     """Moments of the pool: who holds which blocks, and the free queue from
     its head (next to be handed out) to its tail, cached blocks marked."""
-    box, gap, panel_h = 46, 8, 118
-    svg = Svg(760, 30 + panel_h * len(panels), title)
+    box, gap, panel_h, qx = 46, 8, 118, 470
+    longest = max((len(q) for _, _, q, _ in panels), default=0)
+    width = max(760, qx + 130 + longest * (box + gap) + 10)
+    svg = Svg(width, 30 + panel_h * len(panels), title)
     legend(svg, 18, [("free, still cached (a hit revives it)", CACHED), ("free, no hash", LIGHT)])
     for i, (caption, held, queue, note) in enumerate(panels):
         y = 44 + i * panel_h
@@ -167,13 +197,14 @@ def free_queue(
                 svg.rect(x, row, box, 26, color(req_id))
                 svg.text(x + box / 2, row + 18, str(block), fill="#ffffff", anchor="middle")
             row += 30
-        qx = 470
         svg.text(qx, y + 33, "free queue: head →" if queue else "free queue: empty")
         for j, (block, cached) in enumerate(queue):
             x = qx + 130 + j * (box + gap)
             svg.rect(x, y + 14, box, 26, CACHED if cached else LIGHT, stroke=GREY)
             svg.text(x + box / 2, y + 32, str(block), anchor="middle")
-        svg.text(470, y + 62, note, fill=GREY)
+        # The note under the queue, wrapped to the room right of it.
+        for k, part in enumerate(textwrap.wrap(note, int((width - qx - 10) / CHAR_W))):
+            svg.text(qx, y + 62 + 17 * k, part, fill=GREY)
     return svg.render()
 
 

@@ -219,17 +219,36 @@ def load(name: str) -> list[SpanRecord]:
 
 def draw_serve() -> dict[str, Any]:
     spans = load("serve")
-    save_svg("serve-waterfall.svg", render_waterfall(spans, max_rows=40), "trace-serve", 80)
+    steps = [s for s in spans if s.name == "EngineCore.step"]
+    # Every step on its own line, its spans folded (the single-request
+    # waterfall opens one): the figure shows each step the prose counts and
+    # the output the frontend processed after it.
+    waterfall = render_waterfall(
+        spans, max_rows=80, max_same_name=len(steps), collapse=frozenset({"EngineCore.step"})
+    )
+    assert not any(row.name.startswith("… ") and "more" in row.name for row in waterfall.rows)
+    save_svg("serve-waterfall.svg", waterfall, "trace-serve", 80)
     by_name: dict[str, SpanRecord] = {}
     for span in spans:
         by_name.setdefault(span.name, span)
     assert {"openai.chat.completions.create", "OpenAIServingChat.create_chat_completion"} <= set(
         by_name
     )
+    request = by_name["llm_request"]
+    ran = [
+        s
+        for s in spans
+        if s.name == "Scheduler.schedule" and s.attributes["tracevllm.num_scheduled_tokens"]
+    ]
     return {
         "processes": len({s.pid for s in spans}),
         "trace_ids": len({s.trace_id for s in spans}),
-        "steps": sum(1 for s in spans if s.name == "EngineCore.step"),
+        "steps": len(steps),
+        "model_steps": len(ran),
+        "empty_steps": len(steps) - len(ran),
+        "outputs": sum(1 for s in spans if s.name == "OutputProcessor.process_outputs"),
+        "output_tokens": request.attributes["gen_ai.usage.output_tokens"],
+        "finish_reason": request.attributes["gen_ai.response.finish_reasons"][0],
     }
 
 
@@ -445,7 +464,24 @@ def draw_preempt() -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--draw-only", action="store_true", help="re-draw from traces/docs/")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=sorted(ALONE),
+        help="re-record (or with --draw-only re-draw) these runs only, updating their "
+        "entries of facts.json and leaving the other recordings as they are",
+    )
     args = parser.parse_args()
+    if args.only:
+        with open(os.path.join(OUT_DIR, "facts.json")) as f:
+            facts = json.load(f)
+        for name in args.only:
+            run, draw = ALONE[name]
+            if not args.draw_only:
+                run()
+            facts[name] = draw()
+        write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
+        return
     import record_moe  # docs/, beside this file
     import record_parallel  # likewise
     import record_performance  # docs/, beside this file (it imports this module)
@@ -478,6 +514,16 @@ def main() -> None:
     # The roofline and the profile: from committed benchmark results, not re-measured.
     facts |= record_performance.draw_measured()
     write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
+
+
+# The runs of this file that --only re-records alone (the others have their
+# own docs/record_<name>.py).
+ALONE: dict[str, tuple[Callable[[], None], Callable[[], dict[str, Any]]]] = {
+    "single": (run_single, draw_single),
+    "serve": (run_serve, draw_serve),
+    "batch": (run_batch, draw_batch),
+    "preempt": (run_preempt, draw_preempt),
+}
 
 
 if __name__ == "__main__":

@@ -84,36 +84,52 @@ def _short(name: str, parent: SpanRecord | None) -> str:
 class Waterfall:
     """A renderable: lays itself out for the width it is given."""
 
-    def __init__(self, spans: list[SpanRecord], width: int | None, max_rows: int) -> None:
+    def __init__(
+        self,
+        spans: list[SpanRecord],
+        width: int | None,
+        max_rows: int,
+        max_same_name: int = MAX_SAME_NAME,
+        collapse: frozenset[str] = frozenset(),
+    ) -> None:
         self.spans = spans
         self.width = width  # the timeline's width; None: as wide as fits, up to 40
-        self.rows = list(self._rows(max_rows))
+        self.max_same_name = max_same_name
+        self.collapse = collapse
+        self.rows = _cut(list(self._rows()), max_rows)
         self.t0 = min((s.start_ns for s in spans), default=0)
         self.total = max(max((s.end_ns for s in spans), default=1) - self.t0, 1)
 
-    def _rows(self, max_rows: int) -> Iterator[_Row]:
+    def _rows(self) -> Iterator[_Row]:
+        """Every row, in tree order. Nothing is left out without a row that
+        says so: siblings of one name past ``max_same_name`` fold into one
+        ``… N more <name>`` line, and the spans under a span named in
+        ``collapse`` into one ``… N spans inside`` line."""
         by_id = {s.span_id: s for s in self.spans}
         children: dict[str | None, list[SpanRecord]] = defaultdict(list)
         for s in self.spans:
             children[s.parent_span_id if s.parent_span_id in by_id else None].append(s)
-        count = 0
+
+        def size(span: SpanRecord) -> int:
+            """The spans below ``span``."""
+            return sum(1 + size(kid) for kid in children.get(span.span_id, []))
 
         def walk(span: SpanRecord, depth: int, parent: SpanRecord | None) -> Iterator[_Row]:
-            nonlocal count
-            if count >= max_rows:
-                return
-            count += 1
             crossed = parent is not None and parent.pid != span.pid
             yield _Row(depth, span.name, _short(span.name, parent), crossed, span)
+            kids = children.get(span.span_id, [])
+            if span.name in self.collapse and kids:
+                inside = f"… {size(span)} spans inside"
+                yield _Row(depth + 1, inside, inside, False, None)
+                return
             seen: dict[str, int] = defaultdict(int)
-            for kid in children.get(span.span_id, []):
+            for kid in kids:
                 seen[kid.name] += 1
-                if seen[kid.name] <= MAX_SAME_NAME:
+                if seen[kid.name] <= self.max_same_name:
                     yield from walk(kid, depth + 1, span)
             for kid_name, n in seen.items():
-                if n > MAX_SAME_NAME and count < max_rows:
-                    count += 1
-                    more = f"… {n - MAX_SAME_NAME} more"
+                if n > self.max_same_name:
+                    more = f"… {n - self.max_same_name} more"
                     yield _Row(depth + 1, f"{more} {kid_name}", more, False, None)
 
         for root in children.get(None, []):
@@ -218,8 +234,30 @@ def _worker_places(spans: list[SpanRecord]) -> list[str]:
     return [places[rank] for rank in sorted(places)]
 
 
+def _cut(rows: list[_Row], max_rows: int) -> list[_Row]:
+    """At most ``max_rows`` rows; when rows are cut, the last one says how
+    many (``… 57 more rows, past max_rows 40``), so a cut never passes for
+    the end of the trace."""
+    if len(rows) <= max_rows:
+        return rows
+    kept = rows[: max(max_rows - 1, 0)]
+    more = f"… {len(rows) - len(kept)} more rows, past max_rows {max_rows}"
+    return [*kept, _Row(0, more, more, False, None)]
+
+
 def render_waterfall(
-    spans: list[SpanRecord], width: int | None = None, max_rows: int = 200
+    spans: list[SpanRecord],
+    width: int | None = None,
+    max_rows: int = 200,
+    max_same_name: int = MAX_SAME_NAME,
+    collapse: frozenset[str] = frozenset(),
 ) -> Waterfall:
-    """The waterfall of ``spans``; ``width``: the timeline's width at most."""
-    return Waterfall(spans, width, max_rows)
+    """The waterfall of ``spans``; ``width``: the timeline's width at most.
+
+    ``max_rows`` rows at most (the last says how many more there were);
+    ``max_same_name`` siblings of one name, the rest folded into one line;
+    the spans under a span named in ``collapse`` folded into one line."""
+    for name, value in (("max_rows", max_rows), ("max_same_name", max_same_name)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return Waterfall(spans, width, max_rows, max_same_name, collapse)
