@@ -328,3 +328,30 @@ def test_partial_rotary_without_longrope_is_refused() -> None:
     params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5 is supported"):
         get_rope(HEAD_DIM, 512, True, params)
+
+
+def test_get_rope_builds_one_module_per_distinct_rope() -> None:
+    """vLLM's _ROPE_DICT: every layer asking for the same RoPE shares one
+    module (one cos/sin table); a different theta, length or LongRoPE
+    max_model_len gets its own."""
+    from transformers import Phi3Config
+
+    from tracevllm.model_executor.layers.rotary_embedding import get_rope
+
+    plain = {"rope_type": "default", "rope_theta": 10000.0}
+    first = get_rope(HEAD_DIM, 512, True, dict(plain))
+    assert get_rope(HEAD_DIM, 512, True, dict(plain)) is first
+    assert get_rope(HEAD_DIM, 512, True, plain | {"rope_theta": 500000.0}) is not first
+    assert get_rope(HEAD_DIM, 256, True, dict(plain)) is not first
+    config = Phi3Config(
+        **tiny_config_kwargs(
+            64,
+            original_max_position_embeddings=ORIGINAL_MAX,
+            rope_parameters=longrope_parameters(HEAD_DIM),
+        )
+    )
+    with _engine_max_model_len(config, ORIGINAL_MAX):
+        short = get_rope(HEAD_DIM, 512, True, config.rope_parameters)
+    with _engine_max_model_len(config, 3 * ORIGINAL_MAX):
+        long = get_rope(HEAD_DIM, 512, True, config.rope_parameters)
+    assert not short.use_long_rope and long.use_long_rope  # type: ignore[union-attr]
