@@ -5,7 +5,7 @@ Mirrors vllm/sampling_params.py (``SamplingParams``, ``SamplingType``,
 presence/frequency/repetition penalties, temperature, top_p, top_k, min_p,
 seed, stop/stop_token_ids, ignore_eos, max_tokens/min_tokens, logprobs,
 skip_special_tokens, include_stop_str_in_output, output_kind,
-structured_outputs, logit_bias. Left out: allowed/bad words, prompt logprobs,
+structured_outputs, logit_bias, extra_args. Left out: allowed/bad words, prompt logprobs,
 beam search; of structured outputs, structural tags, Lark grammars and the
 guidance/outlines backends. Like vLLM's, it is a msgspec Struct, so it
 crosses the process boundary inside ``EngineCoreRequest`` as msgpack without
@@ -222,6 +222,9 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
     structured_outputs: StructuredOutputsParams | None = None
     # Token id -> added to its logit, in [-100, 100] (a logits processor).
     logit_bias: dict[int, float] | None = None
+    # Arbitrary extras for custom components, as vLLM's; a KV connector reads
+    # extra_args["kv_transfer_params"] (a dict) from a consumer's request.
+    extra_args: dict[str, Any] | None = None
     # Characters held back from streamed text so a stop string is never shown
     # half-way (set from ``stop``).
     output_text_buffer_length: int = 0
@@ -357,6 +360,12 @@ class SamplingParams(_TypeChecked, msgspec.Struct, omit_defaults=True, dict=True
                 )
         if self.temperature < _SAMPLING_EPS and self.n > 1:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        kv_transfer_params = (self.extra_args or {}).get("kv_transfer_params")
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ValueError(
+                "extra_args['kv_transfer_params'] must be a dict (a JSON object), got "
+                f"{type(kv_transfer_params).__name__}."
+            )
 
     def verify(self, model_config: ModelConfig) -> None:
         """The checks that need the model (vLLM's ``verify``), at the entry.

@@ -2,8 +2,8 @@
 
 Mirrors vllm/v1/engine/__init__.py. Each message is a msgspec Struct encoded as
 a msgpack array (``array_like=True``), so a frame holds values, not field names.
-Left out: multimodal features, pooling, LoRA, prompt
-embeddings and KV-transfer parameters.
+Left out: multimodal features, pooling, LoRA and prompt
+embeddings.
 """
 
 from __future__ import annotations
@@ -123,6 +123,9 @@ class EngineCoreOutput(
     # accepted (speculative decoding), for its llm_request span.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # What the KV connector returned when the request finished (vLLM's): a
+    # producer's tells a consumer where the prompt's KV is.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
