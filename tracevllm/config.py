@@ -20,7 +20,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tracevllm.core.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -335,8 +338,20 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # "fcfs" or "priority" (vLLM's SchedulerPolicy).
     policy: str = "fcfs"
+    async_scheduling: bool | None = None
+    """Schedule step N+1 while the workers run step N (``AsyncScheduler`` and
+    a batch queue of two). None is resolved by ``VllmConfig``: vLLM turns it
+    on wherever the executor and the features allow; tracevllm turns it off,
+    since its reference is vLLM's synchronous path (``--no-async-scheduling``),
+    the one the book walks through. True asks for it and refuses what
+    cannot run with it."""
 
     def __post_init__(self) -> None:
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise TypeError(
+                "async_scheduling must be True, False or None, "
+                f"got {type(self.async_scheduling).__name__}."
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}."
@@ -360,6 +375,17 @@ class SchedulerConfig:
     @property
     def max_num_scheduled_tokens(self) -> int:
         return self.max_num_batched_tokens
+
+    def get_scheduler_cls(self) -> type[Scheduler]:
+        """``AsyncScheduler`` with async scheduling, else ``Scheduler`` (vLLM's,
+        less its ``scheduler_cls`` override)."""
+        if self.async_scheduling:
+            from tracevllm.core.sched.async_scheduler import AsyncScheduler
+
+            return AsyncScheduler
+        from tracevllm.core.sched.scheduler import Scheduler
+
+        return Scheduler
 
 
 # --8<-- [start:parallel_config]
@@ -703,6 +729,56 @@ class VllmConfig:
                     "Speculative decoding is not supported with pipeline parallelism "
                     "(pipeline_parallel_size > 1) in tracevllm."
                 )
+        self._resolve_async_scheduling()
+
+    # --8<-- [start:resolve_async_scheduling]
+    def _resolve_async_scheduling(self) -> None:
+        """Turn ``async_scheduling`` None into True or False; refuse True where
+        it cannot run (vllm/config/vllm.py, ``VllmConfig.__post_init__``).
+
+        As vLLM: an executor without ``supports_async_scheduling`` refuses an
+        explicit True (and None falls back to off); so does n-gram
+        speculative decoding, in vLLM's words. Departures: None is off,
+        not on (tracevllm's reference is the synchronous path); a draft
+        model and pipeline parallelism, which vLLM runs with async
+        scheduling, are refused with the flag to drop.
+        """
+        from tracevllm.executor.abstract import Executor
+
+        scheduler_config = self.scheduler_config
+        backend = self.parallel_config.distributed_executor_backend
+        executor_supports_async_sched = Executor.get_class(self).supports_async_scheduling()
+        if scheduler_config.async_scheduling:
+            spec = self.speculative_config
+            if spec is not None and spec.method != "draft_model":
+                raise ValueError(
+                    "Currently, async scheduling is only supported "
+                    "with EAGLE/MTP/Draft Model/NGram GPU kind of "
+                    "speculative decoding"
+                )
+            if not executor_supports_async_sched:
+                raise ValueError(f"`{backend}` does not support async scheduling yet.")
+            if spec is not None:
+                raise NotImplementedError(
+                    "Async scheduling with a draft model (speculative_config method "
+                    "'draft_model') is not supported in tracevllm: drop "
+                    "--async-scheduling (async_scheduling=True) or the speculative config."
+                )
+            if self.parallel_config.pipeline_parallel_size > 1:
+                raise NotImplementedError(
+                    "Async scheduling with pipeline parallelism (pipeline_parallel_size > 1) "
+                    "is not supported in tracevllm: drop --async-scheduling "
+                    "(async_scheduling=True); the batch queue already keeps P steps in flight."
+                )
+        elif scheduler_config.async_scheduling is None:
+            # vLLM: on, unless a feature or the executor rules it out.
+            scheduler_config.async_scheduling = False
+        logger.debug(
+            "Asynchronous scheduling is %s.",
+            "enabled" if scheduler_config.async_scheduling else "disabled",
+        )
+
+    # --8<-- [end:resolve_async_scheduling]
 
 
 # The config of the engine being built, for layers that need it at construction

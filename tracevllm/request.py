@@ -1,8 +1,7 @@
 """The engine core's view of one request.
 
 Mirrors vllm/v1/request.py (``Request``, ``RequestStatus``). Left out:
-multimodal, pooling, LoRA, streaming input, output placeholders (async
-scheduling).
+multimodal, pooling, LoRA, streaming input.
 Block hashes for prefix caching are computed here, as in vLLM: the hasher is
 called whenever tokens are appended, and hashes every newly full block.
 """
@@ -70,6 +69,12 @@ class Request:
         # This step's chunk stops short of its known tokens: its sample is
         # thrown away, so it gets no grammar bitmask row.
         self.is_prefill_chunk = False
+        # Async scheduling: tokens sampled in steps still in flight, counted
+        # as computed but not yet known (AsyncScheduler).
+        self.num_output_placeholders = 0
+        # In-flight outputs to drop when they arrive (after reset_prefix_cache
+        # preempted the request mid-step).
+        self.async_tokens_to_discard = 0
         # Filled when first scheduled (prefix-cache hits), sent with the first output.
         self.prefill_stats: PrefillStats | None = PrefillStats()
         self.num_preemptions = 0

@@ -47,6 +47,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    # Schedule step N+1 while the workers run step N (None: off in tracevllm,
+    # see SchedulerConfig.async_scheduling).
+    async_scheduling: bool | None = None
     attention_backend: str | None = None
     # vLLM's ParallelConfig fields (CLI: -tp, -pp, -dp as vLLM's short forms).
     tensor_parallel_size: int = 1
@@ -107,6 +110,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -149,7 +153,7 @@ class EngineArgs:
                 parser.add_argument(flag, _SHORT_FLAGS[f.name], type=int, default=default)
             elif f.name == "distributed_executor_backend":
                 parser.add_argument(flag, choices=DISTRIBUTED_EXECUTOR_BACKENDS, default=None)
-            elif f.name == "enable_multiprocessing":
+            elif f.name in ("enable_multiprocessing", "async_scheduling"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
             elif f.name == "speculative_config":
                 # A JSON object, as vLLM's --speculative-config.

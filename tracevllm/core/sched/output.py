@@ -91,6 +91,9 @@ class SchedulerOutput:
     # Some scheduled request samples under a grammar this step (a prefill
     # chunk that stops short does not): get_grammar_bitmask has work to do.
     has_structured_output_requests: bool = False
+    # Async scheduling: a structured request's last token is still in flight,
+    # so its bitmask (and the step's sampling) waits for that step's output.
+    pending_structured_output_tokens: bool = False
     # tracevllm: the step number, for spans and views.
     step_id: int = 0
 

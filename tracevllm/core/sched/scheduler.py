@@ -12,8 +12,10 @@ their matchers. With speculative decoding a running request also carries
 the drafts proposed after the last step (``spec_token_ids``): they are
 scheduled with it (``scheduled_spec_decode_tokens``), and after the step
 ``num_computed_tokens`` goes back by the drafts the target rejected.
-Left out: KV connectors, encoder inputs, LoRA, async scheduling (output
-placeholders), streaming input, pause states. With pipeline parallelism
+Async scheduling (``AsyncScheduler``, core/sched/async_scheduler.py) counts
+the tokens of steps still in flight as ``num_output_placeholders``: they
+enter ``num_new_tokens`` here, as in vLLM. Left out: KV connectors, encoder
+inputs, LoRA, streaming input, pause states. With pipeline parallelism
 each step carries the tokens it runs (``new_token_ids``), as vLLM's sync path.
 """
 
@@ -184,8 +186,18 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            if (
+                request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens
+            ):
+                # Async scheduling: the step in flight reaches max_tokens; no
+                # step after it (vLLM's check, drafts aside).
+                req_index += 1
+                continue
             num_new_tokens = compute_num_new_tokens(
-                request.num_tokens_with_spec,
+                # Placeholders: tokens of a step in flight, not yet sampled.
+                request.num_tokens_with_spec + request.num_output_placeholders,
                 request.num_computed_tokens,
                 token_budget,
                 threshold,
@@ -235,7 +247,10 @@ class Scheduler:
             # cut them); the next ones come from update_draft_token_ids.
             if request.spec_token_ids:
                 num_scheduled_spec_tokens = (
-                    num_new_tokens + request.num_computed_tokens - request.num_tokens
+                    num_new_tokens
+                    + request.num_computed_tokens
+                    - request.num_tokens
+                    - request.num_output_placeholders
                 )
                 if num_scheduled_spec_tokens > 0:
                     scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[
@@ -384,7 +399,9 @@ class Scheduler:
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             request.num_computed_tokens += num_tokens
-            request.is_prefill_chunk = request.num_computed_tokens < request.num_tokens
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders
+            )
             scheduler_output.has_structured_output_requests |= (
                 request.use_structured_output and not request.is_prefill_chunk
             )
@@ -406,7 +423,7 @@ class Scheduler:
         for req in running_reqs + resumed_reqs:
             req_id = req.request_id
             data.req_ids.append(req_id)
-            if self.use_pp:
+            if self.use_pp and not self.scheduler_config.async_scheduling:
                 # The tokens this step runs (drafts aside): the first stage
                 # never hears from the last, which sampled them.
                 num_tokens = num_scheduled_tokens[req_id] - len(spec_decode_tokens.get(req_id, ()))
@@ -421,7 +438,7 @@ class Scheduler:
             block_ids = req_to_new_blocks[req_id].get_block_ids()
             data.new_block_ids.append(block_ids if any(block_ids) else None)
             data.num_computed_tokens.append(req.num_computed_tokens)
-            data.num_output_tokens.append(req.num_output_tokens)
+            data.num_output_tokens.append(req.num_output_tokens + req.num_output_placeholders)
         return data
 
     # --8<-- [start:waiting_for_grammar]
@@ -758,7 +775,11 @@ class Scheduler:
             timestamp = time.monotonic()
             # From the back, so they return to waiting in their running order.
             while self.running:
-                self._preempt_request(self.running.pop(), timestamp)
+                request = self.running.pop()
+                self._preempt_request(request, timestamp)
+                # Async scheduling: the outputs of its steps in flight are stale.
+                request.async_tokens_to_discard = request.num_output_placeholders
+                request.num_output_placeholders = 0
             self.prev_step_scheduled_req_ids.clear()
         return self.kv_cache_manager.reset_prefix_cache()
 
