@@ -104,6 +104,14 @@ class ModelRunnerOutput:
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={})
 
 
+class AsyncModelRunnerOutput:
+    """A step's result whose sampled tokens may still be on their way to the
+    host (async scheduling; vllm/v1/outputs.py). ``get_output`` waits for them."""
+
+    def get_output(self) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+
 @dataclass(slots=True)
 class DraftTokenIds:
     """The drafts proposed after a step, for the next one (vllm/v1/outputs.py)."""

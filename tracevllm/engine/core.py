@@ -4,12 +4,13 @@ Mirrors vllm/v1/engine/core.py. ``EngineCore`` is the engine itself (used
 in-process by ``InprocClient``); ``EngineCoreProc`` wraps it in its own process
 behind ZeroMQ, with an input thread and an output thread around
 ``run_busy_loop``. When the executor runs several batches at once
-(``max_concurrent_batches`` > 1: pipeline parallelism), the loop steps with
-``step_with_batch_queue``, which keeps that many steps in flight. Left out:
-async scheduling, data parallelism, KV connectors, sleep/wake and elastic
-scaling. The start-up handshake is folded into one READY message on
-the input socket (vLLM uses a separate handshake socket with HELLO →
-addresses → READY).
+(``max_concurrent_batches`` > 1: P with pipeline parallelism, 2 with async
+scheduling), the loop steps with ``step_with_batch_queue``, which keeps that
+many steps in flight; with async scheduling the scheduler is the
+``AsyncScheduler``, which schedules a request again before its last token
+is known. Left out: KV connectors, sleep/wake and elastic scaling. The
+start-up handshake is folded into one READY message on the input socket
+(vLLM uses a separate handshake socket with HELLO → addresses → READY).
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ class EngineCore:
         self.model_executor = executor_class(vllm_config)
         kv_cache_config = self._initialize_kv_caches(vllm_config)
         self.structured_output_manager = StructuredOutputManager(vllm_config)
-        self.scheduler = Scheduler(
+        # Scheduler, or AsyncScheduler with async scheduling (vLLM's choice).
+        scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+        self.scheduler: Scheduler = scheduler_cls(
             vllm_config,
             log_stats=log_stats,
             structured_output_manager=self.structured_output_manager,
@@ -128,7 +131,9 @@ class EngineCore:
         # --8<-- [start:batch_queue]
         # The batch queue: up to max_concurrent_batches steps in flight at
         # once (P with P pipeline stages, so that each stage has a batch to
-        # run while the others run theirs). One: the synchronous step().
+        # run while the others run theirs; 2 with async scheduling, so that
+        # the next step is scheduled while this one runs). One: the
+        # synchronous step().
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: (
             deque[tuple[Future[ModelRunnerOutput], SchedulerOutput, Future[Any]]] | None
@@ -137,6 +142,7 @@ class EngineCore:
             logger.debug("Batch queue is enabled with size %d", self.batch_queue_size)
             self.batch_queue = deque(maxlen=self.batch_queue_size)
         # --8<-- [end:batch_queue]
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         # The most steps that were in flight at once, and what the last turn
         # of step_with_batch_queue did (tracevllm's: for tests and its span).
         self.max_batches_in_flight = 0
@@ -259,16 +265,21 @@ class EngineCore:
         batch queue has room; else wait for the oldest and make its output.
 
         Returns None as the outputs when this call only scheduled. The
-        scheduler never schedules a request whose step is in flight again
+        ``Scheduler`` never schedules a request whose step is in flight again
         before its output is in: ``_update_after_schedule`` has already
         counted its tokens as computed, so a decode has nothing left to run
         (a long prompt's next chunk may go, which is how prefills pipeline).
+        The ``AsyncScheduler`` does: the token in flight is a placeholder
+        that the worker fills in. A structured request's bitmask needs that
+        token, so such a step's sampling is deferred until the previous
+        step's output is in (``pending_structured_output_tokens``).
         """
         batch_queue = self.batch_queue
         assert batch_queue is not None
         assert len(batch_queue) < self.batch_queue_size
 
         model_executed = False
+        deferred_scheduler_output: SchedulerOutput | None = None
         info = self.batch_queue_info = dict(
             scheduled_step_id=-1, output_step_id=-1, in_flight=0, req_ids=set()
         )
@@ -278,23 +289,28 @@ class EngineCore:
             info["req_ids"].update(scheduler_output.num_scheduled_tokens)
             exec_future = self.model_executor.execute_model(scheduler_output, non_block=True)
             model_executed = scheduler_output.total_num_scheduled_tokens > 0
-            future: Future[Any]
+            future: Future[Any] | None = None
             if not model_executed:
                 future = exec_future  # nothing to sample: EMPTY_MODEL_RUNNER_OUTPUT
-            else:
-                # Every request in this step has its earlier tokens in: the
-                # bitmask can be built now (vLLM defers it under async scheduling).
+            elif not scheduler_output.pending_structured_output_tokens:
+                # Every structured request here has its earlier tokens in:
+                # the bitmask can be built now.
                 grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
                 future = self.model_executor.sample_tokens(grammar_output, non_block=True)
-            batch_queue.appendleft(
-                (cast("Future[ModelRunnerOutput]", future), scheduler_output, exec_future)
-            )
+            else:
+                # Sample once the step in flight is in (below).
+                deferred_scheduler_output = scheduler_output
+            if future is not None:
+                batch_queue.appendleft(
+                    (cast("Future[ModelRunnerOutput]", future), scheduler_output, exec_future)
+                )
             # Steps that run the model, sent and not yet answered.
             in_flight = sum(so.total_num_scheduled_tokens > 0 for _, so, _ in batch_queue)
-            info["in_flight"] = in_flight
-            self.max_batches_in_flight = max(self.max_batches_in_flight, in_flight)
+            info["in_flight"] = in_flight + (deferred_scheduler_output is not None)
+            self.max_batches_in_flight = max(self.max_batches_in_flight, info["in_flight"])
             if (
-                model_executed
+                future is not None
+                and model_executed
                 and len(batch_queue) < self.batch_queue_size
                 and not batch_queue[-1][0].done()
             ):
@@ -304,16 +320,29 @@ class EngineCore:
             return None, False
 
         # Wait for the oldest step in flight.
-        future, scheduler_output, exec_future = batch_queue.pop()
+        future, scheduler_output, exec_model_fut = batch_queue.pop()
         model_output = future.result()
         if model_output is None:
             # sample_tokens gave nothing: execute_model must have failed; raise that.
-            exec_future.result()
+            exec_model_fut.result()
             raise RuntimeError("unexpected error")
         info["output_step_id"] = scheduler_output.step_id
         info["req_ids"].update(scheduler_output.num_scheduled_tokens)
         self._process_aborts_queue()
         engine_core_outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+
+        if deferred_scheduler_output is not None:
+            # The tokens the deferred step's grammars waited for are in (vLLM
+            # would also take the drafts here; tracevllm has none with async).
+            grammar_output = self.scheduler.get_grammar_bitmask(deferred_scheduler_output)
+            future = self.model_executor.sample_tokens(grammar_output, non_block=True)
+            batch_queue.appendleft(
+                (
+                    cast("Future[ModelRunnerOutput]", future),
+                    deferred_scheduler_output,
+                    exec_future,
+                )
+            )
         return engine_core_outputs, model_executed
 
     # --8<-- [end:step_with_batch_queue]
@@ -351,8 +380,9 @@ class EngineCore:
 
     # --8<-- [start:post_step]
     def post_step(self, model_executed: bool) -> None:
-        """After the outputs went out: the drafts for the next step, if speculating."""
-        if self.use_spec_decode and model_executed:
+        """After the outputs went out: the drafts for the next step, if speculating
+        (not with async scheduling: vLLM keeps those drafts on the worker)."""
+        if not self.async_scheduling and self.use_spec_decode and model_executed:
             draft_token_ids = self.model_executor.take_draft_token_ids()
             if draft_token_ids is not None:
                 self.scheduler.update_draft_token_ids(draft_token_ids)

@@ -16,8 +16,11 @@ stopped, or its process died however), the worker exits.
 Departures: the ranks meet through a ``file://`` rendezvous (vLLM: an open
 TCP port), gone once every worker is ready; a function sent to the workers
 is pickled by reference (vLLM: cloudpickle); no multi-node ``mp``; the
-step's trace context travels with each call. Left out: KV connector output
-aggregation, async output copy, NUMA binding.
+step's trace context travels with each call. With async scheduling the
+engine core sends step N+1 before step N's answer is read
+(``execute_model(..., non_block=True)`` returns a ``FutureWrapper``): the
+workers run the calls in the order they were sent. Left out: KV connector
+output aggregation, NUMA binding.
 """
 
 from __future__ import annotations
@@ -288,8 +291,10 @@ class MultiprocExecutor(Executor):
 
     @property
     def max_concurrent_batches(self) -> int:
-        # PP needs P batches in flight to fill the pipeline.
-        return self.parallel_config.pipeline_parallel_size
+        # PP needs P batches in flight to fill the pipeline; async scheduling
+        # two: the one the workers run and the one scheduled meanwhile.
+        pp_size = self.parallel_config.pipeline_parallel_size
+        return 2 if pp_size <= 1 and self.scheduler_config.async_scheduling else pp_size
 
     # --- the end ----------------------------------------------------------------
     def _cancel_queues(self) -> None:

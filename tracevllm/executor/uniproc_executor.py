@@ -4,7 +4,10 @@ Mirrors vllm/v1/executor/uniproc_executor.py (``UniProcExecutor``): the
 executor for ``tensor_parallel_size = pipeline_parallel_size = 1``. It still
 goes through a ``Worker`` and ``collective_rpc`` (a plain call here), and
 the worker still sets up a world of one process, so the model's layers ask
-the same process groups whatever the executor.
+the same process groups whatever the executor. With async scheduling it
+keeps two steps in the batch queue, as vLLM's: on a GPU the forward runs
+on while the CPU schedules the next step; on CPU the call returns when the
+step is done, so the two do not overlap (the ``mp`` backend's workers do).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracevllm.distributed.utils import temporary_file_init_method
 from tracevllm.executor.abstract import Executor
+from tracevllm.outputs import AsyncModelRunnerOutput
 from tracevllm.serial_utils import run_method
 from tracevllm.worker.worker_base import WorkerWrapperBase
 
@@ -22,6 +26,26 @@ if TYPE_CHECKING:
     from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
     from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
     from tracevllm.worker.model_runner import ModelRunner
+
+
+class AsyncOutputFuture(Future):  # type: ignore[type-arg]
+    """The Future of an async step's output: waits for it when asked (vLLM's)."""
+
+    def __init__(self, async_output: AsyncModelRunnerOutput, single_value: bool) -> None:
+        self.async_output = async_output
+        self.single_value = single_value
+        super().__init__()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if timeout is not None:
+            raise RuntimeError("timeout not implemented")
+        if not super().done():
+            try:
+                output = self.async_output.get_output()
+                self.set_result(output if self.single_value else [output])
+            except Exception as e:
+                self.set_exception(e)
+        return super().result()
 
 
 class UniProcExecutor(Executor):
@@ -68,6 +92,8 @@ class UniProcExecutor(Executor):
         future: Future[Any] = Future()
         try:
             result = run_method(self.driver_worker, method, args, kwargs)
+            if isinstance(result, AsyncModelRunnerOutput):
+                return AsyncOutputFuture(result, single_value)
             future.set_result(result if single_value else [result])
         except Exception as e:
             future.set_exception(e)
@@ -89,6 +115,10 @@ class UniProcExecutor(Executor):
 
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         return self.collective_rpc("take_draft_token_ids", single_value=True)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 2 if self.scheduler_config.async_scheduling else 1
 
     def check_health(self) -> None:
         # Healthy as long as it runs: it is this process.

@@ -32,6 +32,7 @@ from tracevllm import tracing
 from tracevllm.config import VllmConfig
 from tracevllm.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from tracevllm.engine.exceptions import describe_exit
+from tracevllm.outputs import AsyncModelRunnerOutput
 from tracevllm.serial_utils import run_method
 from tracevllm.tracing.attributes import SpanAttributes
 from tracevllm.worker.worker_base import WorkerWrapperBase
@@ -254,7 +255,17 @@ class WorkerProc:
     # --8<-- [end:worker_busy_loop]
 
     def enqueue_output(self, output: Any) -> None:
-        """An exception goes back as a FAILURE with its message (it may not pickle)."""
+        """An exception goes back as a FAILURE with its message (it may not pickle).
+
+        An async step's output is waited for here (vLLM hands it to a thread,
+        so that the worker goes on to the next step while the sampled tokens
+        are copied to the host; on CPU there is no copy to wait for).
+        """
+        if isinstance(output, AsyncModelRunnerOutput):
+            try:
+                output = output.get_output()
+            except Exception as e:
+                output = e
         if isinstance(output, Exception):
             result = (WorkerProc.ResponseStatus.FAILURE, str(output))
         else:

@@ -7,6 +7,10 @@ rows and only edits what changed: new requests take the lowest free row,
 finished ones leave a hole, and ``condense`` moves rows from the end into the
 holes so that rows ``0 .. num_reqs-1`` are the batch.
 
+With async scheduling the rows of the last step's samplers hold a
+placeholder (-1) for the token each sampled; the tokens themselves stay
+on the device in ``prev_sampled_token_ids`` (row ``prev_req_id_to_index[req_id]``).
+
 Left out: bad words, allowed token ids, custom logits processors, prompt
 embeddings, spec-decode token ids, LoRA, pooling, multimodal. vLLM
 rebuilds ``SamplingMetadata`` only when the batch changed, and hands its
@@ -117,6 +121,11 @@ class InputBatch:
         # req_id -> number of top logprobs asked for.
         self.num_logprobs: dict[str, int] = {}
 
+        # Async scheduling: the last step's sampled tokens ([num_reqs, 1], on
+        # the device) and each request's row in it (those that sampled).
+        self.prev_sampled_token_ids: torch.Tensor | None = None
+        self.prev_req_id_to_index: dict[str, int] = {}
+
     @property
     def req_ids(self) -> list[str]:
         # Holes exist only between remove_request and condense.
@@ -214,6 +223,8 @@ class InputBatch:
         for by_row in self._row_keyed:
             by_row.pop(req_index, None)
         self.num_logprobs.pop(req_id, None)
+        # Back in a later step, it comes with its tokens from the scheduler.
+        self.prev_req_id_to_index.pop(req_id, None)
         return req_index
 
     def condense(self) -> None:
@@ -294,6 +305,22 @@ class InputBatch:
     @property
     def max_num_logprobs(self) -> int | None:
         return max(self.num_logprobs.values()) if self.num_logprobs else None
+
+    def update_async_output_token_ids(self) -> None:
+        """Async scheduling: the last step's tokens for the placeholders that
+        end the rows' outputs, before the penalties count them (vLLM's, which
+        waits for the copy to the host here)."""
+        if self.prev_sampled_token_ids is None or not self.prev_req_id_to_index:
+            return
+        sampled_token_ids: list[list[int]] | None = None
+        for index, req_id in enumerate(self.req_ids):
+            prev_index = self.prev_req_id_to_index.get(req_id)
+            output_token_ids = self.req_output_token_ids[index]
+            if prev_index is None or not output_token_ids or output_token_ids[-1] != -1:
+                continue
+            if sampled_token_ids is None:
+                sampled_token_ids = self.prev_sampled_token_ids.tolist()
+            output_token_ids[-1] = sampled_token_ids[prev_index][0]
 
     def make_sampling_metadata(self) -> SamplingMetadata:
         """Tensors of the first num_reqs rows; None for knobs no request uses."""

@@ -14,8 +14,14 @@ request emits, and the drafter proposes the next drafts
 ``take_draft_token_ids``. A pipeline stage runs its own layers: one
 before the last returns ``IntermediateTensors`` from ``execute_model``
 (the Worker sends them on) and learns the tokens it runs from the
-scheduler's ``new_token_ids``, since only the last stage samples. Left out:
-CUDA graphs, torch.compile, async scheduling, the padded drafter batch, LoRA,
+scheduler's ``new_token_ids``, since only the last stage samples. With
+async scheduling (``use_async_scheduling``) the sampled tokens stay where
+they were sampled (``input_batch.prev_sampled_token_ids``): the persistent
+batch gets a placeholder (-1) for each, and the next step's input ids take
+them from there (``_prepare_input_ids``), so that step can be prepared
+before this one's tokens reach the host; ``sample_tokens`` returns an
+``AsyncGPUModelRunnerOutput`` that waits for them. Left out:
+CUDA graphs, torch.compile, the padded drafter batch, LoRA,
 multimodal, pooling, prompt logprobs, KV connectors, cascade attention,
 profiling runs (the KV cache size comes from a configured budget).
 """
@@ -47,7 +53,12 @@ from tracevllm.kv_cache_interface import (
 )
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.model_loader import get_model
-from tracevllm.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
+from tracevllm.outputs import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    AsyncModelRunnerOutput,
+    DraftTokenIds,
+    ModelRunnerOutput,
+)
 from tracevllm.sample.rejection_sampler import RejectionSampler
 from tracevllm.sample.sampler import Sampler
 from tracevllm.sampling_params import SamplingType
@@ -65,7 +76,7 @@ if TYPE_CHECKING:
     from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
     from tracevllm.engine import LogprobsLists
     from tracevllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
-    from tracevllm.sample.metadata import SamplingMetadata
+    from tracevllm.sample.metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
 
 
 @dataclass(slots=True)
@@ -81,6 +92,53 @@ class ExecuteModelState:
     # With drafts: where they and their logits are (logits then has a row
     # per draft position and one per request).
     spec_decode_metadata: SpecDecodeMetadata | None = None
+
+
+# --8<-- [start:async_gpu_model_runner_output]
+class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
+    """A step's output whose sampled tokens are still on the device.
+
+    On a GPU the copy to the host starts at once, on its own stream, and
+    ``get_output`` waits for it (the worker meanwhile prepares the next
+    step); on CPU the tokens are already on the host.
+    """
+
+    def __init__(
+        self,
+        model_runner_output: ModelRunnerOutput,
+        sampled_token_ids: torch.Tensor,  # [num_reqs, 1]
+        logprobs_tensors: LogprobsTensors | None,
+        invalid_req_indices: list[int],
+    ) -> None:
+        self._model_runner_output = model_runner_output
+        self._invalid_req_indices = invalid_req_indices
+        self._logprobs_tensors = logprobs_tensors
+        self.async_copy_ready_event: torch.cuda.Event | None = None
+        if sampled_token_ids.is_cuda:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.sampled_token_ids_cpu = sampled_token_ids.to("cpu", non_blocking=True)
+                self.async_copy_ready_event = torch.cuda.Event()
+                self.async_copy_ready_event.record()
+        else:
+            self.sampled_token_ids_cpu = sampled_token_ids
+
+    def get_output(self) -> ModelRunnerOutput:
+        """Wait for the copy, then fill in the tokens (empty for discarded rows)."""
+        if self.async_copy_ready_event is not None:
+            self.async_copy_ready_event.synchronize()
+        valid_sampled_token_ids: list[list[int]] = self.sampled_token_ids_cpu.tolist()
+        for i in self._invalid_req_indices:
+            valid_sampled_token_ids[i].clear()
+        output = self._model_runner_output
+        output.sampled_token_ids = valid_sampled_token_ids
+        if self._logprobs_tensors is not None:
+            output.logprobs = self._logprobs_tensors.tolists()
+        return output
+
+
+# --8<-- [end:async_gpu_model_runner_output]
 
 
 class ModelRunner:
@@ -116,6 +174,8 @@ class ModelRunner:
         # The KV cache groups (initialize_kv_cache): each layer reads its group's metadata.
         self.kv_cache_config: KVCacheConfig | None = None
         self.execute_model_state: ExecuteModelState | None = None
+        # Sampled tokens stay on the device; the next step's inputs take them there.
+        self.use_async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
 
         # Speculative decoding: who proposes, and the drafts for the next step.
         self.speculative_config = vllm_config.speculative_config
@@ -311,6 +371,12 @@ class ModelRunner:
             req_index = batch.req_id_to_index.get(req_id)
             if req_index is None:
                 # Resumed, or back after a step without budget: re-add the row.
+                num_output_tokens = cached.num_output_tokens[i]
+                if self.use_async_scheduling and num_output_tokens > 0:
+                    # Its outputs here end in placeholders; the scheduler's
+                    # copy of its tokens has them all by now.
+                    resumed_token_ids = cached.all_token_ids[req_id]
+                    state.output_token_ids = resumed_token_ids[-num_output_tokens:]
                 reqs_to_add.append(state)
                 continue
             batch.num_computed_tokens_cpu[req_index] = state.num_computed_tokens
@@ -409,7 +475,7 @@ class ModelRunner:
         attn_metadata = self.attn_metadata_per_group[0]
 
         self.req_indices = req_indices
-        self.input_ids = input_ids.to(dev)
+        self.input_ids = self._prepare_input_ids(input_ids.to(dev), cu_num_tokens)
         self.positions = torch.from_numpy(positions_np.astype(np.int64)).to(dev)
         self.query_start_loc = attn_metadata.query_start_loc
         self.seq_lens = attn_metadata.seq_lens
@@ -430,6 +496,41 @@ class ModelRunner:
         return per_layer, self.logits_indices, discard
 
     # --8<-- [end:prepare_inputs]
+
+    # --8<-- [start:prepare_input_ids]
+    def _prepare_input_ids(
+        self, input_ids: torch.Tensor, cu_num_tokens: np.ndarray
+    ) -> torch.Tensor:
+        """Async scheduling: put last step's sampled tokens in for their placeholders.
+
+        A request that sampled a token last step runs that token now, as its
+        last input; the persistent batch holds -1 there (the token never
+        came to the host). E.g. rows [a, b, c] scheduled for [4, 1, 1]
+        tokens (cu_num_tokens [4 5 6]), b and c sampled last step in rows 1
+        and 0: input_ids[4] = prev_sampled_token_ids[1], input_ids[5] =
+        prev_sampled_token_ids[0]. A new request, or one re-added with its
+        tokens from the scheduler, is not in ``prev_req_id_to_index``.
+        """
+        batch = self.input_batch
+        prev_sampled_token_ids = batch.prev_sampled_token_ids  # [num_prev_reqs, 1]
+        if prev_sampled_token_ids is None:
+            return input_ids  # the synchronous path: every token id is on the host
+        flattened_indices: list[int] = []
+        prev_indices: list[int] = []
+        for cur_index, req_id in enumerate(batch.req_ids):
+            prev_index = batch.prev_req_id_to_index.get(req_id)
+            if prev_index is None:
+                continue
+            flattened_indices.append(int(cu_num_tokens[cur_index]) - 1)
+            prev_indices.append(prev_index)
+        if flattened_indices:
+            dev = input_ids.device
+            index = torch.tensor(flattened_indices, dtype=torch.int64, device=dev)
+            src = prev_sampled_token_ids[torch.tensor(prev_indices, device=dev), 0]
+            input_ids.scatter_(0, index, src.to(input_ids.dtype))  # [num_tokens]
+        return input_ids
+
+    # --8<-- [end:prepare_input_ids]
 
     def _get_cumsum_and_arange(self, num_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[2, 5, 3] -> cumsum [2, 7, 10] and arange [0 1 0 1 2 3 4 0 1 2]."""
@@ -484,7 +585,9 @@ class ModelRunner:
     # --8<-- [start:sample_tokens]
     @tracing.instrument("ModelRunner.sample_tokens", record=records.sample_tokens)
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | AsyncGPUModelRunnerOutput:
         """Sample one token per request and append it to the persistent batch.
 
         Structured requests' rows are masked first: a token the grammar
@@ -497,6 +600,9 @@ class ModelRunner:
         batch = self.input_batch
         if grammar_output is not None:
             apply_grammar_bitmask(state.scheduler_output, grammar_output, batch, state.logits)
+        if self.use_async_scheduling and not batch.no_penalties:
+            # The penalties count last step's tokens, which are placeholders here.
+            batch.update_async_output_token_ids()
         sampling_metadata = batch.make_sampling_metadata()
 
         # vLLM rewinds a discarded row's generator (CUDA Philox offset - 4) so
@@ -507,6 +613,12 @@ class ModelRunner:
             for i in state.discard_request_indices
             if (gen := sampling_metadata.generators.get(int(i))) is not None
         }
+        if self.use_async_scheduling:
+            assert state.spec_decode_metadata is None, "no drafts with async scheduling"
+            sampler_output = self.sampler(state.logits, sampling_metadata)
+            for i, gen_state in saved.items():
+                sampling_metadata.generators[i].set_state(gen_state)
+            return self._bookkeeping_async(state, sampler_output)
         if state.spec_decode_metadata is None:
             sampler_output = self.sampler(state.logits, sampling_metadata)
             valid_sampled_token_ids: list[list[int]] = sampler_output.sampled_token_ids.tolist()
@@ -545,6 +657,42 @@ class ModelRunner:
         )
 
     # --8<-- [end:sample_tokens]
+
+    # --8<-- [start:bookkeeping_async]
+    def _bookkeeping_async(
+        self, state: ExecuteModelState, sampler_output: SamplerOutput
+    ) -> AsyncGPUModelRunnerOutput:
+        """Keep the sampled tokens on the device for the next step's inputs;
+        the persistent batch and the requests get a placeholder (-1) each.
+
+        (vLLM's ``_bookkeeping_sync`` on its async branch.) A discarded row
+        (partial prefill) gets none and is left out of ``prev_req_id_to_index``.
+        """
+        batch = self.input_batch
+        sampled_token_ids = sampler_output.sampled_token_ids  # [num_reqs, 1]
+        invalid_req_indices = state.discard_request_indices.tolist()
+        invalid = set(invalid_req_indices)
+        batch.prev_sampled_token_ids = sampled_token_ids
+        batch.prev_req_id_to_index = {
+            req_id: i for i, req_id in enumerate(batch.req_ids) if i not in invalid
+        }
+        for req_idx in batch.prev_req_id_to_index.values():
+            end = int(batch.num_tokens_no_spec[req_idx]) + 1
+            assert end <= self.max_model_len, "sampled past max_model_len"
+            batch.token_ids_cpu[req_idx, end - 1] = -1
+            batch.num_tokens_no_spec[req_idx] = end
+            self.requests[batch.req_ids[req_idx]].output_token_ids.append(-1)
+        return AsyncGPUModelRunnerOutput(
+            # Copies: the batch changes before the output is read.
+            ModelRunnerOutput(
+                req_ids=list(batch.req_ids), req_id_to_index=dict(batch.req_id_to_index)
+            ),
+            sampled_token_ids,
+            sampler_output.logprobs_tensors,
+            invalid_req_indices,
+        )
+
+    # --8<-- [end:bookkeeping_async]
 
     # ------------------------------------------------------ speculative decoding
     # --8<-- [start:calc_spec_decode_metadata]

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
     from tracevllm.kv_cache_interface import KVCacheConfig, KVCacheSpec
     from tracevllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
-    from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
+    from tracevllm.outputs import AsyncModelRunnerOutput, DraftTokenIds, ModelRunnerOutput
     from tracevllm.worker.model_runner import ModelRunner
 
 
@@ -133,7 +133,10 @@ class Worker(WorkerBase):
 
     # --8<-- [end:worker_execute_model]
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """Sample this step (an ``AsyncModelRunnerOutput`` with async scheduling)."""
         assert self.model_runner is not None
         return self.model_runner.sample_tokens(grammar_output)
 
