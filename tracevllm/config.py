@@ -2,7 +2,8 @@
 
 Mirrors vllm/config/ (``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
 ``ParallelConfig``, ``DeviceConfig``, ``AttentionConfig``, ``ObservabilityConfig``,
-vllm/config/speculative.py's ``SpeculativeConfig`` and the ``VllmConfig``
+vllm/config/speculative.py's ``SpeculativeConfig``, vllm/config/kv_transfer.py's
+``KVTransferConfig`` (defined in distributed/kv_transfer/) and the ``VllmConfig``
 that holds them). Config flows down from ``EngineArgs``
 (engine/arg_utils.py); nothing below reads the environment. Left out:
 LoRA, structured-output and compilation configs. ``TraceConfig``
@@ -21,6 +22,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+# vLLM's vllm/config/kv_transfer.py; kept beside the KV connectors, re-exported here.
+from tracevllm.distributed.kv_transfer.kv_transfer_config import KVTransferConfig
 
 if TYPE_CHECKING:
     from tracevllm.core.sched.scheduler import Scheduler
@@ -708,6 +712,7 @@ class VllmConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     trace_config: TraceConfig = field(default_factory=TraceConfig)
     speculative_config: SpeculativeConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         self.model_config.verify_with_parallel_config(self.parallel_config)

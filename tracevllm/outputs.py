@@ -4,14 +4,15 @@ Two vLLM files in one, since dropping ``v1/`` makes their paths meet:
 - vllm/outputs.py: ``RequestOutput``, ``CompletionOutput`` (and vllm/logprobs.py's
   ``Logprob``), what the user gets back.
 - vllm/v1/outputs.py: ``ModelRunnerOutput``, what ``execute_model`` hands the
-  scheduler each step. It holds plain lists so that the scheduler never
-  imports torch; the tensor types (``SamplerOutput``, ``LogprobsTensors``)
+  scheduler each step, with its ``KVConnectorOutput``. It holds plain lists so
+  that the scheduler never imports torch; the tensor types (``SamplerOutput``, ``LogprobsTensors``)
   live in sample/metadata.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tracevllm.engine import LogprobsLists
 from tracevllm.metrics.stats import RequestStateStats
@@ -55,9 +56,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    # Prompt tokens whose KV came from the prefix cache.
+    # Prompt tokens whose KV came from the prefix cache or a KV connector.
     num_cached_tokens: int = 0
     metrics: RequestStateStats | None = None
+    # What a KV connector returned when the request finished (vLLM's): a
+    # producer's tells a consumer where to find the prompt's KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def add(self, next_output: RequestOutput, aggregate: bool) -> None:
         """Merge a later output of the same request into this one.
@@ -99,6 +103,28 @@ class ModelRunnerOutput:
     # drafts and one more token.
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: LogprobsLists | None = None
+    # What the worker's KV connector finished or failed this step.
+    kv_connector_output: KVConnectorOutput | None = None
+
+
+@dataclass(slots=True)
+class KVConnectorOutput:
+    """The worker-side KV connector's report for one step (vllm/v1/outputs.py).
+
+    Left out: connector stats, KV cache events, worker metadata and the
+    expected finished count (for connectors with several workers per request).
+    """
+
+    # Requests whose asynchronous save/send finished: their blocks can go.
+    finished_sending: set[str] | None = None
+    # Requests whose asynchronous load/receive finished: they can run.
+    finished_recving: set[str] | None = None
+    # Blocks of externally computed tokens that failed to load: the requests
+    # that hold them recompute them or fail (kv_load_failure_policy).
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={})

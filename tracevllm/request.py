@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tracevllm.engine import (
     EngineCoreEvent,
@@ -54,6 +54,10 @@ class Request:
         )
         if self.structured_output_request is not None:
             self.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        # A KV connector's parameters (vLLM's: from extra_args["kv_transfer_params"]).
+        self.kv_transfer_params: dict[str, Any] | None = None
+        if sampling_params.extra_args is not None:
+            self.kv_transfer_params = sampling_params.extra_args.get("kv_transfer_params")
         self.events: list[EngineCoreEvent] = []
         self.stop_reason: int | str | None = None
 
@@ -180,6 +184,8 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = enum.auto()
+    # A KV connector is loading its prompt's KV asynchronously.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

@@ -18,6 +18,7 @@ from tracevllm.config import (
     AttentionConfig,
     CacheConfig,
     DeviceConfig,
+    KVTransferConfig,
     ModelConfig,
     ObservabilityConfig,
     ParallelConfig,
@@ -66,6 +67,8 @@ class EngineArgs:
     enable_multiprocessing: bool | None = None
     # {"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}
     speculative_config: dict[str, Any] | None = None
+    # {"kv_connector": "ExampleConnector", "kv_role": "kv_producer", ...} (KVTransferConfig)
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None
 
     def create_engine_config(self) -> VllmConfig:
         # Lazy: the loader pulls in torch/transformers only when a model must be
@@ -94,6 +97,7 @@ class EngineArgs:
             )
         return VllmConfig(
             speculative_config=self.create_speculative_config(model_config),
+            kv_transfer_config=self.create_kv_transfer_config(),
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -143,6 +147,20 @@ class EngineArgs:
             config = {**config, "model": resolve_model(model)}
         return SpeculativeConfig.from_dict(config, target)
 
+    def create_kv_transfer_config(self) -> KVTransferConfig | None:
+        """The config from a dict (or as given); an unknown connector is refused
+        here, in the frontend, before an engine process starts (vLLM: when the
+        scheduler creates it)."""
+        config = self.kv_transfer_config
+        if config is None or isinstance(config, KVTransferConfig):
+            return config
+        kv_transfer_config = KVTransferConfig.from_dict(config)
+        # Only the registry's names: importing a connector would import torch.
+        from tracevllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        KVConnectorFactory.check_connector_name(kv_transfer_config)
+        return kv_transfer_config
+
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """One ``--flag`` per field, vLLM's spelling (``--max-num-seqs``)."""
@@ -155,8 +173,8 @@ class EngineArgs:
                 parser.add_argument(flag, choices=DISTRIBUTED_EXECUTOR_BACKENDS, default=None)
             elif f.name in ("enable_multiprocessing", "async_scheduling"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-            elif f.name == "speculative_config":
-                # A JSON object, as vLLM's --speculative-config.
+            elif f.name in ("speculative_config", "kv_transfer_config"):
+                # A JSON object, as vLLM's --speculative-config / --kv-transfer-config.
                 parser.add_argument(flag, type=_json_object, default=None, metavar="JSON")
             elif isinstance(default, bool):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)

@@ -47,6 +47,7 @@ from tracevllm.core.kv_cache_utils import (
 )
 from tracevllm.core.sched.output import SchedulerOutput
 from tracevllm.core.sched.scheduler import Scheduler
+from tracevllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
 from tracevllm.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -405,6 +406,11 @@ class EngineCore:
             self.structured_output_manager.clear_backend()
             self.model_executor.shutdown()
             self.scheduler.shutdown()
+            if self.vllm_config.kv_transfer_config is not None:
+                # vLLM's Worker.shutdown does this; here the engine does, so an
+                # in-process engine's worker-side connector goes with it (a
+                # worker process's goes with the process).
+                ensure_kv_transfer_shutdown()
         finally:
             # Undo freeze_gc_heap, so that an engine dropped in-process can be
             # collected. Process-wide, as vLLM's: it unfreezes any other

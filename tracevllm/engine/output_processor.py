@@ -120,6 +120,7 @@ class RequestState:
         new_token_ids: list[int],
         finish_reason: FinishReason | None,
         stop_reason: int | str | None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestOutput | None:
         """The ``RequestOutput`` for this step, or None when none is due.
 
@@ -147,6 +148,7 @@ class RequestState:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.stats,
+            kv_transfer_params=kv_transfer_params,
         )
 
     def _new_completion_output(
@@ -333,7 +335,7 @@ class OutputProcessor:
 
             # 4) The RequestOutput: to AsyncLLM's collector, or returned.
             if request_output := req_state.make_request_output(
-                new_token_ids, finish_reason, stop_reason
+                new_token_ids, finish_reason, stop_reason, engine_core_output.kv_transfer_params
             ):
                 if req_state.queue is not None:
                     req_state.queue.put(request_output)

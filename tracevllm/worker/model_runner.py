@@ -20,9 +20,10 @@ they were sampled (``input_batch.prev_sampled_token_ids``): the persistent
 batch gets a placeholder (-1) for each, and the next step's input ids take
 them from there (``_prepare_input_ids``), so that step can be prepared
 before this one's tokens reach the host; ``sample_tokens`` returns an
-``AsyncGPUModelRunnerOutput`` that waits for them. Left out:
+``AsyncGPUModelRunnerOutput`` that waits for them. A KV connector gets its
+turn around the forward (``KVConnectorModelRunnerMixin``). Left out:
 CUDA graphs, torch.compile, the padded drafter batch, LoRA,
-multimodal, pooling, prompt logprobs, KV connectors, cascade attention,
+multimodal, pooling, prompt logprobs, cascade attention,
 profiling runs (the KV cache size comes from a configured budget).
 """
 
@@ -69,6 +70,7 @@ from tracevllm.spec_decode.ngram_proposer import NgramProposer
 from tracevllm.structured_output.utils import apply_grammar_bitmask
 from tracevllm.tracing import records
 from tracevllm.worker.input_batch import CachedRequestState, InputBatch
+from tracevllm.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from tracevllm.worker.utils import bind_kv_cache
 
 if TYPE_CHECKING:
@@ -141,7 +143,7 @@ class AsyncGPUModelRunnerOutput(AsyncModelRunnerOutput):
 # --8<-- [end:async_gpu_model_runner_output]
 
 
-class ModelRunner:
+class ModelRunner(KVConnectorModelRunnerMixin):
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         model_config = vllm_config.model_config
@@ -275,6 +277,7 @@ class ModelRunner:
         assert kv_caches.keys() == layers.keys(), "a layer without its KV cache"
         self.kv_caches = []
         bind_kv_cache(kv_caches, layers, self.kv_caches)
+        self.initialize_kv_connector(self.vllm_config, kv_cache_config, kv_caches)
 
     # --8<-- [end:initialize_kv_cache]
 
@@ -360,6 +363,10 @@ class ModelRunner:
                 state.output_token_ids
             ):
                 del state.output_token_ids[cached.num_output_tokens[i] :]
+                # A KV load failed under the dropped sample: its row ends there too.
+                if (row := batch.req_id_to_index.get(req_id)) is not None:
+                    num_tokens = batch.num_prompt_tokens[row] + cached.num_output_tokens[i]
+                    batch.num_tokens_no_spec[row] = num_tokens
             if req_id in cached.resumed_req_ids:
                 # Preempted requests lost their blocks; these replace them.
                 assert new_block_ids is not None
@@ -558,16 +565,20 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.total_num_scheduled_tokens == 0:
             self.execute_model_state = None
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return self.kv_connector_no_forward(scheduler_output, self.vllm_config)
         assert self.model is not None, "load_model() first"
         attn_metadata, logits_indices, discard = self._prepare_inputs(scheduler_output)
-        with set_forward_context(
-            attn_metadata,
-            self.vllm_config,
-            no_compile_layers=dict(self.attn_layers),
-            slot_mapping={name: md.slot_mapping for name, md in attn_metadata.items()},
+        with (
+            set_forward_context(
+                attn_metadata,
+                self.vllm_config,
+                no_compile_layers=dict(self.attn_layers),
+                slot_mapping={name: md.slot_mapping for name, md in attn_metadata.items()},
+            ),
+            self.maybe_get_kv_connector_output(scheduler_output) as kv_connector_output,
         ):
             hidden_states = self.model(self.input_ids, self.positions, intermediate_tensors)
+        self.kv_connector_output = kv_connector_output
         if not get_pp_group().is_last_rank:
             assert isinstance(hidden_states, IntermediateTensors)
             self.execute_model_state = None  # nothing to sample here
@@ -654,6 +665,7 @@ class ModelRunner:
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=valid_sampled_token_ids,
             logprobs=logprobs_lists,
+            kv_connector_output=self.take_kv_connector_output(),
         )
 
     # --8<-- [end:sample_tokens]

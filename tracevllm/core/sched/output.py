@@ -6,8 +6,8 @@ scheduled the runner gets everything about it (``NewRequestData``); after
 that only what changed (``CachedRequestData``), because the runner keeps its
 own persistent copy of each request (``InputBatch``). ``GrammarOutput`` is
 the structured requests' token bitmask, made after the schedule
-(``Scheduler.get_grammar_bitmask``). Left out: multimodal, LoRA, pooling
-and KV-connector fields, and ``num_invalid_spec_tokens`` (async scheduling).
+(``Scheduler.get_grammar_bitmask``). Left out: multimodal, LoRA and pooling
+fields, and ``num_invalid_spec_tokens`` (async scheduling).
 Block ids are a tuple with one list per KV cache group; tracevllm has one group.
 """
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from tracevllm.request import Request
     from tracevllm.sampling_params import SamplingParams
 
@@ -94,6 +95,9 @@ class SchedulerOutput:
     # Async scheduling: a structured request's last token is still in flight,
     # so its bitmask (and the step's sampling) waits for that step's output.
     pending_structured_output_tokens: bool = False
+    # What the KV connector's workers load and save this step (its
+    # build_connector_meta); None without a connector.
+    kv_connector_metadata: KVConnectorMetadata | None = None
     # tracevllm: the step number, for spans and views.
     step_id: int = 0
 

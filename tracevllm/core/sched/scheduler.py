@@ -14,8 +14,19 @@ scheduled with it (``scheduled_spec_decode_tokens``), and after the step
 ``num_computed_tokens`` goes back by the drafts the target rejected.
 Async scheduling (``AsyncScheduler``, core/sched/async_scheduler.py) counts
 the tokens of steps still in flight as ``num_output_placeholders``: they
-enter ``num_new_tokens`` here, as in vLLM. Left out: KV connectors, encoder
-inputs, LoRA, streaming input, pause states. With pipeline parallelism
+enter ``num_new_tokens`` here, as in vLLM. A KV connector (``kv_transfer_config``)
+is asked, for each waiting request, how many prompt tokens past the local
+prefix-cache hit it can supply (``get_num_new_matched_tokens``); their blocks
+are allocated with the rest and the connector told (``update_state_after_alloc``),
+and only the remainder is scheduled. A connector that loads asynchronously
+parks the request in ``WAITING_FOR_REMOTE_KVS`` until a step reports it in
+``finished_recving``. Each step carries the connector's metadata to the
+workers (``build_connector_meta``); a finished request may leave its blocks
+to the connector (``request_finished``: freed on ``finished_sending``) and
+returns its ``kv_transfer_params``. Blocks that failed to load are
+recomputed or fail their requests (``kv_load_failure_policy``). Left out:
+encoder inputs, LoRA, streaming input, pause states, connector stats and
+KV events. With pipeline parallelism
 each step carries the tokens it runs (``new_token_ids``), as vLLM's sync path.
 """
 
@@ -25,6 +36,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 from tracevllm import tracing
 from tracevllm.config import VllmConfig
@@ -37,11 +49,16 @@ from tracevllm.core.sched.output import (
 )
 from tracevllm.core.sched.request_queue import RequestQueue, SchedulingPolicy, create_request_queue
 from tracevllm.core.sched.utils import check_stop, remove_all
+from tracevllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+)
 from tracevllm.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from tracevllm.labs import lab_hook
 from tracevllm.metrics.stats import SchedulerStats
-from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
+from tracevllm.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
 from tracevllm.spec_decode.metrics import SpecDecodingStats
 from tracevllm.structured_output import StructuredOutputManager
@@ -164,6 +181,24 @@ class Scheduler:
             log_stats=log_stats,
         )
 
+        # --8<-- [start:connector_init]
+        # The KV connector's scheduler side; each worker has its own (WORKER role).
+        self.connector: KVConnectorBase_V1 | None = None
+        self.recompute_kv_load_failures = True
+        if vllm_config.kv_transfer_config is not None:
+            self.connector = KVConnectorFactory.create_connector(
+                config=vllm_config,
+                role=KVConnectorRole.SCHEDULER,
+                kv_cache_config=self.kv_cache_config,
+            )
+            policy = vllm_config.kv_transfer_config.kv_load_failure_policy
+            self.recompute_kv_load_failures = policy == "recompute"
+        # Requests whose asynchronous load finished (or failed), from the
+        # workers' finished_recving, until the waiting loop picks them up.
+        self.finished_recving_kv_req_ids: set[str] = set()
+        self.failed_recving_kv_req_ids: set[str] = set()
+        # --8<-- [end:connector_init]
+
     @tracing.instrument("Scheduler.schedule", record=records.record_schedule)
     def schedule(self) -> SchedulerOutput:
         scheduled_new_reqs: list[Request] = []
@@ -279,38 +314,96 @@ class Scheduler:
                     if not request.is_finished():
                         step_skipped_waiting.prepend_request(request)
                     continue
-                # A waiting request always has num_computed_tokens == 0 here
-                # (vLLM's other branch is for KV connectors): look up its prefix.
-                new_computed_blocks, num_computed_tokens = (
-                    self.kv_cache_manager.get_computed_blocks(request)
-                )
-                # num_tokens, not num_prompt_tokens: a resumed request recomputes
-                # its outputs too.
-                num_new_tokens = compute_num_new_tokens(
-                    request.num_tokens,
-                    num_computed_tokens,
-                    token_budget,
-                    threshold,
-                    self.max_model_len,
-                    self.scheduler_config.enable_chunked_prefill,
-                )
-                if num_new_tokens == 0:
-                    break  # without chunked prefill, a prompt that does not fit waits
+                # --8<-- [start:connector_match]
+                num_external_computed_tokens = 0
+                load_kv_async = False
+                if request.num_computed_tokens == 0:
+                    # The local prefix cache first, then the KV connector for
+                    # what follows it.
+                    new_computed_blocks, num_new_local_computed_tokens = (
+                        self.kv_cache_manager.get_computed_blocks(request)
+                    )
+                    if self.connector is not None:
+                        ext_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
+                            request, num_new_local_computed_tokens
+                        )
+                        if ext_tokens is None:
+                            # The connector cannot tell yet: ask again next step.
+                            request_queue.pop_request()
+                            step_skipped_waiting.prepend_request(request)
+                            continue
+                        num_external_computed_tokens = ext_tokens
+                    num_computed_tokens = (
+                        num_new_local_computed_tokens + num_external_computed_tokens
+                    )
+                    assert num_computed_tokens <= request.num_tokens
+                    # The first prefill only, not a recompute after preemption.
+                    if request.prefill_stats is not None:
+                        request.prefill_stats.set(
+                            request.num_prompt_tokens,
+                            num_new_local_computed_tokens,
+                            num_external_computed_tokens,
+                        )
+                else:
+                    # An asynchronous load finished: its blocks are allocated and full.
+                    new_computed_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+                    num_new_local_computed_tokens = 0
+                    num_computed_tokens = request.num_computed_tokens
+                # --8<-- [end:connector_match]
 
+                if load_kv_async:
+                    # Only slots for the tokens being loaded; nothing runs yet.
+                    assert num_external_computed_tokens > 0
+                    num_new_tokens = 0
+                else:
+                    # num_tokens, not num_prompt_tokens: a resumed request
+                    # recomputes its outputs too.
+                    num_new_tokens = compute_num_new_tokens(
+                        request.num_tokens,
+                        num_computed_tokens,
+                        token_budget,
+                        threshold,
+                        self.max_model_len,
+                        self.scheduler_config.enable_chunked_prefill,
+                    )
+                    if num_new_tokens == 0:
+                        break  # without chunked prefill, a prompt that does not fit waits
+
+                # vLLM passes the connector's tokens as num_external_computed_tokens;
+                # tracevllm's allocate_slots has no such argument, and the same
+                # blocks come from asking for them as new tokens (fresh blocks
+                # after the local hit). TODO: vLLM's delay_cache_blocks, so that an
+                # asynchronous load's blocks are cached only once loaded.
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
-                    num_new_tokens,
-                    num_new_computed_tokens=num_computed_tokens,
+                    num_new_tokens + num_external_computed_tokens,
+                    num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
                     # vLLM passes 0 for a request with no computed tokens (a
                     # P/D edge case); here the draft model writes its drafts
                     # right after the prefill, so they need their slots now.
-                    num_lookahead_tokens=self.num_lookahead_tokens,
+                    num_lookahead_tokens=0 if load_kv_async else self.num_lookahead_tokens,
                 )
                 if new_blocks is None:
                     break
 
+                # --8<-- [start:connector_alloc]
+                # The connector learns which blocks its tokens go into.
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request,
+                        self.kv_cache_manager.get_blocks(request.request_id),
+                        num_external_computed_tokens,
+                    )
                 request = request_queue.pop_request()
+                if load_kv_async:
+                    # Its slots are held while the load runs between steps;
+                    # num_computed_tokens counts the loaded tokens already.
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    step_skipped_waiting.prepend_request(request)
+                    request.num_computed_tokens = num_computed_tokens
+                    continue
+                # --8<-- [end:connector_alloc]
                 self.running.append(request)
                 if self.log_stats:
                     request.record_event(EngineCoreEventType.SCHEDULED, scheduled_timestamp)
@@ -327,9 +420,6 @@ class Scheduler:
                 token_budget -= num_new_tokens
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_computed_tokens
-                # The first prefill only, not a recompute after preemption.
-                if request.prefill_stats is not None:
-                    request.prefill_stats.set(request.num_prompt_tokens, num_computed_tokens)
             # Back ahead of older skipped ones, in their order.
             if step_skipped_waiting:
                 self.skipped_waiting.prepend_requests(step_skipped_waiting)
@@ -368,6 +458,12 @@ class Scheduler:
             preempted_req_ids={req.request_id for req in preempted_reqs},
             step_id=self.step_id,
         )
+        # What the workers' connectors load and save this step (and the end
+        # of the scheduler-side connector's per-step state).
+        if self.connector is not None:
+            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
+                scheduler_output
+            )
         self._update_after_schedule(scheduler_output)
         return scheduler_output
 
@@ -444,7 +540,10 @@ class Scheduler:
     # --8<-- [start:waiting_for_grammar]
     @staticmethod
     def _is_blocked_waiting_status(status: RequestStatus) -> bool:
-        return status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        return status in (
+            RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR,
+            RequestStatus.WAITING_FOR_REMOTE_KVS,
+        )
 
     def _enqueue_waiting_request(self, request: Request) -> None:
         if self._is_blocked_waiting_status(request.status):
@@ -464,7 +563,16 @@ class Scheduler:
     def _try_promote_blocked_waiting_request(self, request: Request) -> bool:
         """WAITING once its grammar is compiled. A grammar that failed to
         compile finishes the request with an error (vLLM leaves it a TODO):
-        the engine goes on serving the others."""
+        the engine goes on serving the others. A request waiting for remote
+        KV is WAITING (or PREEMPTED) again once its load is reported."""
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if request.request_id not in self.finished_recving_kv_req_ids:
+                return False
+            self._update_waiting_for_remote_kv(request)
+            request.status = (
+                RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+            )
+            return True
         so_request = request.structured_output_request
         assert so_request is not None
         try:
@@ -525,10 +633,21 @@ class Scheduler:
         outputs: dict[int, list[EngineCoreOutput]] = defaultdict(list)
         stopped_reqs: set[Request] = set()
         self.spec_decoding_stats = None
+        kv_connector_output = model_runner_output.kv_connector_output
+        failed_kv_load_req_ids: set[str] = set()
+        if kv_connector_output is not None and kv_connector_output.invalid_block_ids:
+            # Externally computed blocks that failed to load: their requests
+            # go back to the first bad block (or fail), and this step's
+            # sample, made from them, is dropped.
+            failed_kv_load_req_ids = self._handle_invalid_blocks(
+                kv_connector_output.invalid_block_ids, scheduler_output.num_scheduled_tokens
+            )
 
         # One row per scheduled request. A partial prefill's row is empty: it
         # appends nothing and sends nothing.
         for req_id in scheduler_output.num_scheduled_tokens:
+            if req_id in failed_kv_load_req_ids:
+                continue  # recomputed next step, or failed below
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
@@ -558,14 +677,15 @@ class Scheduler:
                 request.status, request.stop_reason = grammar_ending
                 stopped = True
             finish_reason = None
+            kv_transfer_params = None
             if stopped:
                 finish_reason = request.get_finished_reason()
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
                 stopped_reqs.add(request)
             new_logprobs = None
             if request.sampling_params.logprobs is not None and logprobs is not None:
                 new_logprobs = logprobs.slice_request(req_index, len(new_token_ids))
-            if new_token_ids or stopped:
+            if new_token_ids or stopped or kv_transfer_params:
                 outputs[request.client_index].append(
                     EngineCoreOutput(
                         request_id=req_id,
@@ -579,10 +699,31 @@ class Scheduler:
                         prefill_stats=request.take_prefill_stats(),
                         num_draft_tokens=num_draft_tokens,
                         num_accepted_tokens=num_accepted,
+                        kv_transfer_params=kv_transfer_params,
                     )
                 )
         if stopped_reqs:
             self.running = remove_all(self.running, stopped_reqs)
+        # --8<-- [start:kv_load_failure_fail]
+        if failed_kv_load_req_ids and not self.recompute_kv_load_failures:
+            # Policy "fail": the requests end with an error; the engine goes on.
+            failed = [self.requests[req_id] for req_id in failed_kv_load_req_ids]
+            self.finish_requests(failed_kv_load_req_ids, RequestStatus.FINISHED_ERROR)
+            for request in failed:
+                outputs[request.client_index].append(
+                    EngineCoreOutput(
+                        request_id=request.request_id,
+                        new_token_ids=[],
+                        finish_reason=request.get_finished_reason(),
+                        stop_reason="KV cache load failed",
+                        events=request.take_events(),
+                        trace_headers=request.trace_headers,
+                        prefill_stats=request.take_prefill_stats(),
+                    )
+                )
+        # --8<-- [end:kv_load_failure_fail]
+        if kv_connector_output is not None:
+            self._update_from_kv_xfer_finished(kv_connector_output)
         # Requests whose grammar failed to compile, finished in schedule().
         for request in self.finished_in_schedule:
             outputs[request.client_index].append(
@@ -729,17 +870,167 @@ class Scheduler:
         self.waiting.remove_requests(waiting)
         self.skipped_waiting.remove_requests(waiting)
         for request in valid:
+            # A load still in flight writes into the request's blocks: they
+            # are freed when the workers report it done (finished_recving).
+            delay_free_blocks = False
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                delay_free_blocks = request.request_id not in self.finished_recving_kv_req_ids
+                self.finished_recving_kv_req_ids.discard(request.request_id)
+                self.failed_recving_kv_req_ids.discard(request.request_id)
             request.status = finished_status
-            self._free_request(request)
+            self._free_request(request, delay_free_blocks=delay_free_blocks)
         return [(r.request_id, r.client_index) for r in valid]
 
-    def _free_request(self, request: Request) -> None:
+    # --8<-- [start:free_request]
+    def _free_request(
+        self, request: Request, delay_free_blocks: bool = False
+    ) -> dict[str, Any] | None:
+        """Finish the request's bookkeeping; free its blocks now unless a
+        transfer still reads or writes them. Returns its kv_transfer_params."""
         assert request.is_finished()
+        connector_delay_free_blocks, kv_xfer_params = self._connector_finished(request)
         self.finished_req_ids.add(request.request_id)
         if self.finished_req_ids_dict is not None:
             self.finished_req_ids_dict[request.client_index].add(request.request_id)
+        if not (delay_free_blocks or connector_delay_free_blocks):
+            self._free_blocks(request)
+        return kv_xfer_params
+
+    def _free_blocks(self, request: Request) -> None:
+        assert request.is_finished()
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+
+    # --8<-- [end:free_request]
+
+    # ------------------------------------------------------------ KV connector
+    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Tell the connector the request finished, with its blocks: (whether
+        it keeps them for a transfer, the kv_transfer_params to return)."""
+        if self.connector is None:
+            return False, None
+        (block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)
+        return self.connector.request_finished(request, block_ids)
+
+    # --8<-- [start:update_from_kv_xfer_finished]
+    def _update_from_kv_xfer_finished(self, kv_connector_output: KVConnectorOutput) -> None:
+        """The workers' report: a finished receive lets its request run (or,
+        if it was aborted meanwhile, frees its blocks); a finished send frees
+        the blocks the connector held."""
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_connector_output)
+        for req_id in kv_connector_output.finished_recving or ():
+            request = self.requests[req_id]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(req_id)
+            else:
+                assert request.is_finished(), request
+                self._free_blocks(request)
+        for req_id in kv_connector_output.finished_sending or ():
+            self._free_blocks(self.requests[req_id])
+
+    # --8<-- [end:update_from_kv_xfer_finished]
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> None:
+        """Its load finished: enter the loaded blocks in the prefix cache (or,
+        after a failure, keep what loaded before the first bad block)."""
+        if request.request_id in self.failed_recving_kv_req_ids:
+            if request.num_computed_tokens:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            else:
+                # Nothing usable: give the blocks back (a local hit may do better).
+                self.kv_cache_manager.free(request)
+            self.failed_recving_kv_req_ids.remove(request.request_id)
+        else:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            # A whole prompt loaded: its last token runs again, for its logits.
+            if request.num_computed_tokens == request.num_tokens:
+                request.num_computed_tokens = request.num_tokens - 1
+        self.finished_recving_kv_req_ids.remove(request.request_id)
+
+    # --8<-- [start:handle_invalid_blocks]
+    def _handle_invalid_blocks(
+        self, invalid_block_ids: set[int], num_scheduled_tokens: dict[str, int]
+    ) -> set[str]:
+        """Requests that hold blocks which failed to load. Policy "recompute":
+        each goes back to its first bad block and recomputes from there (the
+        running ones are returned, so this step's sample is dropped). Policy
+        "fail": all are returned, to be finished with an error, and the bad
+        blocks leave the prefix cache so no later request hits them."""
+        async_load_reqs = [
+            r for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        ]
+        async_failed, _ = self._update_requests_with_invalid_blocks(
+            async_load_reqs, invalid_block_ids, num_scheduled_tokens
+        )
+        sync_failed, blocks_to_evict = self._update_requests_with_invalid_blocks(
+            self.running, invalid_block_ids, num_scheduled_tokens
+        )
+        if not async_failed and not sync_failed:
+            return set()
+        if not self.recompute_kv_load_failures:
+            self._evict_blocks(blocks_to_evict)
+            logger.error(
+                "Failing %d request(s) after a KV load failure (kv_load_failure_policy=fail): %s",
+                len(async_failed | sync_failed),
+                sorted(async_failed | sync_failed),
+            )
+            return async_failed | sync_failed
+        logger.warning(
+            "Recomputing %d request(s) after a KV load failure (kv_load_failure_policy=recompute)",
+            len(async_failed | sync_failed),
+        )
+        # Asynchronous ones resume when their load is reported finished.
+        self.failed_recving_kv_req_ids |= async_failed
+        return sync_failed
+
+    def _update_requests_with_invalid_blocks(
+        self,
+        requests: Iterable[Request],
+        invalid_block_ids: set[int],
+        num_scheduled_tokens: dict[str, int],
+    ) -> tuple[set[str], set[int]]:
+        """Cut each affected request's num_computed_tokens back to its first
+        invalid block. Returns the affected ids and the blocks to evict (the
+        bad ones and every block after them). A bad block shared by two
+        requests is recomputed by the first; the second counts only the
+        tokens it had before this step."""
+        affected: set[str] = set()
+        blocks_to_evict: set[int] = set()
+        marked: set[int] = set()
+        for request in requests:
+            (req_block_ids,) = self.kv_cache_manager.get_block_ids(request.request_id)
+            # Only blocks that may hold tokens computed before this step's run.
+            num_computed_before = request.num_computed_tokens - num_scheduled_tokens.get(
+                request.request_id, 0
+            )
+            num_blocks = -(-num_computed_before // self.block_size)
+            is_affected = marked_here = False
+            for idx, block_id in enumerate(req_block_ids[:num_blocks]):
+                if block_id not in invalid_block_ids:
+                    continue
+                is_affected = True
+                if block_id in marked or marked_here:
+                    continue
+                marked.add(block_id)
+                marked_here = True
+                request.num_computed_tokens = idx * self.block_size
+                blocks_to_evict.update(req_block_ids[idx:])
+            if is_affected:
+                if not marked_here:
+                    request.num_computed_tokens = num_computed_before
+                affected.add(request.request_id)
+        return affected, blocks_to_evict
+
+    def _evict_blocks(self, block_ids: set[int]) -> None:
+        """Take these blocks out of the prefix cache (vLLM's
+        KVCacheManager.evict_blocks; tracevllm's KV cache manager has none
+        yet, so the scheduler asks the block pool)."""
+        block_pool = self.kv_cache_manager.block_pool
+        for block_id in block_ids:
+            block_pool._maybe_evict_cached_block(block_pool.blocks[block_id])
+
+    # --8<-- [end:handle_invalid_blocks]
 
     def get_request_counts(self) -> tuple[int, int]:
         """(num_running_reqs, num_waiting_reqs)"""
@@ -762,7 +1053,14 @@ class Scheduler:
         )
 
     def has_finished_requests(self) -> bool:
-        return len(self.finished_req_ids) > 0
+        if self.finished_req_ids:
+            return True
+        if self.connector is None:
+            return False
+        # Finished requests whose blocks a transfer still holds stay in
+        # self.requests, out of the queues: the workers must keep stepping.
+        num_in_queues = len(self.waiting) + len(self.skipped_waiting) + len(self.running)
+        return len(self.requests) > num_in_queues
 
     def has_requests(self) -> bool:
         """Work left: unfinished requests, or finished ids the runner must see."""
@@ -805,4 +1103,10 @@ class Scheduler:
         )
 
     def shutdown(self) -> None:
-        """Nothing to release (vLLM closes its KV event publisher and connector)."""
+        """Shut the KV connector's scheduler side down (vLLM also closes its KV
+        event publisher)."""
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    def get_kv_connector(self) -> KVConnectorBase_V1 | None:
+        return self.connector

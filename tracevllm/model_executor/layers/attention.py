@@ -2,7 +2,9 @@
 
 Mirrors vllm/model_executor/layers/attention/attention.py (``Attention`` with
 vLLM's constructor, ``get_kv_cache_spec``, ``unified_kv_cache_update``,
-``unified_attention_with_output``, ``get_attention_context``). The model code
+``unified_attention_with_output``, ``get_attention_context``, and
+kv_transfer_utils.py's ``maybe_transfer_kv_layer``: a KV connector loads a
+layer's KV before its attention and saves it after). The model code
 never sees the paged cache or the batch's layout: it hands over flat q/k/v,
 and the layer finds its metadata in the forward context under its own
 ``layer_name`` (with several KV cache groups, its group's metadata: its own
@@ -16,6 +18,8 @@ still taken (vLLM reads the config being built from ``get_current_vllm_config``)
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +29,10 @@ from tracevllm import tracing
 from tracevllm.attention.backends.abstract import AttentionType
 from tracevllm.attention.selector import get_attn_backend
 from tracevllm.config import get_current_vllm_config
+from tracevllm.distributed.kv_transfer.kv_transfer_state import (
+    get_kv_transfer_group,
+    has_kv_transfer_group,
+)
 from tracevllm.forward_context import get_forward_context
 from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
@@ -199,6 +207,45 @@ def unified_kv_cache_update(key: torch.Tensor, value: torch.Tensor, layer_name: 
         layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
+# --8<-- [start:maybe_transfer_kv_layer]
+def maybe_transfer_kv_layer(func: Callable[..., None]) -> Callable[..., None]:
+    """Around a layer's attention, the KV connector's per-layer hooks
+    (vllm/model_executor/layers/attention/kv_transfer_utils.py).
+
+    Before: wait until the connector has loaded this layer's KV (the blocks
+    of tokens another engine computed), since the attention reads them.
+    After: hand the connector this layer's cache to save; this step's K/V
+    were written into it just before (``unified_kv_cache_update``). Without a
+    connector, or in a forward the connector has no metadata for (another
+    in-process engine's), only ``func`` runs.
+    """
+
+    @functools.wraps(func)
+    def wrapper(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        output: torch.Tensor,
+        layer_name: str,
+    ) -> None:
+        if not has_kv_transfer_group():
+            return func(query, key, value, output, layer_name)
+        attn_metadata, _, kv_cache, _ = get_attention_context(layer_name)
+        connector = get_kv_transfer_group()
+        if attn_metadata is None or not connector.has_connector_metadata():
+            return func(query, key, value, output, layer_name)
+        connector.wait_for_layer_load(layer_name)
+        func(query, key, value, output, layer_name)
+        connector.save_kv_layer(layer_name, kv_cache, attn_metadata)
+        return None
+
+    return wrapper
+
+
+# --8<-- [end:maybe_transfer_kv_layer]
+
+
+@maybe_transfer_kv_layer
 def unified_attention_with_output(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -1,0 +1,9 @@
+"""The V1 connector interface (vllm/distributed/kv_transfer/kv_connector/v1/)."""
+
+from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+__all__ = ["KVConnectorBase_V1", "KVConnectorMetadata", "KVConnectorRole"]
