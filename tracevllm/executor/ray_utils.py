@@ -18,12 +18,15 @@ an optional extra: nothing here imports it until a Ray executor is made.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
+import signal
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -217,7 +220,36 @@ _started_here = False
 _users = 0
 
 
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """Keep this process's own SIGTERM handler across ``ray.init``.
+
+    ``ray.init`` swaps in one that exits at once (and Ray's core worker a C++
+    one that logs the signal and re-raises it). EngineCore's handler turns the
+    first SIGTERM or SIGINT into an orderly exit and ignores the next: on
+    Ctrl-C the engine gets SIGINT from the terminal and SIGTERM from the
+    frontend a moment later, and Ray's handler would cut ``ray.shutdown()``
+    short. The processes Ray started share its fate through the kernel (they
+    are killed with it), except the raylet's two agents: they find the raylet
+    gone, report it to the dead GCS for a minute, and only then exit. A
+    process with no handler of its own (a script) keeps Ray's, which exits
+    through ``atexit`` and so through ``ray.shutdown()``.
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if in_main_thread else None
+    try:
+        yield
+    finally:
+        if callable(handler):
+            signal.signal(signal.SIGTERM, handler)
+
+
 def _connect_or_start_ray(parallel_config: ParallelConfig, ray_address: str | None) -> None:
+    with _keep_sigterm_handler():
+        _ray_init(parallel_config, ray_address)
+
+
+def _ray_init(parallel_config: ParallelConfig, ray_address: str | None) -> None:
     import ray
 
     global _started_here, _users
