@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from tracevllm import tracing
 from tracevllm.serial_utils import run_method
-from tracevllm.tracing.attributes import SpanAttributes
+from tracevllm.tracing.ranks import worker_resource_attributes
 from tracevllm.utils.network_utils import get_ip
 from tracevllm.worker.worker_base import WorkerWrapperBase
 
@@ -92,19 +92,13 @@ class RayWorkerWrapper(WorkerWrapperBase):
     def init_worker(self, all_kwargs: list[dict[str, Any]]) -> None:
         super().init_worker(all_kwargs)
         # This rank's own TracerProvider, as a worker process of "mp" has.
-        parallel_config = self.vllm_config.parallel_config
-        rank = all_kwargs[self.rpc_rank]["rank"]
-        tp_size = parallel_config.tensor_parallel_size
         tracing.init_tracer(
             "worker",
             self.vllm_config.trace_config,
             self.vllm_config.observability_config,
-            resource_attributes={
-                SpanAttributes.RANK: rank,
-                SpanAttributes.TP_RANK: rank % tp_size,
-                SpanAttributes.PP_RANK: rank // tp_size,
-                SpanAttributes.DP_RANK: parallel_config.data_parallel_rank,
-            },
+            resource_attributes=worker_resource_attributes(
+                self.vllm_config, all_kwargs[self.rpc_rank]["rank"]
+            ),
         )
 
     def execute_method(self, method: str | Any, *args: Any, **kwargs: Any) -> Any:

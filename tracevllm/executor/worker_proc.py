@@ -34,7 +34,7 @@ from tracevllm.distributed.device_communicators.shm_broadcast import Handle, Mes
 from tracevllm.engine.exceptions import describe_exit
 from tracevllm.outputs import AsyncModelRunnerOutput
 from tracevllm.serial_utils import run_method
-from tracevllm.tracing.attributes import SpanAttributes
+from tracevllm.tracing.ranks import worker_resource_attributes
 from tracevllm.worker.worker_base import WorkerWrapperBase
 
 logger = logging.getLogger(__name__)
@@ -185,19 +185,13 @@ class WorkerProc:
         death_pipe: Connection = kwargs.pop("death_pipe")
         rank: int = kwargs["rank"]
         vllm_config: VllmConfig = kwargs["vllm_config"]
-        parallel_config = vllm_config.parallel_config
-        tp_size = parallel_config.tensor_parallel_size
-        # This rank's own TracerProvider; its spans join the step's trace.
+        # This rank's own TracerProvider; its spans join the step's trace, and
+        # its resource says which ranks, heads and layers it holds.
         tracing.init_tracer(
             "worker",
             vllm_config.trace_config,
             vllm_config.observability_config,
-            resource_attributes={
-                SpanAttributes.RANK: rank,
-                SpanAttributes.TP_RANK: rank % tp_size,
-                SpanAttributes.PP_RANK: rank // tp_size,
-                SpanAttributes.DP_RANK: parallel_config.data_parallel_rank,
-            },
+            resource_attributes=worker_resource_attributes(vllm_config, rank),
         )
         worker: WorkerProc | None = None
         built: list[WorkerProc] = []
