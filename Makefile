@@ -46,8 +46,10 @@ $(RAY_STAMP): $(STAMP) pyproject.toml
 generate: setup
 	$(VENV)/bin/tracevllm generate --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
+# ARGS: more `tracevllm trace` flags, the engine's included, e.g. for lab 12
+# ARGS="--speculative-config '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'".
 trace: setup
-	$(VENV)/bin/tracevllm trace --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR) -tp $(TP) -pp $(PP) -dp $(DP)
+	$(VENV)/bin/tracevllm trace --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR) -tp $(TP) -pp $(PP) -dp $(DP) $(ARGS)
 
 # The same request through `tracevllm serve` and the official openai client:
 # one trace over three processes (client, API server, engine core).

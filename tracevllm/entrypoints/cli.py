@@ -29,6 +29,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1: fewer repeats")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    parser.add_argument("--stop", action="append", default=None, metavar="S",
+                        help="a stop string (again for more)")  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="no chat template")
     so = parser.add_mutually_exclusive_group()
     so.add_argument("--json-schema", metavar="FILE", help="output valid JSON for this schema")
@@ -59,6 +61,7 @@ def _sampling_params(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return SamplingParams(
         structured_outputs=_structured_outputs(args),
         max_tokens=args.max_tokens,
+        stop=args.stop,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -98,6 +101,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from tracevllm import labs
     from tracevllm.entrypoints.llm import LLM
     from tracevllm.tracing import SPANS_FILE
     from tracevllm.tracing.exporters import read_spans_jsonl, write_perfetto
@@ -150,7 +154,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         console.print(ranks)
     recorder = Console(record=True, width=140, file=io.StringIO())
     render_report(spans, recorder)
-    recorder.save_svg(os.path.join(out, "views.svg"), title="tracevllm trace")
+    # A plugged lab: where its function ran, or that it never did (and what
+    # it needs), at the end of the run and in the recorded views.
+    for ran, line in labs.run_report(labs.spans_by_lab(spans)):
+        for where in (console, recorder):
+            where.print(line, style="bold yellow" if ran else "bold red", highlight=False)
+    # clear=False: save_svg would empty the recording that save_html saves.
+    recorder.save_svg(os.path.join(out, "views.svg"), title="tracevllm trace", clear=False)
     recorder.save_html(os.path.join(out, "views.html"), inline_styles=True)
     pids = sorted({s.pid for s in spans})
     console.print(
