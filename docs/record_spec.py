@@ -23,8 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "docs"))
 
+import diagrams  # noqa: E402
 import record_assets as assets  # noqa: E402
-from recording import external, step_view, steps_of  # noqa: E402
+from recording import Steps, external, step_view, steps_of  # noqa: E402
 
 from tracevllm.tracing.exporters import SpanRecord  # noqa: E402
 from tracevllm.views.step import render_step, with_spec  # noqa: E402
@@ -76,7 +77,11 @@ def draw() -> dict[str, Any]:
     steps = steps_of(spans)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
     specs = {i: spec_of(steps[i]) for i in sorted(steps)}
-    views = {i: with_spec(step_view(steps[i]), specs[i]) for i in sorted(steps)}
+
+    def decode(ids: list[int]) -> str:
+        return str(tokenizer.decode(ids))
+
+    views = {i: with_spec(step_view(steps[i]), specs[i], decode) for i in sorted(steps)}
     # The first step with drafts, and the first where a request had a draft
     # rejected (the copy request's if it had one).
     first = next(i for i in sorted(steps) if specs[i])
@@ -100,15 +105,21 @@ def draw() -> dict[str, Any]:
         rows.append(s)
     assets.write_text(f"{NAME}-drafts.md", "\n".join(table) + "\n")
 
-    # One step with drafts, three levels deep: the proposer and the rejection
-    # sampler in their places.
+    # One step with drafts, three levels deep (nothing left out): the
+    # proposer and the rejection sampler in their places.
     step_span = steps[rejected]["EngineCore.step"]
     shown, level = [step_span], [step_span]
     for _ in range(3):
         ids = {s.span_id for s in level}
-        level = [s for s in spans if s.parent_span_id in ids and s.name != "unified_attention"]
+        level = [s for s in spans if s.parent_span_id in ids]
         shown += level
-    assets.save_svg(f"{NAME}-waterfall.svg", render_waterfall(shown), f"step {rejected}", 80)
+    waterfall = render_waterfall(shown)
+    assert not any(row.span is None for row in waterfall.rows), "a row was folded"
+    assets.save_svg(f"{NAME}-waterfall.svg", waterfall, f"step {rejected}", 80)
+
+    verify = draw_verify(steps, specs, rejected, rejected_req, decode)
+    bars = draw_bars(steps, specs, rejected, rejected_req, tokenizer)
+    metadata = draw_metadata()
 
     requests = {
         external(s.attributes["gen_ai.request.id"]): s.attributes
@@ -137,7 +148,169 @@ def draw() -> dict[str, Any]:
         "question_tokens": requests["1"]["gen_ai.usage.output_tokens"],
         "question_drafts": requests["1"].get("tracevllm.spec_decode.num_draft_tokens", 0),
         "max_kept": max(r["accepted"] for r in rows),
+        "verify": verify,
+        "bars": bars,
+        "metadata": metadata,
     }
+
+
+def _shown(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def draw_verify(
+    steps: Steps, specs: dict[int, dict[str, Any]], i: int, req: str, decode: Any
+) -> dict[str, Any]:
+    """The verify step of request ``req`` in step ``i``, from its spans: the
+    flat batch's tokens, positions and logits rows, and the rejection
+    sampler's verdict."""
+    prep = steps[i]["ModelRunner._prepare_inputs"].attributes
+    row = [external(r) for r in prep["tracevllm.req_ids"]].index(req)
+    counts = prep["tracevllm.num_scheduled_tokens"]
+    start, n = sum(counts[:row]), counts[row]
+    ids = prep["tracevllm.input_ids"][start : start + n]
+    positions = prep["tracevllm.positions"][start : start + n]
+    rows = prep["tracevllm.logits_indices"]
+    spec = specs[i][req]
+    # Each token of the chunk has a logits row: k drafts + 1.
+    assert len(rows) >= start + n and spec["drafts"] == ids[1:], (spec, ids)
+    diagrams_text = diagrams.verify_step(
+        i,
+        req,
+        positions,
+        [_shown(decode([t])) for t in ids],
+        rows[start : start + n],
+        [_shown(decode([t])) for t in spec["drafts"]],
+        spec["accepted"],
+        _shown(decode([spec["next"]])),
+        spec["bonus"],
+    )
+    assets.write_text(f"{NAME}-verify.svg", diagrams_text)
+    return {
+        "positions": positions,
+        "first": positions[0],
+        "last": positions[-1],
+        "rows": rows[start : start + n],
+        "last_token": decode([ids[0]]),
+        "next": decode([spec["next"]]),
+        "rolled_back": len(spec["drafts"]) - spec["accepted"],
+    }
+
+
+def _context(steps: Steps, req: str, upto: int) -> list[int]:
+    """Request ``req``'s tokens at positions 0 … ``upto``, from the flat
+    batches of the steps that ran them (a later step's token at a position
+    replaces a rejected draft's)."""
+    seq: dict[int, int] = {}
+    for i in sorted(steps):
+        prep = steps[i]["ModelRunner._prepare_inputs"].attributes
+        names = [external(r) for r in prep["tracevllm.req_ids"]]
+        if req not in names:
+            continue
+        row = names.index(req)
+        counts = prep["tracevllm.num_scheduled_tokens"]
+        start = sum(counts[:row])
+        for k in range(counts[row]):
+            seq[prep["tracevllm.positions"][start + k]] = prep["tracevllm.input_ids"][start + k]
+    assert all(p in seq for p in range(upto + 1)), "a position no step ran"
+    return [seq[p] for p in range(upto + 1)]
+
+
+def draw_bars(
+    steps: Steps, specs: dict[int, dict[str, Any]], i: int, req: str, tokenizer: Any
+) -> dict[str, Any]:
+    """p against q at the position where request ``req``'s first draft was
+    rejected in step ``i``: p the model's distribution there (temperature 1,
+    computed from the recorded tokens), q the n-gram's (one-hot on its
+    draft), and, for the general case, a flatter q: the same logits at
+    temperature 2, as a small draft model's tends to be."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tracevllm.model_executor.model_loader import resolve_model
+
+    spec = specs[i][req]
+    prep = steps[i]["ModelRunner._prepare_inputs"].attributes
+    row = [external(r) for r in prep["tracevllm.req_ids"]].index(req)
+    start = sum(prep["tracevllm.num_scheduled_tokens"][:row])
+    first = prep["tracevllm.positions"][start]
+    # The logits at position first + accepted verify the first rejected draft.
+    at = first + spec["accepted"]
+    context = _context(steps, req, at)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([context])).logits[0, -1]  # [vocab_size]
+    p = torch.softmax(logits, -1)
+    # The recorded step is greedy: its recovered token is p's argmax.
+    assert int(p.argmax()) == spec["next"], (int(p.argmax()), spec["next"])
+    draft = spec["drafts"][spec["accepted"]]
+    q_flat = torch.softmax(logits / 2.0, -1)
+    top = torch.topk(p, 6).indices.tolist()
+    tokens = top + ([draft] if draft not in top else [])
+    labels = [_shown(tokenizer.decode([t]))[:8] for t in tokens]
+    p_row = [float(p[t]) for t in tokens]
+    q_ngram = [1.0 if t == draft else 0.0 for t in tokens]
+    q_row = [float(q_flat[t]) for t in tokens]
+    draft_label = labels[tokens.index(draft)]
+    assets.write_text(
+        f"{NAME}-p-q.svg",
+        diagrams.accept_reject_bars(
+            [
+                (
+                    f"step {i}, position {at}: the n-gram's draft {draft_label}, q one-hot on it",
+                    labels,
+                    p_row,
+                    q_ngram,
+                    draft_label,
+                ),
+                (
+                    "the same position, q a flatter guess (the same logits at temperature 2)",
+                    labels,
+                    p_row,
+                    q_row,
+                    draft_label,
+                ),
+            ]
+        ),
+    )
+    return {
+        "position": at,
+        "draft": tokenizer.decode([draft]),
+        "p_draft": round(float(p[draft]), 3),
+        "p_next": round(float(p[spec["next"]]), 3),
+        "accept_ngram": round(float(p[draft]), 3),
+    }
+
+
+def draw_metadata() -> dict[str, Any]:
+    """The example of ModelRunner._calc_spec_decode_metadata's docstring, run:
+    three requests scheduled [4, 100, 3] tokens with [3, 0, 2] drafts."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from tracevllm.worker.model_runner import ModelRunner
+
+    scheduled, drafts = [4, 100, 3], [3, 0, 2]
+    req_ids = ["a", "b", "c"]
+    # Only what the function reads of the runner and the scheduler output.
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_ids=req_ids), arange_np=np.arange(1024), device="cpu"
+    )
+    runner._get_cumsum_and_arange = lambda n: ModelRunner._get_cumsum_and_arange(runner, n)
+    so = SimpleNamespace(
+        scheduled_spec_decode_tokens={r: list(range(n)) for r, n in zip(req_ids, drafts) if n}
+    )
+    md = ModelRunner._calc_spec_decode_metadata(runner, so, np.cumsum(scheduled))  # type: ignore[arg-type]
+    out = {
+        "num_scheduled": scheduled,
+        "num_drafts": drafts,
+        "logits_indices": md.logits_indices.tolist(),
+        "target_logits_indices": md.target_logits_indices.tolist(),
+        "bonus_logits_indices": md.bonus_logits_indices.tolist(),
+    }
+    assets.write_text(f"{NAME}-metadata.svg", diagrams.spec_metadata(**out))
+    return out
 
 
 def main() -> None:

@@ -86,8 +86,8 @@ def _span(i: int, parent: int | None, name: str) -> SpanRecord:
     )
 
 
-def _text(renderable: object) -> str:
-    console = Console(width=100, record=True, file=io.StringIO())
+def _text(renderable: object, width: int = 100) -> str:
+    console = Console(width=width, record=True, file=io.StringIO())
     console.print(renderable)
     return console.export_text()
 
@@ -127,3 +127,49 @@ def test_folded_siblings_and_collapsed_spans_say_how_many() -> None:
 def test_render_waterfall_refuses_a_bad_max_rows(bad: object) -> None:
     with pytest.raises(ValueError, match="max_rows"):
         render_waterfall(_steps(1, 1), max_rows=bad)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------ the spec view
+def _spec_view(spec: dict[str, object]) -> dict[str, object]:
+    view = {
+        "step": 5,
+        "token_budget": {"used": 6, "total": 64},
+        "block_size": 16,
+        "requests": [
+            {
+                "req_id": "0",
+                "kind": "cached",
+                "num_computed_tokens": 77,
+                "num_scheduled_tokens": 5,
+                "num_tokens": 78,
+                "num_prompt_tokens": 60,
+                "block_ids": [1, 2, 3, 4, 5, 8],
+            }
+        ],
+        "kv": {"total": 20, "free": 12, "used": 8, "cached_free": 0},
+    }
+    from tracevllm.views.step import with_spec
+
+    words = {897: " every", 9053: " evening", 30: ".", 909: " He", 28: ",", 2: "<eos>"}
+    return with_spec(view, {"0": spec}, lambda ids: "".join(words[t] for t in ids))
+
+
+def test_the_spec_view_shows_drafts_as_text_and_names_the_recovered_token() -> None:
+    from tracevllm.views.step import render_step
+
+    spec = {"drafts": [897, 9053, 30, 909], "accepted": 2, "next": 28, "bonus": False}
+    text = _text(render_step(_spec_view({**spec, "rate": 0.75})))
+    line = next(line for line in text.splitlines() if "✓" in line)
+    assert '" every"✓ " evening"✓ "."✗ " He"✗ → "," recovered · 75% kept' in line
+    assert "✂" not in line
+
+
+def test_the_spec_view_shows_a_stop_inside_the_accepted_run_as_a_cut() -> None:
+    from tracevllm.views.step import render_step
+
+    spec = {"drafts": [897, 2, 30, 909], "accepted": 4, "next": 28, "bonus": True, "rate": 1.0}
+    cut = {**spec, "cut": {"kept": 2, "finish_reason": "stop"}}
+    text = _text(render_step(_spec_view(cut)), 160)
+    line = next(line for line in text.splitlines() if "✓" in line)
+    assert '" every"✓ "<eos>"✓ ✂ "."✓ " He"✓ → "," bonus' in line
+    assert "finished (stop) after 2 of these tokens" in line

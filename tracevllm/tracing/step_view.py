@@ -177,11 +177,19 @@ _spec_totals: weakref.WeakKeyDictionary[Any, dict[str, list[int]]] = weakref.Wea
 
 
 # --8<-- [start:record_spec_decode]
-def record_spec_decode(span: Span, scheduler: Any, so: Any, model_runner_output: Any) -> None:
+def record_spec_decode(
+    span: Span, scheduler: Any, so: Any, model_runner_output: Any, engine_core_outputs: Any = None
+) -> None:
     """What became of each request's drafts this step: which the target
-    kept, what it emitted after them, and the request's acceptance so far."""
+    kept, what it emitted after them (vLLM's names: the bonus token after a
+    run of kept drafts, the recovered token in place of a rejected one), and
+    the request's acceptance so far. Where a stop (EOS, a stop token,
+    max_tokens) ended the request inside that run, ``cut`` says how many of
+    the emitted tokens the request kept and why it finished: the scheduler
+    dropped the rest (``engine_core_outputs``, what it sent back, tells)."""
     if not so.scheduled_spec_decode_tokens:
         return
+    sent = {o.request_id: o for outs in (engine_core_outputs or {}).values() for o in outs.outputs}
     totals = _spec_totals.setdefault(scheduler, {})
     spec: dict[str, dict[str, Any]] = {}
     for req_id, drafts in so.scheduled_spec_decode_tokens.items():
@@ -201,6 +209,16 @@ def record_spec_decode(span: Span, scheduler: Any, so: Any, model_runner_output:
             "bonus": accepted == len(drafts),
             "rate": total[1] / total[0],
         }
+        out = sent.get(req_id)
+        if (
+            out is not None
+            and out.finish_reason is not None
+            and len(out.new_token_ids) < len(emitted)
+        ):
+            spec[req_id]["cut"] = {
+                "kept": len(out.new_token_ids),
+                "finish_reason": str(out.finish_reason),
+            }
     for req_id in list(totals):
         if req_id not in scheduler.requests:
             del totals[req_id]  # finished

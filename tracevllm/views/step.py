@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 from rich.bar import Bar
@@ -34,38 +36,73 @@ def with_grammar(view: dict[str, Any], allowed: dict[str, Any]) -> dict[str, Any
     return view
 
 
-def with_spec(view: dict[str, Any], spec: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def with_spec(
+    view: dict[str, Any],
+    spec: dict[str, dict[str, Any]],
+    decode: Callable[[list[int]], str] | None = None,
+) -> dict[str, Any]:
     """The step view with what became of each request's drafts (from the
-    ``Scheduler.update_from_output`` span of the same step)."""
+    ``Scheduler.update_from_output`` span of the same step). With ``decode``
+    (a tokenizer's), each draft and the token after them carry their text,
+    which the view shows in place of the ids."""
     for req in view["requests"]:
         if req["req_id"] in spec:
-            req["spec"] = spec[req["req_id"]]
+            req["spec"] = dict(spec[req["req_id"]])
+            if decode is not None:
+                req["spec"]["texts"] = [decode([t]) for t in req["spec"]["drafts"]]
+                req["spec"]["next_text"] = decode([req["spec"]["next"]])
     return view
+
+
+def _token(token: int, text: str | None) -> str:
+    """A token as the view shows it: its text, quoted (so a leading space or
+    a newline shows), or its id when no tokenizer was at hand."""
+    return str(token) if text is None else json.dumps(text, ensure_ascii=False)
 
 
 # --8<-- [start:drafts_line]
 def _drafts_line(req: dict[str, Any]) -> Text:
-    """``0-ab12  314✓ 15✓ 92✗ → 65 recovered · 83% kept``: each draft kept
-    (✓) or rejected (✗, and those after it with it), then the token the
-    target added after the kept ones (the bonus if it kept them all), then
-    the share of this request's drafts kept so far."""
+    """``0  " the"✓ " old"✓ " man"✗ → " light" recovered · 83% kept``: each
+    draft kept (✓) or rejected (✗, and those after it with it), then the token
+    the target added after the kept ones, by vLLM's names: the **bonus** token
+    if it kept them all, else the **recovered** token (the target's own pick
+    at the first rejected position), then the share of this request's drafts
+    kept so far. Where a stop ended the request inside the run, ``✂`` marks
+    the cut and the tokens after it, which the request never got, are struck
+    through."""
     spec = req.get("spec")
     line = Text(f"{req['req_id']}  ")
     if spec is None:  # drawn before the step ended
         return line.append(f"{len(req.get('spec_token_ids') or ())} drafts", style="dim")
-    for i, token in enumerate(spec["drafts"]):
+    texts = spec.get("texts") or [None] * len(spec["drafts"])
+    cut = spec.get("cut")
+    kept_tokens = cut["kept"] if cut else len(spec["drafts"]) + 1  # of the emitted ones
+    for i, (token, text) in enumerate(zip(spec["drafts"], texts)):
+        if i == kept_tokens:
+            line.append("✂ ", style="bold red")
+        dropped = i >= kept_tokens
         kept = i < spec["accepted"]
-        line.append(f"{token}")
+        line.append(_token(token, text), style="dim strike" if dropped else "")
         line.append("✓ " if kept else "✗ ", style="green" if kept else "red")
-    line.append(f"→ {spec['next']} ")
+    dropped = spec["accepted"] >= kept_tokens
+    if spec["accepted"] == kept_tokens and spec["accepted"] == len(spec["drafts"]):
+        line.append("✂ ", style="bold red")
+    line.append("→ ")
+    line.append(_token(spec["next"], spec.get("next_text")), style="dim strike" if dropped else "")
+    line.append(" ")
     line.append(
         "bonus" if spec["bonus"] else "recovered", style="bold green" if spec["bonus"] else "yellow"
     )
     line.append(f" · {spec['rate']:.0%} kept", style="cyan")
+    if cut:
+        line.append(
+            f" · finished ({cut['finish_reason']}) after {cut['kept']} of these tokens",
+            style="bold red",
+        )
     return line
 
 
-# --8<-- [end:drafts_cell]
+# --8<-- [end:drafts_line]
 
 
 def _grammar_cell(req: dict[str, Any]) -> Text:
