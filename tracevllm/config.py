@@ -3,10 +3,11 @@
 Mirrors vllm/config/ (``ModelConfig``, ``CacheConfig``, ``SchedulerConfig``,
 ``ParallelConfig``, ``DeviceConfig``, ``AttentionConfig``, ``ObservabilityConfig``,
 vllm/config/speculative.py's ``SpeculativeConfig``, vllm/config/kv_transfer.py's
-``KVTransferConfig`` (defined in distributed/kv_transfer/) and the ``VllmConfig``
+``KVTransferConfig`` (defined in distributed/kv_transfer/), vllm/config/compilation.py's
+``CompilationConfig`` (defined in compilation/config.py) and the ``VllmConfig``
 that holds them). Config flows down from ``EngineArgs``
 (engine/arg_utils.py); nothing below reads the environment. Left out:
-LoRA, structured-output and compilation configs. ``TraceConfig``
+LoRA and structured-output configs. ``TraceConfig``
 is tracevllm's own (how much to trace and where to write it).
 
 Every config is a plain picklable dataclass: the whole ``VllmConfig`` is handed
@@ -22,6 +23,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+# vLLM's vllm/config/compilation.py; kept beside the compiler, re-exported here.
+from tracevllm.compilation.config import (  # noqa: F401 (re-exported)
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+    resolve_compilation_config,
+)
 
 # vLLM's vllm/config/kv_transfer.py; kept beside the KV connectors, re-exported here.
 from tracevllm.distributed.kv_transfer.kv_transfer_config import KVTransferConfig
@@ -78,6 +87,10 @@ class ModelConfig:
     max_model_len: int | None = None
     # Most logprobs a request may ask for (vLLM's default 20; -1: the vocabulary).
     max_logprobs: int = 20
+    # vLLM's: True runs the model eagerly (compilation mode NONE). None (not
+    # given) is settled in VllmConfig: True unless compilation was asked for
+    # (tracevllm's default; compilation/config.py says why).
+    enforce_eager: bool | None = None
     # Where default sampling parameters come from: "auto" (the model's
     # generation_config.json), "vllm" (vLLM's neutral defaults) or a directory.
     generation_config: str = "auto"
@@ -101,6 +114,8 @@ class ModelConfig:
         from_file = not self.hf_config_dict
         if from_file:
             self.hf_config = _read_hf_config(path)
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 or >= 0, got {self.max_logprobs}.")
         from tracevllm.model_executor.models.registry import ModelRegistry
@@ -713,9 +728,11 @@ class VllmConfig:
     trace_config: TraceConfig = field(default_factory=TraceConfig)
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
         self.model_config.verify_with_parallel_config(self.parallel_config)
+        self._resolve_compilation()
         if self.parallel_config.pipeline_parallel_size > 1:
             backend = self.parallel_config.distributed_executor_backend
             # vLLM's EngineArgs check: an executor that cannot run stages.
@@ -735,6 +752,29 @@ class VllmConfig:
                     "(pipeline_parallel_size > 1) in tracevllm."
                 )
         self._resolve_async_scheduling()
+
+    def _resolve_compilation(self) -> None:
+        """vLLM's rule, enforce_eager forces mode NONE, and tracevllm's eager
+        default (compilation/config.py); what the compiled path cannot run yet
+        is refused here, in the frontend."""
+        if isinstance(self.compilation_config, dict):
+            self.compilation_config = CompilationConfig.from_cli(self.compilation_config)
+        self.model_config.enforce_eager = resolve_compilation_config(
+            self.compilation_config, self.model_config.enforce_eager, self.device_config.device
+        )
+        if self.compilation_config.mode == CompilationMode.NONE:
+            return
+        parallel = self.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise NotImplementedError(
+                "torch.compile with tensor_parallel_size or pipeline_parallel_size > 1 is "
+                "not supported in tracevllm yet: pass enforce_eager=True (--enforce-eager)."
+            )
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise NotImplementedError(
+                "torch.compile with a draft model (speculative_config method 'draft_model') "
+                "is not supported in tracevllm yet: pass enforce_eager=True (--enforce-eager)."
+            )
 
     # --8<-- [start:resolve_async_scheduling]
     def _resolve_async_scheduling(self) -> None:

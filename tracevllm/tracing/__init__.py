@@ -81,6 +81,25 @@ class _State:
 
 _state = _State()
 
+
+def _not_compiling() -> bool:
+    return False
+
+
+# torch.compiler.is_compiling once tracevllm.compilation is imported (tracing
+# never imports torch itself). Dynamo reads it as True while it captures a
+# model: the span helpers then do nothing, and cause no graph break. So a
+# compiled forward has no per-layer spans (the layers run inside compiled
+# pieces); the attention ops' spans remain, as the ops run as Python
+# between the pieces.
+is_compiling: Callable[[], bool] = _not_compiling
+
+
+def set_is_compiling(func: Callable[[], bool]) -> None:
+    global is_compiling
+    is_compiling = func
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -158,7 +177,7 @@ def is_enabled() -> bool:
 
 
 def is_full_detail() -> bool:
-    return _state.detail == "full"
+    return _state.detail == "full" and not is_compiling()
 
 
 def code_attributes(func: Callable[..., Any]) -> dict[str, Any]:
@@ -310,7 +329,7 @@ def instrument(
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if _state.provider is None:
+            if _state.provider is None or is_compiling():
                 return func(*args, **kwargs)
             with start(*args, **kwargs) as span:
                 result = func(*args, **kwargs)
@@ -462,7 +481,7 @@ def forward_spans() -> Any:
     _ForwardSpans). A forward inside another one joins the outer's records.
     OTel spans made inside a forward (an ``instrument``-ed method) are
     children of the span current outside it: the timed ones are not OTel's."""
-    if _state.provider is None or _forward.get() is not None:
+    if _state.provider is None or is_compiling() or _forward.get() is not None:
         yield
         return
     forward = _ForwardSpans()
@@ -477,6 +496,8 @@ def forward_spans() -> Any:
 def span(name: str, attributes: Mapping[str, Any]) -> Any:
     """A span around a block: timed now and made at the end of the forward
     when inside ``forward_spans``, else an OTel span made now."""
+    if is_compiling():
+        return contextlib.nullcontext()
     forward = _forward.get()
     if forward is not None:
         return _TimedSpan(forward, name, attributes)
