@@ -23,8 +23,10 @@ every page it checks that:
 
 It also checks that every link of the labs' READMEs resolves: a link to the
 book (``http://127.0.0.1:8000/...``, where ``make docs-serve`` serves it) to
-a built page and anchor, any other link to a file of the checkout. And it
-takes a full-page screenshot of every page into ``site/_review/`` for a
+a built page and anchor, any other link to a file of the checkout; and that
+the built book works from disk (``file://``, as ``make docs`` leaves it): every
+link and asset of every page names a file, not a folder, and every link's
+anchor is on its page (``check_file_urls``). And it takes a full-page screenshot of every page into ``site/_review/`` for a
 reviewer's eye.
 
 Exit status 0 when all pages pass.
@@ -62,28 +64,28 @@ MIN_IMAGE_SCALE = 0.6
 # page -> (a phrase its text must contain, number of mermaid diagrams it holds)
 PAGES: dict[str, tuple[str, int]] = {
     "": ("tracevllm", 0),
-    "chapters/map/": ("two processes", 1),
-    "chapters/entry/": ("ROUTER", 1),
-    "chapters/engine-core/": ("run_busy_loop", 1),
-    "chapters/scheduling/": ("token budget", 0),
-    "chapters/kv-cache/": ("prefix", 0),
-    "chapters/input-preparation/": ("slot_mapping", 0),
-    "chapters/model-execution/": ("logits_indices", 0),
-    "chapters/paged-attention/": ("block_table", 0),
-    "chapters/sampling/": ("stop string", 0),
-    "chapters/serving/": ("AsyncLLM", 1),
-    "chapters/model-families/": ("moe_align_block_size", 1),
-    "chapters/scaling-out/": ("all-reduce", 2),
-    "chapters/tracing/": ("spans.jsonl", 0),
-    "chapters/pytorch-to-triton/": ("online softmax", 0),
-    "chapters/structured-outputs/": ("token bitmask", 0),
-    "chapters/performance/": ("roofline", 0),
-    "reference/vllm-map/": ("scheduler.py", 0),
-    "reference/source/tracevllm/core/sched/scheduler.py/": ("def schedule", 0),
+    "chapters/map.html": ("two processes", 1),
+    "chapters/entry.html": ("ROUTER", 1),
+    "chapters/engine-core.html": ("run_busy_loop", 1),
+    "chapters/scheduling.html": ("token budget", 0),
+    "chapters/kv-cache.html": ("prefix", 0),
+    "chapters/input-preparation.html": ("slot_mapping", 0),
+    "chapters/model-execution.html": ("logits_indices", 0),
+    "chapters/paged-attention.html": ("block_table", 0),
+    "chapters/sampling.html": ("stop string", 0),
+    "chapters/serving.html": ("AsyncLLM", 1),
+    "chapters/model-families.html": ("moe_align_block_size", 1),
+    "chapters/scaling-out.html": ("all-reduce", 2),
+    "chapters/tracing.html": ("spans.jsonl", 0),
+    "chapters/pytorch-to-triton.html": ("online softmax", 0),
+    "chapters/structured-outputs.html": ("token bitmask", 0),
+    "chapters/performance.html": ("roofline", 0),
+    "reference/vllm-map.html": ("scheduler.py", 0),
+    "reference/source/tracevllm/core/sched/scheduler.py.html": ("def schedule", 0),
 }
 # Pages that open with the request's path (docs/hooks/chapters.py).
 PATH_PAGES = {
-    f"chapters/{name}/"
+    f"chapters/{name}.html"
     for name in (
         "entry",
         "engine-core",
@@ -370,6 +372,42 @@ def check_lab_links(site: str) -> list[str]:
     return problems
 
 
+HREF = re.compile(r'(?:href|src)="([^"#?]*)(?:\?[^"#]*)?(?:#([^"]*))?"')
+
+
+def check_file_urls(site: str) -> list[str]:
+    """The built book works from disk (``file://``, no server): every link
+    and asset of every page names a file, for a folder opens as a listing
+    there, not as its index.html (``use_directory_urls: false``); and every
+    link's anchor (a source page's line, a chapter's section) is on its page."""
+    problems: list[str] = []
+    ids: dict[str, set[str]] = {}
+
+    def anchors(path: str) -> set[str]:
+        if path not in ids:
+            with open(path) as f:
+                ids[path] = set(re.findall(r'\bid="([^"]+)"', f.read()))
+        return ids[path]
+
+    for page in sorted(glob.glob(os.path.join(site, "**", "*.html"), recursive=True)):
+        # 404.html is served for any missing path, so its links are absolute.
+        if page.startswith(REVIEW) or os.path.basename(page) == "404.html":
+            continue
+        with open(page) as f:
+            targets = set(HREF.findall(f.read()))
+        where = os.path.relpath(page, site)
+        for target, anchor in sorted(targets):
+            if re.match(r"\w+:", target):  # another scheme (https:, mailto:, data:)
+                continue
+            resolved = os.path.normpath(os.path.join(os.path.dirname(page), target))
+            if target and not os.path.isfile(resolved):
+                what = "a folder" if os.path.isdir(resolved) else "missing"
+                problems.append(f"{where}: {target} is {what}, not a file")
+            elif anchor and resolved.endswith(".html") and anchor not in anchors(resolved):
+                problems.append(f"{where}: {target}#{anchor}: no such anchor")
+    return problems
+
+
 def main() -> int:
     if not os.path.exists(CHROMIUM):
         print(f"{CHROMIUM} not found: run `make setup-browser` (apt-get install chromium)")
@@ -387,6 +425,12 @@ def main() -> int:
     for problem in check_lab_links(SITE):
         print(f"  FAIL lab README link: {problem}")
         failures += 1
+    file_problems = check_file_urls(SITE)
+    for problem in file_problems[:20]:
+        print(f"  FAIL from file://: {problem}")
+    if len(file_problems) > 20:
+        print(f"  ... {len(file_problems) - 20} more")
+    failures += bool(file_problems)
     handler = functools.partial(Quiet, directory=SITE)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -78,7 +78,7 @@ def test_lab_folder_matches_the_engine(number: str) -> None:
     assert signature(skeleton) == signature(engine_fn)
     readme = (folder / "README.md").read_text()
     # The built page (rendered, with its code), not the markdown source.
-    assert f"({BOOK}chapters/{BOOK_PAGES[number]}/" in readme
+    assert f"({BOOK}chapters/{BOOK_PAGES[number]}.html" in readme
     assert (ROOT / "docs" / "chapters" / f"{BOOK_PAGES[number]}.md").is_file()
     assert "../../docs/" not in readme
     assert "vLLM 0.22.0" in readme and f"make lab CH={number}" in readme
