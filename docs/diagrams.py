@@ -606,3 +606,109 @@ def spec_metadata(
     for k, line in enumerate(lines):
         svg.text(left, y + 80 + 18 * k, line, mono=True)
     return svg.render()
+
+
+# ------------------------------------------------------------- block hashes
+def hash_chain(
+    rows: Sequence[tuple[str, Sequence[tuple[str, str, str, int | None]], str]],
+    none_hash: str,
+) -> str:
+    """Each request's full blocks as a chain: block j's hash is the hash of
+    (block j − 1's hash, its 16 token ids, extra_keys); a block whose hash a
+    row above already has is a prefix hit.
+
+    ``rows``: (request, [(tokens as text, parent hash, hash, physical block)],
+    what follows the last full block).
+    """
+    box_w, box_h, left, top, row_h = 250, 92, 120, 50, 140
+    n = max(len(blocks) for _, blocks, _ in rows)
+    width = left + n * (box_w + 40) + 10
+    svg = Svg(max(width, 760), top + row_h * len(rows) + 40, "The block-hash chain")
+    svg.text(
+        10,
+        20,
+        "hash(block j) = sha256(pickle((hash(block j−1), its 16 token ids, extra_keys)))",
+        mono=True,
+    )
+    svg.text(10, 38, f"block 0's parent: NONE_HASH = {none_hash}…", fill=GREY, mono=True)
+    seen: dict[str, str] = {}
+    for r, (req_id, blocks, tail) in enumerate(rows):
+        y = top + r * row_h
+        svg.text(left - 12, y + 20, f"request {req_id}", anchor="end", fill=color(req_id))
+        for j, (tokens, parent, h, block) in enumerate(blocks):
+            x = left + j * (box_w + 40)
+            hit = h in seen
+            svg.rect(x, y, box_w, box_h, CACHED if hit else LIGHT, stroke=color(req_id))
+            where = f" → block {block}" if block is not None else ""
+            svg.text(x + 8, y + 18, f"logical block {j}{where}", bold=True)
+            svg.text(x + 8, y + 38, f"parent {parent}…", mono=True)
+            svg.text(x + 8, y + 56, tokens, mono=True, fill=GREY)
+            svg.text(x + 8, y + 74, "extra_keys None", mono=True, fill=GREY)
+            svg.text(x + 8, y + 108, f"hash {h}…", mono=True, bold=True)
+            if hit:
+                svg.text(x + box_w, y + 126, f"= request {seen[h]}'s: a hit", anchor="end")
+            seen.setdefault(h, req_id)
+            if j + 1 < len(blocks):
+                svg.line(x + box_w, y + box_h / 2, x + box_w + 38, y + box_h / 2)
+        svg.text(left + (len(blocks) - 1) * (box_w + 40), y + box_h + 52, tail, fill=GREY)
+    return svg.render()
+
+
+# --------------------------------------------------------- allocate_slots
+REGIONS = [
+    ("computed", "#5c6bc0"),
+    ("prefix hits", CACHED),
+    ("new", REQUEST_COLORS[1]),
+    ("lookahead", "#ce93d8"),
+]
+
+
+def slot_regions(
+    calls: Sequence[tuple[str, Sequence[int], Sequence[int], Sequence[int]]],
+    block_size: int,
+) -> str:
+    """Calls of allocate_slots, one bar each over the request's token
+    positions: computed | prefix hits | new | lookahead, block boundaries
+    marked, and the blocks the call returned.
+
+    ``calls``: (caption, the four region sizes, the request's block ids
+    after the call, the block ids the call returned).
+    """
+    cell, left, top, row_h = 12, 20, 54, 110
+    span = max(sum(sizes) for _, sizes, _, _ in calls)
+    num_blocks = -(-span // block_size)
+    width = max(760, left + num_blocks * block_size * cell + 20)
+    svg = Svg(width, top + row_h * len(calls) + 10, "The token regions of allocate_slots")
+    legend(svg, 18, [(name, fill) for name, fill in REGIONS] + [("no slot yet", LIGHT)])
+    for c, (caption, sizes, held, returned) in enumerate(calls):
+        y = top + c * row_h
+        svg.text(left, y + 8, caption, bold=True)
+        x0, pos = left, 0
+        for (name, fill), n in zip(REGIONS, sizes):
+            if n:
+                svg.rect(x0 + pos * cell, y + 18, n * cell, 26, fill, stroke=fill)
+                label = f"{name} {pos}–{pos + n - 1}" if n > 1 else f"{name} {pos}"
+                if len(label) * CHAR_W > n * cell:
+                    label = str(n)
+                ink = INK if fill in (CACHED, "#ce93d8") else "#ffffff"
+                svg.text(x0 + (pos + n / 2) * cell, y + 36, label, ink, "middle")
+            pos += n
+        end = num_blocks * block_size
+        if pos < end:
+            svg.rect(x0 + pos * cell, y + 18, (end - pos) * cell, 26, LIGHT, stroke=LIGHT)
+        for b in range(num_blocks):
+            x = x0 + b * block_size * cell
+            svg.parts.append(
+                f'<line x1="{x:.1f}" y1="{y + 14}" x2="{x:.1f}" y2="{y + 48}" stroke="{INK}"/>'
+            )
+            block = held[b] if b < len(held) else None
+            name = f"block {block}" if block is not None else "no block"
+            mark = " (new)" if block in returned else ""
+            svg.text(x + 4, y + 62, f"j={b}: {name}{mark}", mono=True)
+        svg.text(
+            left,
+            y + 82,
+            f"returned {list(returned)}: the blocks this call added",
+            fill=GREY,
+        )
+    return svg.render()

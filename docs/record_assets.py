@@ -64,6 +64,7 @@ from recording import (  # noqa: E402
     first_step,
     fold_ints,
     prepared_inputs_table,
+    request_tokens,
     schedule_table,
     step_facts,
     step_view,
@@ -359,7 +360,11 @@ def draw_batch() -> dict[str, Any]:
     write_text("batch-causal-mask.svg", diagrams.causal_mask(chunk["scheduled"], chunk["after"]))
     shared = max(ref_cnt, key=lambda b: ref_cnt[b])
     admitted = facts["2"]["requests"]
+    hashes = draw_hash_chain(steps, facts)
+    regions = draw_slot_regions(steps, facts)
     return {
+        "hashes": hashes,
+        "regions": regions,
         "steps": facts,
         "budget": budget,
         "max_tokens": BATCH["max_tokens"],
@@ -371,6 +376,121 @@ def draw_batch() -> dict[str, Any]:
         "shared_ref_cnt": ref_cnt[shared],
         "last_step": max(steps),
     }
+
+
+def _prompt(steps: Steps, facts: dict[str, Any], req: str, donor: str) -> list[int]:
+    """Request ``req``'s prompt token ids, from the steps that ran it; the
+    positions its prefix hit skipped hold the ``donor``'s tokens (that is
+    what the hit means)."""
+    seq = request_tokens(steps, req)
+    donor_seq = request_tokens(steps, donor)
+    num = facts["1" if req == "0" else "2"]["requests"][req]["prompt"]
+    return [seq[p] if p in seq else donor_seq[p] for p in range(num)]
+
+
+def _hex(block_hash: bytes) -> str:
+    return bytes(block_hash).hex()[:8]
+
+
+def draw_hash_chain(steps: Steps, facts: dict[str, Any]) -> dict[str, Any]:
+    """The batch run's first two requests: each full block's hash, computed
+    by the engine's own hash_block_tokens from the recorded token ids."""
+    from transformers import AutoTokenizer
+
+    from tracevllm.core import kv_cache_utils
+    from tracevllm.model_executor.model_loader import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None))
+    block_size = PREEMPT["block_size"]
+    rows, out = [], {}
+    for req in ("0", "1"):
+        prompt = _prompt(steps, facts, req, "0")
+        blocks_of = facts[str(max(steps))]["requests"].get(req) or facts["2"]["requests"][req]
+        parent, chain = None, []
+        for j in range(len(prompt) // block_size):
+            tokens = prompt[j * block_size : (j + 1) * block_size]
+            h = kv_cache_utils.hash_block_tokens(kv_cache_utils.sha256, parent, tokens)
+            text = json.dumps(tokenizer.decode(tokens), ensure_ascii=False)
+            text = text if len(text) <= 30 else text[:29] + "…"
+            shown_parent = _hex(parent or kv_cache_utils.NONE_HASH)
+            chain.append((text, shown_parent, _hex(h), blocks_of["blocks"][j]))
+            parent = h
+        rest = len(prompt) % block_size
+        rows.append((req, chain, f"+ {rest} tokens in a partial block: no hash"))
+        out[req] = {"hashes": [c[2] for c in chain], "partial": rest, "prompt": len(prompt)}
+    # The engine found a prefix hit of one block: the hashes must say so.
+    hit = facts["2"]["requests"]["1"]["computed"] >= block_size
+    assert (out["1"]["hashes"][0] == out["0"]["hashes"][0]) == hit, out
+    write_text("kv-hash-chain.svg", diagrams.hash_chain(rows, _hex(kv_cache_utils.NONE_HASH)))
+    out["none_hash"] = _hex(kv_cache_utils.NONE_HASH)
+    return out
+
+
+def draw_slot_regions(steps: Steps, facts: dict[str, Any]) -> dict[str, Any]:
+    """Two real calls of KVCacheManager.allocate_slots on the batch run's
+    token ids, as the scheduler makes them with a draft model of k = 4
+    (num_lookahead_tokens = 4): request 1's admission (a prefix hit on
+    request 0's first block), then its next step (one token and 4 drafts)."""
+    from tracevllm.core.kv_cache_manager import KVCacheManager
+    from tracevllm.core.kv_cache_utils import get_request_block_hasher, sha256
+    from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from tracevllm.request import Request
+    from tracevllm.sampling_params import SamplingParams
+
+    block_size, k = PREEMPT["block_size"], 4
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32")
+    config = KVCacheConfig(16, [], [KVCacheGroupSpec(["layer"], spec)])
+    manager = KVCacheManager(config, max_model_len=256, hash_block_size=block_size)
+
+    def request(req: str) -> Request:
+        params = SamplingParams(max_tokens=4, temperature=0)
+        params.update_from_generation_config({}, 2)
+        prompt = _prompt(steps, facts, req, "0")
+        hasher = get_request_block_hasher(block_size, sha256)
+        return Request(req, prompt, params, block_hasher=hasher)
+
+    first, second = request("0"), request("1")
+    blocks = manager.allocate_slots(first, first.num_tokens)
+    assert blocks is not None
+    first.num_computed_tokens = first.num_tokens
+    calls, out = [], []
+    # The admission: the hit, then the rest of the prompt and k slots ahead.
+    hit_blocks, hit = manager.get_computed_blocks(second)
+    new = second.num_tokens - hit
+    added = manager.allocate_slots(second, new, hit, hit_blocks, num_lookahead_tokens=k)
+    assert added is not None
+    held = [b.block_id for b in manager.get_blocks(second.request_id).blocks[0]]
+    returned = [b.block_id for b in added.blocks[0]]
+    calls.append(
+        (
+            f"allocate_slots(request 1, {new}, {hit}, hits, num_lookahead_tokens={k}): admission",
+            [0, hit, new, k],
+            held,
+            returned,
+        )
+    )
+    out.append({"computed": 0, "hits": hit, "new": new, "lookahead": k, "returned": returned})
+    second.num_computed_tokens = hit + new
+    # The next step: the sampled token and k drafts, k slots ahead.
+    computed = second.num_computed_tokens
+    added = manager.allocate_slots(second, 1 + k, num_lookahead_tokens=k)
+    assert added is not None
+    returned = [b.block_id for b in added.blocks[0]]
+    held = [b.block_id for b in manager.get_blocks(second.request_id).blocks[0]]
+    calls.append(
+        (
+            f"allocate_slots(request 1, {1 + k}, num_lookahead_tokens={k}): "
+            f"the next step, one token and {k} drafts",
+            [computed, 0, 1 + k, k],
+            held,
+            returned,
+        )
+    )
+    out.append(
+        {"computed": computed, "hits": 0, "new": 1 + k, "lookahead": k, "returned": returned}
+    )
+    write_text("kv-slot-regions.svg", diagrams.slot_regions(calls, block_size))
+    return {"calls": out, "held": held, "k": k}
 
 
 def draw_preempt() -> dict[str, Any]:

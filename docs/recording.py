@@ -241,3 +241,26 @@ def first_step(steps: Steps, pred: Any) -> int:
         if pred(step_view(steps[i])):
             return i
     raise SystemExit("no recorded step matches: did the workload change?")
+
+
+def request_tokens(steps: Steps, req: str) -> dict[int, int]:
+    """position -> token id of request ``req`` (the caller's id), from the
+    flat batches of the steps that ran it; a later step's token at a
+    position replaces an earlier one's (a rejected draft's). Positions a
+    prefix hit skipped are missing."""
+    seq: dict[int, int] = {}
+    for i in sorted(steps):
+        prep = steps[i].get("ModelRunner._prepare_inputs")
+        if prep is None:
+            continue
+        names = [external(str(r)) for r in prep.attributes["tracevllm.req_ids"]]
+        if req not in names:
+            continue
+        row = names.index(req)
+        counts = prep.attributes["tracevllm.num_scheduled_tokens"]
+        start = sum(counts[:row])
+        attrs = prep.attributes
+        positions, ids = attrs["tracevllm.positions"], attrs["tracevllm.input_ids"]
+        for k in range(start, start + counts[row]):
+            seq[positions[k]] = ids[k]
+    return seq
