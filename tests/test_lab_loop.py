@@ -243,3 +243,36 @@ def test_run_report_lists_every_plugged_lab(monkeypatch: pytest.MonkeyPatch) -> 
     assert [ran for ran, _ in lines] == [True, False]
     assert "under ModelRunner._prepare_inputs" in lines[0][1]
     assert lines[1][1] == labs.never_ran(LABS["12"])
+
+
+# --- the solution stays folded ------------------------------------------------------
+
+OWNED_ELSEWHERE = {"kv-cache.md", "paged-attention.md", "speculative-decoding.md",
+                   "structured-outputs.md", "scaling-out.md"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "page",
+    sorted(
+        p.name for p in (ROOT / "docs" / "chapters").glob("*.md") if p.name not in OWNED_ELSEWHERE
+    ),
+)
+def test_the_sentence_that_introduces_a_lab_does_not_link_its_solution(page: str) -> None:
+    """The paragraph before a collapsed "Solution — after lab NN" links no
+    source page (where the engine's function, the lab's solution, sits
+    unfolded): the link is inside the collapsed block. The same for the
+    labs' READMEs: the link to the engine's file is inside <details>."""
+    text = (ROOT / "docs" / "chapters" / page).read_text()
+    for m in re.finditer(r"^\?\?\? success \"Solution — after lab (\d\d)", text, re.M):
+        before = text[: m.start()].rstrip("\n")
+        intro = before[before.rfind("\n\n") + 2 :]
+        assert "(src:" not in intro, f"{page}: lab {m[1]}'s intro links its source: {intro!r}"
+
+
+@pytest.mark.parametrize("number", sorted(LABS))
+def test_a_lab_readme_folds_the_link_to_the_engines_file(number: str) -> None:
+    readme = (ROOT / "chapters" / f"{number}-{LABS[number].topic}" / "README.md").read_text()
+    folded = re.findall(r"<details>.*?</details>", readme, re.S)
+    first = re.search(r"\]\((\.\./\.\./[^)]+)\)", readme)
+    assert first is not None and folded
+    assert any(first[0] in block for block in folded), f"lab {number}: {first[1]} unfolded"
