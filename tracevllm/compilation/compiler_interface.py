@@ -56,6 +56,29 @@ def get_inductor_factors() -> list[Any]:
     return [torch.__version__, inductor_config.save_config_portable()]
 
 
+_packed_linear_as_extern = False
+
+
+def call_packed_linear_as_is() -> None:
+    """Have Inductor call ``mkldnn._linear_pointwise`` as it is (an extern kernel).
+
+    tracevllm packs each linear's weight for oneDNN once, at load
+    (layers/utils.py), and calls ``mkldnn._linear_pointwise`` on it. Inductor's
+    own lowering of that op expects a weight it packed itself (under
+    ``freezing``) and fails on ours; called as is, the op runs exactly as in
+    eager, which is also how vLLM's compiled CPU path calls its ``onednn_mm``.
+    """
+    global _packed_linear_as_extern
+    if _packed_linear_as_extern:
+        return
+    import torch._inductor.lowering as lowering
+
+    op = torch.ops.mkldnn._linear_pointwise.default
+    lowering.lowerings.pop(op, None)
+    lowering.make_fallback(op, warn=False)
+    _packed_linear_as_extern = True
+
+
 class InductorStandaloneAdaptor(CompilerInterface):
     """Inductor through ``standalone_compile``; each artifact a file of its own."""
 
@@ -75,17 +98,23 @@ class InductorStandaloneAdaptor(CompilerInterface):
         from torch._inductor import standalone_compile
 
         compilation_counter.num_inductor_compiles += 1
+        call_packed_linear_as_is()
         # A size of its own is compiled for the concrete shape of the example
         # inputs; the general piece keeps the graph's symbolic num_tokens.
         dynamic_shapes: Literal["from_graph", "from_example_inputs"] = (
             "from_graph" if runtime_shape is None else "from_example_inputs"
         )
-        compiled = standalone_compile(
-            graph,
-            example_inputs,
-            dynamic_shapes=dynamic_shapes,
-            options={"config_patches": dict(compiler_config)},
-        )
+        # With oneDNN "disabled" while Inductor runs, its post-grad pass does
+        # not fuse an add or an activation into the packed linear (the fused
+        # op has no shape function for a weight Inductor did not pack).
+        # Compilation only: the compiled code calls the op as eager does.
+        with torch.backends.mkldnn.flags(enabled=False):
+            compiled = standalone_compile(
+                graph,
+                example_inputs,
+                dynamic_shapes=dynamic_shapes,
+                options={"config_patches": dict(compiler_config)},
+            )
         if self.disable_cache:
             return compiled, None
         path = os.path.join(self.cache_dir, key)

@@ -23,7 +23,6 @@ from unittest.mock import patch
 
 import torch
 from torch import nn
-from torch._dynamo.symbolic_convert import InliningInstructionTranslator
 
 from tracevllm import tracing
 from tracevllm.compilation.config import CompilationMode
@@ -89,6 +88,8 @@ def _support_torch_compile(cls: type[_T], dynamic_arg_dims: DynamicArgDims) -> t
         vllm_config = vllm_config or get_current_vllm_config()
         assert vllm_config is not None, "a compiled model is built under set_current_vllm_config"
         old_init(self, *args, vllm_config=vllm_config, **kwargs)
+        if "do_not_compile" in self.__dict__:
+            return  # a decorated base's __init__ (Qwen3Model's Qwen2Model) did it
         self.vllm_config = vllm_config
         self.compilation_config = vllm_config.compilation_config
         mode = self.compilation_config.mode
@@ -133,6 +134,8 @@ def _support_torch_compile(cls: type[_T], dynamic_arg_dims: DynamicArgDims) -> t
             return self.forward(*args, **kwargs)
         if self.compiled:
             return TorchCompileWithNoGuardsWrapper.__call__(self, *args, **kwargs)
+        from torch._dynamo.symbolic_convert import InliningInstructionTranslator
+
         _mark_dynamic_inputs(self, *args, **kwargs)
         # The files Dynamo reads the model from go into the cache key: the
         # forward's own, and each function it inlines.

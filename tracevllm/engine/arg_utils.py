@@ -8,6 +8,7 @@ the offline ``LLM`` class on CPU (max_num_batched_tokens 4096, max_num_seqs 256)
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 from dataclasses import dataclass, fields
@@ -17,6 +18,8 @@ from tracevllm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
     AttentionConfig,
     CacheConfig,
+    CompilationConfig,
+    CompilationMode,
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
@@ -69,6 +72,13 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     # {"kv_connector": "ExampleConnector", "kv_role": "kv_producer", ...} (KVTransferConfig)
     kv_transfer_config: dict[str, Any] | KVTransferConfig | None = None
+    # vLLM's: True never compiles; None is settled in VllmConfig (compilation/config.py).
+    enforce_eager: bool | None = None
+    # {"mode": 3, "compile_sizes": [1, 2, 4], ...} (CompilationConfig; CLI -cc JSON)
+    compilation_config: dict[str, Any] | CompilationConfig | None = None
+    # vLLM's -O0..-O3: 0 compiles nothing, 1-3 compile (mode VLLM_COMPILE)
+    # unless compilation_config names a mode.
+    optimization_level: int | None = None
 
     def create_engine_config(self) -> VllmConfig:
         # Lazy: the loader pulls in torch/transformers only when a model must be
@@ -84,6 +94,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             max_logprobs=self.max_logprobs,
             generation_config=self.generation_config,
+            enforce_eager=self.enforce_eager,
         )
         # Checked now, before the engine process loads any weight.
         assert model_config.tokenizer is not None
@@ -98,6 +109,7 @@ class EngineArgs:
         return VllmConfig(
             speculative_config=self.create_speculative_config(model_config),
             kv_transfer_config=self.create_kv_transfer_config(),
+            compilation_config=self.create_compilation_config(),
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -147,6 +159,18 @@ class EngineArgs:
             config = {**config, "model": resolve_model(model)}
         return SpeculativeConfig.from_dict(config, target)
 
+    def create_compilation_config(self) -> CompilationConfig:
+        """The config from a dict or JSON (a copy of one given), with ``-O`` applied:
+        vLLM's level 0 is mode NONE, 1-3 VLLM_COMPILE, where no mode is given."""
+        config = CompilationConfig.from_cli(copy.deepcopy(self.compilation_config or {}))
+        level = self.optimization_level
+        if level is not None:
+            if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= 3:
+                raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {level!r}.")
+            if config.mode is None:
+                config.mode = CompilationMode.NONE if level == 0 else CompilationMode.VLLM_COMPILE
+        return config
+
     def create_kv_transfer_config(self) -> KVTransferConfig | None:
         """The config from a dict (or as given); an unknown connector is refused
         here, in the frontend, before an engine process starts (vLLM: when the
@@ -171,7 +195,12 @@ class EngineArgs:
                 parser.add_argument(flag, _SHORT_FLAGS[f.name], type=int, default=default)
             elif f.name == "distributed_executor_backend":
                 parser.add_argument(flag, choices=DISTRIBUTED_EXECUTOR_BACKENDS, default=None)
-            elif f.name in ("enable_multiprocessing", "async_scheduling"):
+            elif f.name == "compilation_config":
+                parser.add_argument(flag, "-cc", type=_json_object, default=None, metavar="JSON")
+            elif f.name == "optimization_level":
+                # -O3 and -O 3, as vLLM.
+                parser.add_argument(flag, "-O", type=int, choices=range(4), default=None)
+            elif f.name in ("enable_multiprocessing", "async_scheduling", "enforce_eager"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
             elif f.name in ("speculative_config", "kv_transfer_config"):
                 # A JSON object, as vLLM's --speculative-config / --kv-transfer-config.

@@ -19,6 +19,7 @@ from typing import Any
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tracevllm import tracing
+from tracevllm.config import CompilationConfig
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.engine.input_processor import PromptType
 from tracevllm.engine.llm_engine import LLMEngine
@@ -78,8 +79,13 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         attention_backend: str | None = None,
+        enforce_eager: bool | None = None,
+        compilation_config: int | dict[str, Any] | CompilationConfig | None = None,
         **kwargs: Any,
     ) -> None:
+        # vLLM's LLM takes a bare int as the compilation mode.
+        if isinstance(compilation_config, int) and not isinstance(compilation_config, bool):
+            compilation_config = {"mode": compilation_config}
         engine_args = EngineArgs(
             model=model,
             tokenizer=tokenizer,
@@ -94,6 +100,8 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             long_prefill_token_threshold=long_prefill_token_threshold,
             attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            compilation_config=compilation_config,  # type: ignore[arg-type]
             **kwargs,
         )
         self.llm_engine = LLMEngine.from_engine_args(engine_args)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tracevllm import tracing
+from tracevllm.compilation.decorators import support_torch_compile
 from tracevllm.distributed.parallel_state import (
     get_pp_group,
     get_tensor_model_parallel_world_size,
@@ -251,6 +252,14 @@ class Gemma2DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile(
+    dynamic_arg_dims={
+        "input_ids": 0,
+        "positions": 0,
+        "intermediate_tensors": 0,
+        "inputs_embeds": 0,
+    }
+)
 class Gemma2Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()

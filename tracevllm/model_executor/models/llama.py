@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tracevllm import tracing
+from tracevllm.compilation.decorators import support_torch_compile
 from tracevllm.distributed.parallel_state import (
     get_pp_group,
     get_tensor_model_parallel_world_size,
@@ -257,6 +258,14 @@ class LlamaDecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile(
+    dynamic_arg_dims={
+        "input_ids": 0,
+        "positions": 0,
+        "intermediate_tensors": 0,
+        "inputs_embeds": 0,
+    }
+)
 class LlamaModel(nn.Module):
     def __init__(
         self,

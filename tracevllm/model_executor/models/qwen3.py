@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tracevllm import tracing
+from tracevllm.compilation.decorators import support_torch_compile
 from tracevllm.distributed.parallel_state import (
     get_pp_group,
     get_tensor_model_parallel_world_size,
@@ -194,6 +195,14 @@ class Qwen3DecoderLayer(nn.Module):
         return hidden_states, residual
 
 
+@support_torch_compile(
+    dynamic_arg_dims={
+        "input_ids": 0,
+        "positions": 0,
+        "intermediate_tensors": 0,
+        "inputs_embeds": 0,
+    }
+)
 class Qwen3Model(Qwen2Model):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(

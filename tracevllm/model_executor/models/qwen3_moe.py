@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from tracevllm import tracing
+from tracevllm.compilation.decorators import support_torch_compile
 from tracevllm.distributed.parallel_state import (
     get_pp_group,
     get_tensor_model_parallel_world_size,
@@ -299,6 +300,14 @@ class Qwen3MoeDecoderLayer(nn.Module):
 _LAYER_CODE = tracing.code_attributes(Qwen3MoeDecoderLayer.forward)
 
 
+@support_torch_compile(
+    dynamic_arg_dims={
+        "input_ids": 0,
+        "positions": 0,
+        "intermediate_tensors": 0,
+        "inputs_embeds": 0,
+    }
+)
 class Qwen3MoeModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
