@@ -124,11 +124,14 @@ def draw_latency() -> dict[str, Any]:
                     arrowprops={"arrowstyle": "<->", "color": "tab:red"})  # fmt: skip
         ax.text(start + r["ttft"] * 5e2, y - 0.25, f"TTFT {r['ttft'] * 1e3:.0f} ms",
                 ha="center", va="top", fontsize=8, color="tab:red")  # fmt: skip
-        a, b = r["times"][1], r["times"][2]
+        # The ITL arrow spans every gap, labelled with their mean (one gap
+        # alone would say less than the table beside it).
+        a, b = r["times"][0], r["times"][-1]
         ax.annotate("", (start + b * 1e3, y), (start + a * 1e3, y),
                     arrowprops={"arrowstyle": "<->", "color": "tab:green"})  # fmt: skip
-        ax.text(start + b * 1e3, y - 0.25, f" ITL {(b - a) * 1e3:.0f} ms", ha="left", va="top",
-                fontsize=8, color="tab:green")  # fmt: skip
+        ax.text(start + b * 1e3, y - 0.25,
+                f" {len(r['itl'])} gaps, mean ITL {statistics.mean(r['itl']) * 1e3:.1f} ms",
+                ha="left", va="top", fontsize=8, color="tab:green")  # fmt: skip
         ax.set_ylim(len(order) + 0.2 if len(order) > 1 else 1, -2.2)
         ax.set_yticks(range(len(order)), order if len(order) <= 16 else [""] * len(order),
                       fontsize=6 if len(order) > 4 else 8)  # fmt: skip
@@ -252,8 +255,14 @@ def draw_profile() -> dict[str, Any]:
         # A traced step faster than the untraced one: the cost is below the noise.
         if d <= 0:
             return f"below the noise ({d * 1e3:+.1f} ms) | "
-        return f"{d * 1e3:+.2f} ms | {100 * d / best:+.1f}"
+        return f"{d * 1e3:+.2f} ms | {100 * d / best:+.1f} of the best"
 
+    # The span rows are best traced step less best untraced step: their share
+    # is of the best untraced step, on its own row, not of the mean above.
+    rows.append(
+        f"| best untraced step (the span rows' 100 %) | {dec['best_step_s'] * 1e3:.2f} ms | "
+        f"100 | {pre['best_step_s'] * 1e3:.2f} ms | 100 |"
+    )
     for detail in ("request", "full"):
         d, p = res["spans"][detail]["decode"], res["spans"][detail]["prefill"]
         rows.append(
@@ -289,13 +298,60 @@ def draw_profile() -> dict[str, Any]:
     }
 
 
+PERF_FACTS = os.path.join(assets.OUT_DIR, "facts.performance.json")
+
+
+def perf_facts() -> dict[str, Any]:
+    """The chapter's comparisons, in facts.performance.json (key ``perf``):
+    the latency run's two rows, a step of 16 against a step of 1 in it and in
+    the roofline, and the profile's span cost on one basis."""
+    # The latency run's rows, as draw_latency wrote them from its spans (so
+    # that --measured-only refreshes these without a new run).
+    out: dict[str, Any] = {}
+    with open(os.path.join(assets.OUT_DIR, "latency-table.md")) as f:
+        for line in f.read().splitlines()[2:]:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            out[cells[0].split(" ")[0]] = {
+                "ttft_ms": int(cells[2]),
+                "mean_itl_ms": float(cells[3]),
+                "e2e_ms": int(cells[5]),
+                "tok_s": float(cells[6]),
+            }
+    alone, batched = out["alone"], out["batched"]
+    out["itl_ratio"] = round(batched["mean_itl_ms"] / alone["mean_itl_ms"], 2)
+    out["tok_s_ratio"] = round(batched["tok_s"] / alone["tok_s"], 1)
+    with open(ROOFLINE_JSON) as f:
+        dec = {r["batch"]: r for r in json.load(f)["engine"]["decode"]}
+    out["roofline_16_over_1"] = round(dec[16]["forward_s"] / dec[1]["forward_s"], 2)
+    import roofline  # benchmarks/: the published GPU peaks its arithmetic uses
+
+    out["gpu_specs"] = {name.replace(" ", "_"): spec for name, spec in roofline.GPUS.items()}
+    with open(PROFILE_JSON) as f:
+        prof = json.load(f)
+    best = prof["decode"]["best_step_s"]
+    out["profile"] = {
+        "step_ms": round(prof["decode"]["step_s"] * 1e3, 2),
+        "best_step_ms": round(best * 1e3, 2),
+        "request_spans_ms": round(prof["spans"]["request"]["decode"] * 1e3, 2),
+        "request_spans_pct_of_best": round(100 * prof["spans"]["request"]["decode"] / best, 1),
+    }
+    with open(PERF_FACTS, "w") as f:
+        f.write(json.dumps({"perf": out}, indent=1, sort_keys=True) + "\n")
+    print("  wrote", os.path.relpath(PERF_FACTS, ROOT))
+    return out
+
+
 def draw() -> dict[str, Any]:
-    return draw_latency()
+    facts = draw_latency()
+    perf_facts()
+    return facts
 
 
 def draw_measured() -> dict[str, dict[str, Any]]:
     """The two drawn from committed benchmark results (no run needed)."""
-    return {"roofline": draw_roofline(), "profile": draw_profile()}
+    facts = {"roofline": draw_roofline(), "profile": draw_profile()}
+    perf_facts()
+    return facts
 
 
 def main() -> None:

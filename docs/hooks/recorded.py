@@ -1,7 +1,8 @@
 """mkdocs hook: a number quoted from a recorded run must match the recording.
 
 ``make docs-assets`` (docs/record_assets.py) writes, beside the recorded
-views, ``docs/assets/recorded/facts.json``: the figures the prose quotes
+views, ``docs/assets/recorded/facts.json`` (and a record script of its own,
+``facts.NAME.json``): the figures the prose quotes
 (step numbers, token counts, block ids, slots), read from the same spans. A
 chapter quotes one as a link to its key:
 
@@ -15,6 +16,7 @@ the prose cannot silently contradict its own pictures.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -33,11 +35,24 @@ _facts: dict[str, Any] = {}
 
 
 def load(root: str) -> None:
-    path = os.path.join(root, FACTS)
+    """facts.json, and beside it each ``facts.NAME.json`` that a record script
+    of its own writes (docs/record_tuning.py: ``facts.tuning.json``), so that
+    one script's re-recording does not rewrite another's file. A top-level key
+    in two files is an error."""
     _facts.clear()
-    if os.path.exists(path):
+    folder = os.path.dirname(os.path.join(root, FACTS))
+    paths = [os.path.join(root, FACTS)]
+    paths += sorted(glob.glob(os.path.join(folder, "facts.*.json")))
+    for path in paths:
+        if not os.path.exists(path):
+            continue
         with open(path) as f:
-            _facts.update(json.load(f))
+            facts = json.load(f)
+        if twice := sorted(set(facts) & set(_facts)):
+            raise PluginError(
+                f"{os.path.relpath(path, root)}: {twice} recorded in another facts file"
+            )
+        _facts.update(facts)
 
 
 def lookup(key: str) -> Any:
