@@ -35,6 +35,7 @@ import pickle
 import time
 from collections import namedtuple
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,24 @@ logger = logging.getLogger(__name__)
 # What crosses ahead of a tensor in broadcast/send_tensor_dict, so the
 # receiver can allocate it.
 TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
+
+
+@dataclass(frozen=True)
+class PPStageFailure:
+    """What a pipeline stage that failed a step sends the next stage in place
+    of the step's tensors (tracevllm's): the next stage raises it rather than
+    wait for them until gloo's timeout. ``rank``: the global rank that failed."""
+
+    rank: int
+    error: str
+
+
+class PPStageFailedError(RuntimeError):
+    """An earlier pipeline stage failed the step this stage waits for."""
+
+    def __init__(self, failure: PPStageFailure) -> None:
+        super().__init__(f"Pipeline stage of rank {failure.rank} failed: {failure.error}")
+        self.failure = failure
 
 
 def _split_tensor_dict(
@@ -358,7 +377,10 @@ class GroupCoordinator:
 
     def _recv_tensor_dict(self, src: int) -> dict[str, torch.Tensor | Any]:
         received: dict[str, torch.Tensor | Any] = {}
-        for key, value in self.recv_object(src=src):
+        metadata_list = self.recv_object(src=src)
+        if isinstance(metadata_list, PPStageFailure):
+            raise PPStageFailedError(metadata_list)
+        for key, value in metadata_list:
             if isinstance(value, TensorMetadata):
                 tensor = torch.empty(value.size, dtype=value.dtype, device=self._device(value))
                 if tensor.numel() > 0:
@@ -555,6 +577,27 @@ def ensure_model_parallel_initialized(
             "pipeline parallel group already initialized, but of unexpected size. "
             f"got: {pp_size} vs. wanted: {pipeline_model_parallel_size}"
         )
+
+
+def send_pp_stage_failure(rank: int, error: BaseException) -> None:
+    """This rank failed a step with a forward pass: tell the next pipeline
+    stage, which waits for the step's tensors (tracevllm's; in vLLM it waits
+    until its collective times out). A failure that came from an earlier
+    stage is passed on as it came, so the last stage names the rank that
+    failed. Nothing to do on the last stage or without pipeline stages."""
+    if not model_parallel_is_initialized():
+        return
+    pp_group = get_pp_group()
+    if pp_group.world_size == 1 or pp_group.is_last_rank:
+        return
+    if isinstance(error, PPStageFailedError):
+        failure = error.failure
+    else:
+        failure = PPStageFailure(rank, f"{type(error).__name__}: {error}")
+    try:
+        pp_group.send_object(failure, dst=pp_group.rank_in_group + 1)
+    except Exception:  # the next stage is gone too: the executor hears of that
+        logger.exception("Could not tell the next pipeline stage about the failure.")
 
 
 def model_parallel_is_initialized() -> bool:

@@ -323,9 +323,10 @@ class EngineCore:
         # Wait for the oldest step in flight.
         future, scheduler_output, exec_model_fut = batch_queue.pop()
         model_output = future.result()
+        # A forward that failed raises here: the runner's sample_tokens then
+        # answers with an empty output (vLLM's with None, for the same check).
+        exec_model_fut.result()
         if model_output is None:
-            # sample_tokens gave nothing: execute_model must have failed; raise that.
-            exec_model_fut.result()
             raise RuntimeError("unexpected error")
         info["output_step_id"] = scheduler_output.step_id
         info["req_ids"].update(scheduler_output.num_scheduled_tokens)

@@ -242,6 +242,11 @@ class WorkerProc:
             except Exception as e:
                 logger.exception("WorkerProc hit an exception.")
                 output = e
+                if method == "execute_model" and args[0].total_num_scheduled_tokens:
+                    # The next pipeline stage waits for this step's tensors.
+                    from tracevllm.distributed.parallel_state import send_pp_stage_failure
+
+                    send_pp_stage_failure(self.rank, e)
             # A step's call is answered by the output rank alone.
             if output_rank is None or self.rank == output_rank:
                 self.enqueue_output(output)
