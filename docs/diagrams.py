@@ -712,3 +712,59 @@ def slot_regions(
             fill=GREY,
         )
     return svg.render()
+
+
+# ------------------------------------------------------------ token bitmask
+def bitmask_words(
+    panels: Sequence[tuple[str, int, int, Sequence[tuple[int, str]]]],
+    summary: Sequence[str],
+) -> str:
+    """Words of a grammar's token bitmask, 32 bits each, drawn as the binary
+    number (bit 31, the sign bit, on the left): bit b of word w is token
+    32·w + b, allowed when set.
+
+    ``panels``: (caption, word index, the word as int32, [(token, its text)]
+    to point at); ``summary``: lines under the words.
+    """
+    cell, left, top, panel_h = 20, 70, 30, 150
+    width = max(760, left + 32 * cell + 20)
+    svg = Svg(width, top + panel_h * len(panels) + 20 * len(summary) + 20, "The token bitmask")
+    legend(svg, 18, [("bit set: token allowed", ACCEPT), ("bit clear: −∞", LIGHT)])
+    for k, (caption, word, value, marked) in enumerate(panels):
+        y = top + 24 + k * panel_h
+        unsigned = value & 0xFFFFFFFF
+        svg.text(10, y, caption, bold=True)
+        svg.text(
+            10,
+            y + 20,
+            f"word {word} = {value} (0x{unsigned:08x}): tokens {32 * word} … {32 * word + 31}",
+            mono=True,
+        )
+        row = y + 34
+        svg.text(left - 8, row + 15, f"w{word}", anchor="end", mono=True)
+        for b in range(31, -1, -1):
+            x = left + (31 - b) * cell
+            on = (unsigned >> b) & 1
+            svg.rect(x, row, cell, 22, ACCEPT if on else LIGHT, stroke=GREY)
+            svg.text(x + cell / 2, row + 15, str(on), "#ffffff" if on else GREY, "middle", True)
+            if b % 4 == 3 or b == 0:
+                svg.text(x + cell / 2, row + 36, str(b), GREY, "middle", True)
+        svg.text(left - 8, row + 36, "bit", anchor="end", fill=GREY)
+        sign = "set: the word is negative" if unsigned >> 31 else "clear"
+        ink = REJECT if unsigned >> 31 else GREY
+        svg.text(left, row + 54, f"bit 31, the sign bit: {sign}", fill=ink)
+        notes = [
+            f"token {t} {text}: word {t // 32}, bit {t % 32}"
+            for t, text in marked
+            if t // 32 == word
+        ]
+        if notes:
+            svg.text(left, row + 72, "; ".join(notes), mono=True)
+        for t, _ in marked:
+            if t // 32 == word:
+                x = left + (31 - t % 32) * cell
+                svg.rect(x, row - 3, cell, 28, "none", stroke=REJECT)
+    y = top + 24 + panel_h * len(panels)
+    for k, line in enumerate(summary):
+        svg.text(10, y + 20 * k, line, fill=GREY)
+    return svg.render()
