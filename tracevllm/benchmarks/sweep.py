@@ -12,6 +12,18 @@ at once, or as a Poisson stream with ``--request-rate``), every token timed
 tokens/s. No target: the highest throughput wins. None meets it: no winner,
 exit status 1.
 
+``--serve-params FILE`` (vLLM's ``vllm bench sweep serve --serve-params``,
+vllm/benchmarks/sweep/param_sweep.py: a JSON list of parameter dicts, or a
+dict of them by name) sweeps any engine knob instead of the grid: each item
+is one config, its keys ``EngineArgs`` fields (``enable_prefix_caching``,
+``long_prefill_token_threshold``, ``speculative_config`` ...; dashes or
+underscores), ``_benchmark_name`` its label, and a ``TRACEVLLM_*`` key an
+environment variable of envs.py set for that config's engine (the CPU
+thread settings, which are not engine flags). vLLM's sweep runs a server and
+``vllm bench serve`` per config; this one runs the offline engine, and
+repeats each config ``--num-runs`` times (vLLM's flag; default 1 here),
+reporting the median run by throughput.
+
 The trade-off it finds: more sequences a step (``max_num_seqs``) raise
 throughput and each step's time (ITL); a bigger token budget
 (``max_num_batched_tokens``) finishes prefills sooner (TTFT) but a decode step
@@ -21,6 +33,11 @@ that shares the budget with a long prefill chunk takes longer (ITL spikes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tracevllm.benchmarks.datasets import add_dataset_args
@@ -53,9 +70,123 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the percentile the targets apply to")  # fmt: skip
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests/s (Poisson, seeded); inf: all at once")  # fmt: skip
+    parser.add_argument("--serve-params", default=None, metavar="FILE|JSON",
+                        help="configs to sweep instead of the grid: a JSON list of "
+                        "{engine arg: value} (or a dict of them by name), "
+                        "or a file of one")  # fmt: skip
+    parser.add_argument("--num-runs", type=int, default=1, help="runs per config (median kept)")
     parser.add_argument("--output-json", default=None, help="write every config's results here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     EngineArgs.add_cli_args(parser)
+
+
+def load_serve_params(text: str) -> list[dict[str, Any]]:
+    """``--serve-params``: a JSON list of parameter dicts, a dict of them by
+    name, or a file holding either (vLLM's ``ParameterSweep.read_json``).
+    Each dict is checked: an ``EngineArgs`` field (dashes become
+    underscores), ``_benchmark_name``, or a ``TRACEVLLM_*`` variable of
+    envs.py (its value a string or a number)."""
+    from tracevllm import envs
+    from tracevllm.engine.arg_utils import EngineArgs
+
+    if os.path.isfile(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--serve-params: not JSON, nor a file of it: {e}") from None
+    if isinstance(data, dict):
+        data = [{"_benchmark_name": name, **params} for name, params in data.items()]
+    if not isinstance(data, list) or not data or not all(isinstance(d, dict) for d in data):
+        raise ValueError("--serve-params: expected a non-empty JSON list of objects.")
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    configs = []
+    for i, item in enumerate(data):
+        config: dict[str, Any] = {}
+        for key, value in item.items():
+            name = key if key.startswith("TRACEVLLM_") else key.replace("-", "_")
+            if name.startswith("TRACEVLLM_"):
+                if name not in envs.environment_variables:
+                    raise ValueError(f"--serve-params[{i}]: {key} is not a variable of envs.py.")
+                if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                    raise ValueError(f"--serve-params[{i}]: {key} must be a string or a number.")
+            elif name != "_benchmark_name" and name not in fields:
+                raise ValueError(
+                    f"--serve-params[{i}]: {key!r} is not an engine argument (EngineArgs field)."
+                )
+            config[name] = value
+        configs.append(config)
+    names = [c["_benchmark_name"] for c in configs if "_benchmark_name" in c]
+    if len(names) != len(set(names)):
+        raise ValueError(f"--serve-params: duplicate _benchmark_name in {names}.")
+    return configs
+
+
+def config_name(config: dict[str, Any]) -> str:
+    if "_benchmark_name" in config:
+        return str(config["_benchmark_name"])
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in config.items()) or "defaults"
+
+
+@contextmanager
+def _environment(config: dict[str, Any]) -> Iterator[None]:
+    """The config's TRACEVLLM_* variables, set while its engine runs."""
+    saved = {k: os.environ.get(k) for k in config if k.startswith("TRACEVLLM_")}
+    os.environ.update({k: str(config[k]) for k in saved})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run_sweep(
+    args: argparse.Namespace,
+    configs: list[dict[str, Any]],
+    samples: list[Any],
+    percentiles: list[float],
+    console: Any = None,
+) -> list[dict[str, Any]]:
+    """Each config: a fresh engine (the command's engine flags, the config's
+    over them), a warm-up, then the samples, ``args.num_runs`` times; the
+    metrics of its median run by output throughput, with the config's keys."""
+    if args.num_runs < 1:
+        raise ValueError(f"--num-runs must be >= 1, got {args.num_runs}.")
+    results = []
+    for config in configs:
+        name = config_name(config)
+        engine = {k: v for k, v in config.items() if not k.startswith(("_", "TRACEVLLM_"))}
+        runs = []
+        with _environment(config), make_llm(args, **engine) as llm:
+            # What the engine was built with (the config's knobs, as it read them).
+            vllm_config = llm.llm_engine.vllm_config
+            sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+            spec = vllm_config.speculative_config
+            built = {
+                "max_num_seqs": sched.max_num_seqs,
+                "max_num_batched_tokens": sched.max_num_batched_tokens,
+                "long_prefill_token_threshold": sched.long_prefill_token_threshold,
+                "enable_prefix_caching": cache.enable_prefix_caching,
+                "block_size": cache.block_size,
+                "num_speculative_tokens": spec.num_speculative_tokens if spec else 0,
+            }
+            run_timed(llm, samples[:2], show_progress=False)  # warm-up
+            for _ in range(args.num_runs):
+                run = run_timed(llm, samples, request_rate=args.request_rate, description=name,
+                                show_progress=not args.no_progress)  # fmt: skip
+                runs.append(calculate_metrics(run.outputs, run.duration, percentiles))
+        runs.sort(key=lambda r: r["output_throughput"])
+        metrics = runs[len(runs) // 2]
+        metrics["output_throughput_runs"] = [r["output_throughput"] for r in runs]
+        if console is not None and args.num_runs > 1:
+            spread = ", ".join(f"{r:.1f}" for r in metrics["output_throughput_runs"])
+            console.print(f"  {name}: output tok/s of each run {spread}")
+        results.append({"name": name, **config} | metrics | {"engine": built})
+    return results
 
 
 def meets_target(
@@ -83,41 +214,42 @@ def main(args: argparse.Namespace) -> int:
     pct = args.target_percentile
     if not 0 <= pct <= 100:
         raise ValueError(f"--target-percentile must be in [0, 100], got {pct}.")
+    if args.serve_params is not None:
+        configs = load_serve_params(args.serve_params)
+    else:
+        configs = [
+            {"max_num_seqs": s, "max_num_batched_tokens": b}
+            for s in args.max_num_seqs_list
+            for b in args.max_num_batched_tokens_list
+        ]
     _, samples = load_samples(args)
     console = Console()
-    grid = [(s, b) for s in args.max_num_seqs_list for b in args.max_num_batched_tokens_list]
     console.print(
-        f"sweep: {len(grid)} configs x {len(samples)} requests "
+        f"sweep: {len(configs)} configs x {len(samples)} requests "
         f"({sum(s.expected_output_len for s in samples)} output tokens each), "
         f"request rate {args.request_rate}"
     )
-    results = []
-    for seqs, budget in grid:
-        name = f"max_num_seqs={seqs} max_num_batched_tokens={budget}"
-        with make_llm(args, max_num_seqs=seqs, max_num_batched_tokens=budget) as llm:
-            run_timed(llm, samples[:2], show_progress=False)  # warm-up
-            run = run_timed(llm, samples, request_rate=args.request_rate, description=name,
-                            show_progress=not args.no_progress)  # fmt: skip
-        metrics = calculate_metrics(run.outputs, run.duration, sorted({50.0, 90.0, 99.0, pct}))
-        results.append({"max_num_seqs": seqs, "max_num_batched_tokens": budget} | metrics)
+    results = run_sweep(args, configs, samples, sorted({50.0, 90.0, 99.0, pct}), console)
     best = pick_best(results, args.max_ttft_ms, args.max_itl_ms, pct)
     target = " and ".join(
         f"P{pct:g} {what} <= {limit:g} ms"
         for what, limit in (("TTFT", args.max_ttft_ms), ("ITL", args.max_itl_ms))
         if limit is not None
     )
+    grid = args.serve_params is None
     table = Table(
         title=f"bench sweep (target: {target or 'none, best throughput'})",
-        caption="seqs: --max-num-seqs, tokens: --max-num-batched-tokens",
+        caption="seqs: --max-num-seqs, tokens: --max-num-batched-tokens" if grid else None,
     )
     p = f"P{pct:g}"
-    for col in ("seqs", "tokens", "output tok/s", "req/s", f"{p} TTFT ms", f"{p} ITL ms",
-                "mean TPOT ms", "meets target"):  # fmt: skip
-        table.add_column(col, justify="right")
+    for col in (("seqs", "tokens") if grid else ("config",)) + ("output tok/s", "req/s",
+                f"{p} TTFT ms", f"{p} ITL ms", "mean TPOT ms", "meets target"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "config" else "right")
     for i, r in enumerate(results):
         r["meets_target"] = meets_target(r, args.max_ttft_ms, args.max_itl_ms, pct)
+        first = (str(r["max_num_seqs"]), str(r["max_num_batched_tokens"])) if grid else (r["name"],)
         table.add_row(
-            str(r["max_num_seqs"]), str(r["max_num_batched_tokens"]),
+            *first,
             f"{r['output_throughput']:.1f}", f"{r['request_throughput']:.2f}",
             f"{r[f'p{pct:g}_ttft_ms']:.1f}", f"{r[f'p{pct:g}_itl_ms']:.1f}",
             f"{r['mean_tpot_ms']:.1f}", ("[bold green]winner" if i == best else "yes")
@@ -128,10 +260,7 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"[bold red]No config meets the target ({target}).[/]")
     else:
         w = results[best]
-        console.print(
-            f"[bold]Best: --max-num-seqs {w['max_num_seqs']} --max-num-batched-tokens "
-            f"{w['max_num_batched_tokens']}[/] ({w['output_throughput']:.1f} output tok/s)"
-        )
+        console.print(f"[bold]Best: {w['name']}[/] ({w['output_throughput']:.1f} output tok/s)")
     if args.output_json:
         write_json(args.output_json, {
             "target": {"max_ttft_ms": args.max_ttft_ms, "max_itl_ms": args.max_itl_ms,
