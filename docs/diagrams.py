@@ -768,3 +768,68 @@ def bitmask_words(
     for k, line in enumerate(summary):
         svg.text(10, y + 20 * k, line, fill=GREY)
     return svg.render()
+
+
+# ------------------------------------------------------- the kernel's walk
+BLOCK_COLORS = ["#5c6bc0", "#26a69a", "#ffa726", "#ab47bc", "#ef5350", "#8d6e63", "#29b6f6"]
+
+
+def tile_walk(
+    programs: Sequence[tuple[str, int, int, Sequence[int]]],
+    block_size: int,
+    tile_size: int,
+) -> str:
+    """Programs of kernel_unified_attention, each walking its request's
+    block-table row ``tile_size`` keys at a time: key position s is read from
+    physical block ``row[s // block_size]``, row ``s % block_size``; keys
+    past the program's last query (causal) or past the row are masked.
+
+    ``programs``: (caption, first query position, last query position, the
+    request's block-table row).
+    """
+    cell, left, top, prog_h = 10, 20, 40, 118
+    num_tiles_max = max(-(-(last + 1) // tile_size) for _, _, last, _ in programs)
+    keys = num_tiles_max * tile_size
+    width = max(760, left + keys * cell + 20)
+    svg = Svg(width, top + prog_h * len(programs) + 20, "The kernel's walk over a block table")
+    svg.text(
+        10,
+        20,
+        f"each program: one query block × one KV head; keys {tile_size} at a time (TILE_SIZE), "
+        f"blocks of {block_size}",
+        bold=True,
+    )
+    for k, (caption, _first, last, row) in enumerate(programs):
+        y = top + k * prog_h
+        svg.text(left, y + 14, caption)
+        # The kernel's bound: keys up to the program's last query position.
+        num_tiles = -(-(last + 1) // tile_size)
+        for s in range(num_tiles * tile_size):
+            j = s // block_size
+            valid = s <= last and j < len(row)
+            fill = BLOCK_COLORS[row[j] % len(BLOCK_COLORS)] if valid else LIGHT
+            svg.rect(left + s * cell, y + 24, cell, 22, fill, stroke="#ffffff")
+        for s in range(num_tiles * tile_size, keys):
+            svg.rect(left + s * cell, y + 24, cell, 22, "#ffffff", stroke=LIGHT)
+        for t in range(num_tiles + 1):
+            x = left + t * tile_size * cell
+            svg.parts.append(
+                f'<line x1="{x:.1f}" y1="{y + 20}" x2="{x:.1f}" y2="{y + 50}" '
+                f'stroke="{INK}" stroke-width="2"/>'
+            )
+            if t < num_tiles:
+                label = f"tile {t}: keys {t * tile_size}–{(t + 1) * tile_size - 1}"
+                svg.text(x + 4, y + 62, label, mono=True)
+        for j in range(-(-(num_tiles * tile_size) // block_size)):
+            x = left + j * block_size * cell
+            name = f"row[{j}] = {row[j]}" if j < len(row) else f"row[{j}]: none"
+            svg.text(x + 2, y + 78, name, GREY, mono=True)
+        masked = num_tiles * tile_size - min(last + 1, len(row) * block_size)
+        svg.text(
+            left,
+            y + 98,
+            f"{num_tiles} tile(s); {masked} key slots past position {last} masked; "
+            "M, L, acc rescaled per tile",
+            fill=GREY,
+        )
+    return svg.render()

@@ -360,9 +360,11 @@ def draw_batch() -> dict[str, Any]:
     write_text("batch-causal-mask.svg", diagrams.causal_mask(chunk["scheduled"], chunk["after"]))
     shared = max(ref_cnt, key=lambda b: ref_cnt[b])
     admitted = facts["2"]["requests"]
+    walk = draw_tile_walk(facts, mixed)
     hashes = draw_hash_chain(steps, facts)
     regions = draw_slot_regions(steps, facts)
     return {
+        "walk": walk,
         "hashes": hashes,
         "regions": regions,
         "steps": facts,
@@ -376,6 +378,40 @@ def draw_batch() -> dict[str, Any]:
         "shared_ref_cnt": ref_cnt[shared],
         "last_step": max(steps),
     }
+
+
+def draw_tile_walk(facts: dict[str, Any], step: int) -> dict[str, Any]:
+    """How kernel_unified_attention's programs walk the block table of the
+    mixed step: a decode and a prefill chunk, query blocks of BLOCK_Q tokens,
+    keys TILE_SIZE at a time (the kernel's own arithmetic:
+    kernels/unified_attention.py, BLOCK_M/BLOCK_Q and the 2D launch's tile)."""
+    from tracevllm.model_executor.model_loader import resolve_model
+
+    with open(os.path.join(resolve_model(None), "config.json")) as f:
+        config = json.load(f)
+    per_kv = config["num_attention_heads"] // config["num_key_value_heads"]
+    block_m = max(16, 1 << (per_kv - 1).bit_length())
+    block_q = block_m // per_kv
+    tile_size = 32  # the 2D launch's (a step with a prefill chunk)
+    at = facts[str(step)]
+    programs, shown = [], []
+    # The first request's decode, and the first and last query blocks of the chunk.
+    decode = next(r for r, req in at["requests"].items() if req["scheduled"] == 1)
+    chunk = next(r for r, req in at["requests"].items() if req["scheduled"] > 1)
+    for r in (decode, chunk):
+        req = at["requests"][r]
+        first_pos, q = req["computed"], req["scheduled"]
+        blocks = list(range(-(-q // block_q)))
+        for b in sorted({blocks[0], blocks[-1]}):
+            lo = first_pos + b * block_q
+            hi = min(first_pos + q, lo + block_q) - 1
+            kind = "decode" if q == 1 else f"prefill chunk, query block {b} of {len(blocks)}"
+            programs.append((f"request {r} ({kind}): queries at {lo}…{hi}", lo, hi, req["blocks"]))
+            shown.append({"req": r, "first": lo, "last": hi, "tiles": -(-(hi + 1) // tile_size)})
+    write_text(
+        "paged-tile-walk.svg", diagrams.tile_walk(programs, PREEMPT["block_size"], tile_size)
+    )
+    return {"block_q": block_q, "tile_size": tile_size, "programs": shown}
 
 
 def _prompt(steps: Steps, facts: dict[str, Any], req: str, donor: str) -> list[int]:
