@@ -95,6 +95,7 @@ def draw() -> dict[str, Any]:
     # Request 0 step by step: its drafts, which were kept, what it emitted.
     table = ["| step | drafts | kept | emitted |", "|---:|---|---:|---|"]
     rows = []
+    per_step: dict[str, Any] = {}
     for i in sorted(steps):
         s = specs[i].get("0")
         if s is None:
@@ -103,6 +104,13 @@ def draw() -> dict[str, Any]:
         kept = tokenizer.decode(s["drafts"][: s["accepted"]] + [s["next"]])
         table.append(f"| {i} | {drafts} | {s['accepted']} of {len(s['drafts'])} | `{kept}` |")
         rows.append(s)
+        per_step[str(i)] = {
+            "accepted": s["accepted"],
+            "drafts": len(s["drafts"]),
+            "emitted": s["accepted"] + 1,
+            "next": tokenizer.decode([s["next"]]),
+            "kind": "bonus" if s["bonus"] else "recovered",
+        }
     assets.write_text(f"{NAME}-drafts.md", "\n".join(table) + "\n")
 
     # One step with drafts, three levels deep (nothing left out): the
@@ -148,6 +156,7 @@ def draw() -> dict[str, Any]:
         "question_tokens": requests["1"]["gen_ai.usage.output_tokens"],
         "question_drafts": requests["1"].get("tracevllm.spec_decode.num_draft_tokens", 0),
         "max_kept": max(r["accepted"] for r in rows),
+        "per_step": per_step,
         "verify": verify,
         "bars": bars,
         "metadata": metadata,
