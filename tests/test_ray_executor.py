@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from tests.test_pp_stage_failure import fail_next_forward
 from tests.utils import run_json_lines
 
 BLOCK_SIZE = 4
@@ -208,6 +209,18 @@ def _two_nodes(model: str) -> None:
         except Exception as e:
             out["worker_error"] = str(e)
         out["after_error"] = [r for r, _ in executor.collective_rpc(rank_and_pid)]
+        # The first stage fails a step: the step fails naming it, within
+        # seconds (the last stage is not left waiting for its tensors), and
+        # the next generate gives the same tokens (the stages still in step).
+        executor.collective_rpc(fail_next_forward, args=(0,))
+        start = time.monotonic()
+        try:
+            _generate(llm)
+            out["stage_error"] = None
+        except Exception as e:
+            out["stage_error"] = str(e)
+        out["stage_waited"] = time.monotonic() - start
+        out["tokens_after_stage_error"] = _generate(llm)["tokens"]
         # A killed rank: the next call says which, within seconds.
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()
@@ -338,6 +351,9 @@ def test_ray_worker_error_and_dead_rank(runs: dict[str, dict[str, Any]]) -> None
     assert out["worker_error"] is not None
     assert re.search("rank [01] says no", out["worker_error"]), out["worker_error"]
     assert out["after_error"] == [0, 1]
+    assert out["stage_error"] is not None and "stage of rank 0 says no" in out["stage_error"]
+    assert out["stage_waited"] < 10, out["stage_waited"]
+    assert out["tokens_after_stage_error"] == out["tokens"]
     assert out["dead_error"] is not None, out
     assert "the Ray worker of rank 1 died" in out["dead_error"], out
     assert out["dead_waited"] < 10

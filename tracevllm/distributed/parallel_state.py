@@ -23,8 +23,10 @@ broadcaster in the group); on gloo the device group *is* the CPU group (vLLM
 makes two gloo groups of the same ranks); ``initialize_model_parallel`` takes
 ``data_parallel_size`` as an argument (vLLM reads it from the current config);
 ``send_tensor_dict`` sends whole tensors (no all-gather split over the TP
-group). Left out: expert-, context- and decode-context-parallel groups,
-elastic EP, graph capture.
+group); a stage that fails a step sends the next a ``PPStageFailure`` in place
+of its tensors (``send_pp_stage_failure``), where vLLM's next stage waits until
+its collective times out. Left out: expert-, context- and
+decode-context-parallel groups, elastic EP, graph capture.
 """
 
 from __future__ import annotations

@@ -227,6 +227,9 @@ class EngineCore:
         so the next call starts clean.
         """
         self.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR)
+        # The failed step's full blocks were cached when it was scheduled, but
+        # their KV may never have been written: a later hit would read it.
+        self.scheduler.reset_prefix_cache()
         if self.batch_queue is not None:
             # Their answers are read, in order, before the next call's.
             self.batch_queue.clear()

@@ -134,10 +134,18 @@ class RayWorkerWrapper(WorkerWrapperBase):
         """A whole step on this rank: the forward, then the sampling (vLLM
         runs this in its compiled graph; here it is one actor call per rank).
         The step's trace context comes along, so this rank's spans join it."""
+        from tracevllm.distributed.parallel_state import send_pp_stage_failure
+
         assert self.worker is not None, "Worker is not initialized"
         scheduler_output, grammar_output = execute_model_input
         with tracing.trace_context(trace_headers):
-            output = self.worker.execute_model(scheduler_output)  # type: ignore[attr-defined]
+            try:
+                output = self.worker.execute_model(scheduler_output)  # type: ignore[attr-defined]
+            except Exception as e:
+                if scheduler_output.total_num_scheduled_tokens:
+                    # The next pipeline stage waits for this step's tensors.
+                    send_pp_stage_failure(self.rpc_rank, e)
+                raise
             if output is None:
                 output = self.worker.sample_tokens(grammar_output)  # type: ignore[attr-defined]
         return output  # type: ignore[no-any-return]
