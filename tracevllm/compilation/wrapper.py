@@ -25,8 +25,9 @@ from tracevllm.compilation.config import CompilationMode
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
 
-# Dynamo's reading of "are we capturing now?", lent to the tracing helpers.
-tracing.set_is_compiling(torch.compiler.is_compiling)
+# "Is Dynamo capturing now?", lent to the tracing helpers (False in the compiler
+# backend's own code, which is plain Python run during the compile, and traced).
+tracing.set_is_compiling(torch.compiler.is_dynamo_compiling)
 
 
 @contextmanager

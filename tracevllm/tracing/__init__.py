@@ -86,7 +86,7 @@ def _not_compiling() -> bool:
     return False
 
 
-# torch.compiler.is_compiling once tracevllm.compilation is imported (tracing
+# torch.compiler.is_dynamo_compiling once tracevllm.compilation is imported (tracing
 # never imports torch itself). Dynamo reads it as True while it captures a
 # model: the span helpers then do nothing, and cause no graph break. So a
 # compiled forward has no per-layer spans (the layers run inside compiled

@@ -39,6 +39,7 @@ import torch
 from tracevllm import tracing
 from tracevllm.attention.backends.abstract import AttentionMetadata
 from tracevllm.attention.selector import get_attn_backend
+from tracevllm.compilation.config import CompilationMode
 from tracevllm.core.kv_cache_sizing import (
     _pool_bytes_per_block,
     get_kv_cache_config_from_groups,
@@ -222,6 +223,22 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         }
         if self.drafter is not None:
             self.drafter.load_model()
+        if self.vllm_config.compilation_config.mode != CompilationMode.NONE:
+            # vLLM compiles in its warm-up runs, before the first request.
+            self._dummy_run(self.max_num_tokens)
+
+    @torch.inference_mode()
+    def _dummy_run(self, num_tokens: int) -> None:
+        """One forward of ``num_tokens`` dummy tokens (vLLM's ``_dummy_run``).
+
+        A compiled model compiles here, at its widest batch; with no
+        attention metadata the attention ops do nothing.
+        """
+        assert self.model is not None
+        input_ids = torch.zeros(num_tokens, dtype=self.input_ids.dtype, device=self.device)
+        positions = torch.zeros(num_tokens, dtype=self.positions.dtype, device=self.device)
+        with set_forward_context(None, self.vllm_config, no_compile_layers=dict(self.attn_layers)):
+            self.model(input_ids, positions, None)
 
     def _all_attn_layers(self) -> dict[str, Attention]:
         """The model's attention layers and a draft model's (the same block ids page them)."""
