@@ -289,6 +289,8 @@ def draw_single() -> dict[str, Any]:
         "blocks": prefill["requests"]["0"]["blocks"],
         "prefill_slots": fold_ints(prefill["slot_mapping"]),
         "decode_slot": decode["slot_mapping"][0],
+        "decode_row": decode["slot_mapping"][0] % PREEMPT["block_size"],
+        "prefill_last_rows": prefill["num_tokens"] % PREEMPT["block_size"],
         "kv_cache_shape": shape,
         "usable_blocks": prefill["kv"]["used"] + prefill["kv"]["free"],
     }
@@ -361,10 +363,20 @@ def draw_batch() -> dict[str, Any]:
     shared = max(ref_cnt, key=lambda b: ref_cnt[b])
     admitted = facts["2"]["requests"]
     walk = draw_tile_walk(facts, mixed)
+    at_mixed = facts[str(mixed)]
     hashes = draw_hash_chain(steps, facts)
     regions = draw_slot_regions(steps, facts)
     return {
         "walk": walk,
+        # Request 0's read at the mixed step: its blocks' key positions, the
+        # valid rows of its last block, and the positions seq_lens masks.
+        "read0": {
+            "covered": at_mixed["requests"]["0"]["num_blocks"] * PREEMPT["block_size"],
+            "last_rows": at_mixed["requests"]["0"]["after"]
+            - (at_mixed["requests"]["0"]["num_blocks"] - 1) * PREEMPT["block_size"],
+            "masked": at_mixed["requests"]["0"]["num_blocks"] * PREEMPT["block_size"]
+            - at_mixed["requests"]["0"]["after"],
+        },
         "hashes": hashes,
         "regions": regions,
         "steps": facts,
