@@ -9,8 +9,9 @@ Three parts, one run:
    their own; one thread per rank): T = 1 and 2 on a tiny random-weight Llama
    (4 layers, hidden 64, 4 query / 2 KV heads), T = 1 and 3 on the default
    model (9 query / 3 KV heads), P = 2 on the tiny model with and without
-   EngineCore's batch queue, and D = 2 and async scheduling where the engine
-   has them (else the table says "not available"). Each runs traced at
+   EngineCore's batch queue, D = 2, and async scheduling off and on on the
+   ``mp`` backend at T = 1 and 2 (the engine core schedules step N+1 while
+   the workers run step N). Each runs traced at
    ``--detail full``, which makes a span of every collective with its
    milliseconds: the communication share is rank 0's collective time over
    its ``ModelRunner.execute_model`` + ``sample_tokens`` time. Full detail
@@ -33,8 +34,9 @@ three processes on two cores, so its step time measures contention as much
 as communication. The numbers are noisy; the output says so.
 
 Run: ``make bench-parallel`` or ``python benchmarks/bench_parallel.py
-[--smoke]`` (``--smoke``: T = 1 and 2 on the tiny model, 2 prompts x 4
-tokens, one all-reduce size; what tests/test_bench_cli.py runs).
+[--smoke] [--only TEXT]`` (``--smoke``: T = 1 and 2 on the tiny model, 2
+prompts x 4 tokens, one all-reduce size; what tests/test_bench_cli.py runs;
+``--only async``: the async scheduling rows alone).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Layout:
     dp: int = 1
     batch_queue: bool = True
     async_scheduling: bool | None = None
+    backend: str | None = None  # distributed_executor_backend (None: the engine's choice)
     unavailable: str | None = None  # why the engine cannot run it (yet)
 
 
@@ -118,12 +121,15 @@ def layouts(smoke: bool) -> list[Layout]:
     if not engine_has_data_parallel():
         dp.unavailable = "not available: data parallelism (DPCoordinator) is not in the engine yet"
     rows.append(dp)
-    for on in (False, True):
-        row = Layout(f"T=2, async scheduling {'on' if on else 'off'}", "tiny", tp=2,
-                     async_scheduling=on)  # fmt: skip
-        if not engine_has_async_scheduling():
-            row.unavailable = "not available: async scheduling is not in the engine yet"
-        rows.append(row)
+    # Async scheduling on the mp backend (T = 1 too: "uni" runs the step in
+    # the engine core's own process, so on CPU nothing overlaps there).
+    for tp in (1, 2):
+        for on in (False, True):
+            row = Layout(f"T={tp} (mp), async scheduling {'on' if on else 'off'}", "tiny",
+                         tp=tp, async_scheduling=on, backend="mp")  # fmt: skip
+            if not engine_has_async_scheduling():
+                row.unavailable = "not available: async scheduling is not in the engine yet"
+            rows.append(row)
     return rows
 
 
@@ -170,6 +176,8 @@ def run_layout(layout: Layout, model_dir: str, num_prompts: int, max_tokens: int
         kwargs["max_num_batched_tokens"] = max(1, num_prompts // layout.pp)
     if layout.async_scheduling is not None:
         kwargs["async_scheduling"] = layout.async_scheduling
+    if layout.backend is not None:
+        kwargs["distributed_executor_backend"] = layout.backend
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(24)]}
                for _ in range(num_prompts)]  # fmt: skip
@@ -458,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="T=1 and T=2, tiny model, 2 prompts x 4 tokens"
     )
     parser.add_argument("--output-json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument(
+        "--only", metavar="TEXT", help="only the layouts whose label holds TEXT (e.g. async)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one layout (run_layout_in_child)
     args = parser.parse_args(argv)
     if args.child:
@@ -479,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     # over a loaded machine.
     os.environ["TRACEVLLM_NUM_THREADS"] = "1"
     default_dir = resolve_model(None)
-    rows = layouts(args.smoke)
+    rows = [r for r in layouts(args.smoke) if args.only is None or args.only in r.label]
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="bench-parallel-tiny-") as tiny_root:
         tiny_dir = make_tiny_model(os.path.join(tiny_root, "tiny"), default_dir)
