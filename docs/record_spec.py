@@ -57,6 +57,52 @@ def run() -> None:
         )
     for o in outputs:
         print(f"  {o.request_id}: {o.outputs[0].text!r}")
+    run_cut()
+
+
+# A second, shorter run: a passage the model copies to its end, where the
+# n-gram's drafts run past the end of the passage and the model's EOS comes
+# as an accepted draft with drafts after it: the cut.
+CUT_NAME = "spec-cut"
+CUT_PROMPT = (
+    "Repeat this passage exactly: The old lighthouse keeper climbs the stairs every"
+    " evening. He lights the lamp and winds the clock."
+)
+
+
+def run_cut() -> None:
+    from tracevllm import LLM, SamplingParams
+
+    out = assets.fresh_run_dir(CUT_NAME)
+    print(f"# {CUT_NAME}: a short copy prompt, {SPEC}", flush=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    with LLM(
+        enable_multiprocessing=False, trace_detail="request", trace_dir=out, speculative_config=SPEC
+    ) as llm:
+        outputs = llm.chat([[{"role": "user", "content": CUT_PROMPT}]], params, use_tqdm=False)
+    print(f"  {outputs[0].request_id}: {outputs[0].outputs[0].text!r}")
+
+
+def draw_cut(decode: Any) -> dict[str, Any]:
+    """The step in which a stop inside an accepted run ended the request."""
+    steps = steps_of(assets.load(CUT_NAME))
+    cut = [i for i in sorted(steps) if any("cut" in s for s in spec_of(steps[i]).values())]
+    if not cut:
+        raise SystemExit(f"{CUT_NAME}: no step ended a request inside its accepted drafts")
+    i = cut[0]
+    spec = spec_of(steps[i])
+    view = with_spec(step_view(steps[i]), spec, decode)
+    assets.save_svg(f"{NAME}-step-cut.svg", render_step(view), f"step {i}")
+    s = spec["0"]
+    return {
+        "step": i,
+        "drafts": [decode([t]) for t in s["drafts"]],
+        "accepted": s["accepted"],
+        "kept": s["cut"]["kept"],
+        "finish_reason": s["cut"]["finish_reason"],
+        "stop": decode([s["drafts"][s["cut"]["kept"] - 1]]),
+        "dropped": s["accepted"] + 1 - s["cut"]["kept"],
+    }
 
 
 def spec_of(step: dict[str, SpanRecord]) -> dict[str, dict[str, Any]]:
@@ -157,6 +203,7 @@ def draw() -> dict[str, Any]:
         "question_drafts": requests["1"].get("tracevllm.spec_decode.num_draft_tokens", 0),
         "max_kept": max(r["accepted"] for r in rows),
         "per_step": per_step,
+        "cut": draw_cut(decode),
         "verify": verify,
         "bars": bars,
         "metadata": metadata,

@@ -172,4 +172,4 @@ def test_the_spec_view_shows_a_stop_inside_the_accepted_run_as_a_cut() -> None:
     text = _text(render_step(_spec_view(cut)), 160)
     line = next(line for line in text.splitlines() if "✓" in line)
     assert '" every"✓ "<eos>"✓ ✂ "."✓ " He"✓ → "," bonus' in line
-    assert "finished (stop) after 2 of these tokens" in line
+    assert line.rstrip(" │").endswith("100% kept · stop after 2")

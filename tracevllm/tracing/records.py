@@ -194,7 +194,7 @@ def step_with_batch_queue(span: Span, result: Any, engine_core: Any) -> None:
 def update_from_output(
     span: Span, engine_core_outputs: Any, scheduler: Any, so: Any, runner_output: Any
 ) -> None:
-    record_spec_decode(span, scheduler, so, runner_output)
+    record_spec_decode(span, scheduler, so, runner_output, engine_core_outputs)
     finished = [
         o.request_id
         for outputs in engine_core_outputs.values()

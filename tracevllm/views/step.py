@@ -96,7 +96,7 @@ def _drafts_line(req: dict[str, Any]) -> Text:
     line.append(f" · {spec['rate']:.0%} kept", style="cyan")
     if cut:
         line.append(
-            f" · finished ({cut['finish_reason']}) after {cut['kept']} of these tokens",
+            f" · {cut['finish_reason']} after {cut['kept']}",
             style="bold red",
         )
     return line
