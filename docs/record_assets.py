@@ -37,6 +37,7 @@ Only the timings change.
 
     .venv/bin/python docs/record_assets.py            # run the engine, then draw
     .venv/bin/python docs/record_assets.py --draw-only  # re-draw from traces/docs/
+    .venv/bin/python docs/record_assets.py --only serve  # one run (or more) alone
 """
 
 from __future__ import annotations

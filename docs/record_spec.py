@@ -9,7 +9,14 @@ The run: one process, n-gram drafts (k = 4, lookup 2-4), two chat prompts
 added before the first step: one that asks the model to repeat a sentence
 (its drafts come from the prompt and are mostly kept) and a plain question
 (few drafts), greedy. The views show both requests in the same steps, the
-drafts kept and rejected, and the per-request acceptance so far.
+drafts kept and rejected, and the per-request acceptance so far. A second,
+shorter run (``spec-cut``) copies a passage to its end, where the model's
+EOS comes as an accepted draft with drafts after it: the step view's cut.
+
+Beside the step views it draws, from the same spans, the verify step, p
+against q at the first rejected draft's position (p computed by the model
+from the recorded tokens) and ``_calc_spec_decode_metadata``'s docstring
+example run through the function.
 """
 
 from __future__ import annotations
