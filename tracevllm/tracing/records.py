@@ -268,6 +268,22 @@ def prepare_inputs(span: Span, result: Any, runner: Any, scheduler_output: Any) 
 
 
 def sample_tokens(span: Span, output: Any, runner: Any, *args: Any, **kw: Any) -> None:
+    if not hasattr(output, "sampled_token_ids"):
+        # Async scheduling: the tokens stay on the device for the next step's
+        # inputs (read here only when the span records).
+        batch = runner.input_batch
+        sampled = batch.prev_sampled_token_ids.tolist()
+        span.set_attributes(
+            {
+                "tracevllm.req_ids": list(batch.req_ids),
+                "tracevllm.sampled_token_ids": [
+                    sampled[i][0] if req_id in batch.prev_req_id_to_index else -1
+                    for i, req_id in enumerate(batch.req_ids)
+                ],
+                "tracevllm.async_scheduling": True,
+            }
+        )
+        return
     span.set_attributes(
         {
             "tracevllm.req_ids": list(output.req_ids),
