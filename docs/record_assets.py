@@ -156,6 +156,19 @@ def run_batch() -> None:
 
 def run_preempt() -> None:
     _run_in_process("preempt", BATCH_PROMPTS[:2], **PREEMPT)  # type: ignore[arg-type]
+    # The same pool with the model's own max_model_len: the start-up check
+    # refuses it, and says what would fit (the KV cache chapter quotes it).
+    from tracevllm import LLM
+
+    kwargs = {k: v for k, v in PREEMPT.items() if k not in ("max_tokens", "max_model_len")}
+    try:
+        LLM(enable_multiprocessing=False, **kwargs)  # type: ignore[arg-type]
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise SystemExit("a pool of 8 blocks started with the model's max_model_len")
+    with open(os.path.join(RUNS_DIR, "preempt", "refusal.txt"), "w") as f:
+        f.write(message + "\n")
 
 
 # ---------------------------------------------------------------- drawing
@@ -594,6 +607,14 @@ def draw_preempt() -> dict[str, Any]:
         ),
     )
     back = facts[str(resumed)]["requests"][victim_id]
+    with open(os.path.join(RUNS_DIR, "preempt", "refusal.txt")) as f:
+        refusal = f.read().strip()
+    numbers = re.search(
+        r"max seq len \((\d+)\).*That is (\d+) KV cache blocks; the pool has (\d+)\..*"
+        r"maximum model length is (\d+)\.",
+        refusal,
+    )
+    assert numbers is not None, refusal
     fourth = [
         first_step(
             steps,
@@ -627,6 +648,12 @@ def draw_preempt() -> dict[str, Any]:
             "blocks": back["blocks"],
         },
         "last_step": max(steps),
+        "refusal": {
+            "max_model_len": int(numbers[1]),
+            "needed_blocks": int(numbers[2]),
+            "pool_blocks": int(numbers[3]),
+            "estimated_max_model_len": int(numbers[4]),
+        },
     }
 
 
