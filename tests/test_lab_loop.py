@@ -65,17 +65,17 @@ def _flags(numbers: list[str], model: str, moe: str) -> list[str]:
 
 
 def _trace(
-    lab_env: str, out: Path, flags: list[str]
+    lab_env: str, out: Path, flags: list[str], **env: str
 ) -> tuple[subprocess.CompletedProcess[str], str]:
     """`tracevllm trace` (its Python entry, one process) with TRACEVLLM_LAB set;
     returns the run and the text of the views.html it wrote."""
     code = "import sys; from tracevllm.entrypoints.cli import main; sys.exit(main())"
     argv = ["trace", "--prompt", "Hello, world!", "--raw", "--max-tokens", "4"]
     argv += ["--no-mp", "--detail", "full", "--out", str(out), *flags]
-    env = dict(os.environ, TRACEVLLM_LAB=lab_env, COLUMNS="160")
     proc = subprocess.run(
         [sys.executable, "-c", code, *argv],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=dict(os.environ, TRACEVLLM_LAB=lab_env, COLUMNS="160", **env),
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc, _html_text(out / "views.html")
@@ -114,9 +114,13 @@ def test_a_plugged_lab_that_never_ran_says_what_it_needs(
     terminal, with what it needs; no temporary folder is left behind.
     (Mutation caught: the warning never fires.)"""
     numbers = ["05", "06", "11", "12"]
-    before = set(Path("/tmp").glob("tracevllm-labs-*"))
+    tmp = tmp_path / "tmp"  # the run's temporary folders, and nothing else's
+    tmp.mkdir()
     proc, views = _trace(
-        _pass_through(tmp_path, numbers), tmp_path / "t", ["--model", tiny_model_dir]
+        _pass_through(tmp_path, numbers),
+        tmp_path / "t",
+        ["--model", tiny_model_dir],
+        TMPDIR=str(tmp),
     )
     terminal = " ".join(proc.stdout.split())
     for number in numbers:
@@ -126,7 +130,7 @@ def test_a_plugged_lab_that_never_ran_says_what_it_needs(
         assert lab.needs.split(" (")[0] in warning
     assert "--speculative-config" in views and "--choice A,B" in views
     assert "ran in pid" not in views
-    assert set(Path("/tmp").glob("tracevllm-labs-*")) == before
+    assert not list(tmp.glob("tracevllm-labs-*"))
 
 
 def test_a_lab_that_never_ran_warns_at_exit_outside_trace(
