@@ -53,6 +53,14 @@ class TorchCompileWithNoGuardsWrapper:
         from tracevllm.compilation.backends import VllmBackend
 
         compilation_config = self.vllm_config.compilation_config
+        if self.vllm_config.device_config.device == "cpu":
+            from tracevllm.platforms.cpu import inductor_compile_config
+
+            # The platform's options under the user's, before the cache key is taken.
+            compilation_config.inductor_compile_config = {
+                **inductor_compile_config(),
+                **compilation_config.inductor_compile_config,
+            }
         mode = compilation_config.mode
         assert mode not in (None, CompilationMode.NONE), "nothing to compile in mode NONE"
         backend: Any

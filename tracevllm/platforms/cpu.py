@@ -1,4 +1,4 @@
-"""Process settings for running the engine on CPUs: threads and the allocator.
+"""Process settings for running the engine on CPUs: threads, the allocator, Inductor.
 
 Mirrors vllm/utils/ompmultiprocessing.py and vllm/v1/worker/cpu_worker.py:
 two things vLLM's CPU backend does before its worker runs a step.
@@ -22,6 +22,14 @@ two things vLLM's CPU backend does before its worker runs a step.
   tracevllm keeps glibc and tells it, with ``mallopt``, to serve blocks up to
   32 MiB from its heap and to keep freed memory: the same effect, no
   preloaded library.
+- vllm/platforms/cpu.py (``check_and_update_config``) sets Inductor's
+  options for CPU (``inductor_compile_config`` below) and turns
+  VLLM_COMPILE into DYNAMO_TRACE_ONCE: on CPU vLLM compiles the whole
+  graph in one piece, attention op inside, since the split exists to leave
+  attention out of CUDA graphs. tracevllm keeps VLLM_COMPILE piecewise on
+  CPU too (mode 2 is there for the whole graph): the pieces are what the
+  compiled path is about to show, and the attention's Python (and spans)
+  runs between them.
 """
 
 from __future__ import annotations
@@ -86,3 +94,25 @@ def engine_num_threads(local_world_size: int = 1) -> int | None:
             f"torch would use {available}. Reserve fewer, or set TRACEVLLM_NUM_THREADS."
         )
     return max(1, (available - reserved) // local_world_size)
+
+
+# --8<-- [start:inductor_compile_config]
+def inductor_compile_config() -> dict[str, object]:
+    """vLLM's Inductor options on CPU (vllm/platforms/cpu.py).
+
+    ``cpp.dynamic_threads``: the generated C++ asks OpenMP for its thread
+    count at run time instead of baking in the count at compile time, so a
+    compiled model follows the engine's thread setting (and a cached one,
+    the machine it runs on). The rest skip checks (size and NaN asserts)
+    and dead code, and let Inductor fuse epilogues into its kernels.
+    """
+    return {
+        "dce": True,
+        "size_asserts": False,
+        "nan_asserts": False,
+        "epilogue_fusion": True,
+        "cpp.dynamic_threads": True,
+    }
+
+
+# --8<-- [end:inductor_compile_config]
