@@ -10,7 +10,8 @@ although a step more is in flight when a stop token comes, and every KV
 block is back afterwards; no step is scheduled past max_tokens (the
 ``AsyncScheduler`` driven by hand, as the batch queue drives it); an abort
 mid-generation leaves the other requests' tokens and the pool as they
-should be; a worker killed mid-generate is ``EngineDeadError``. The spans
+should be; a JSON schema holds (its steps' sampling deferred until the token
+in flight is in); a worker killed mid-generate is ``EngineDeadError``. The spans
 show the overlap: with async on, a step's ``Scheduler.schedule`` starts
 before the worker's forward of the step before it ends; with it off, no
 ``Scheduler.schedule`` starts during a forward.
@@ -321,6 +322,29 @@ def test_abort_mid_generation(async_llm: LLM, sync_greedy: tuple[list[Any], int]
     assert aborted and 0 < len(got["abort-0"]) < MAX_TOKENS
     assert got["abort-0"] == want[0][: len(got["abort-0"])]
     assert [got["abort-1"], got["abort-2"]] == want[1:3]
+    _assert_pool_free(async_llm)
+
+
+def test_a_json_schema_holds_with_sampling_deferred(
+    async_llm: LLM, sync_llm: LLM, tokenizer: Any
+) -> None:
+    """A structured request's bitmask needs its token in flight: each of its
+    decode steps samples only after the step before is in (deferred)."""
+    import json
+
+    import jsonschema
+
+    from tests.test_tensor_parallel import ANSWER_SCHEMA
+    from tracevllm.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=ANSWER_SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so)
+    want, _ = _run(sync_llm, PROMPTS[:2], params)
+    got, _ = _run(async_llm, PROMPTS[:2], params)
+    assert _tokens(got) == _tokens(want)
+    for g in got:
+        assert g.outputs[0].finish_reason == "stop", g.outputs[0]
+        jsonschema.validate(json.loads(g.outputs[0].text), ANSWER_SCHEMA)
     _assert_pool_free(async_llm)
 
 
