@@ -492,19 +492,24 @@ def accept_reject_bars(
     n = max(len(t) for _, t, _, _, _ in panels)
     width = max(760, left + n * (2 * bar + gap) + 20)
     panel_h = plot_h + 110
-    svg = Svg(width, 40 + panel_h * len(panels), "Rejection sampling: p against q")
+    svg = Svg(width, 52 + panel_h * len(panels), "Rejection sampling: p against q")
     legend(
         svg,
         18,
         [
-            ("p (target)", "#90caf9"),
             ("q (draft)", "#ffcc80"),
             ("min(p, q): accepted", ACCEPT),
             ("max(p − q, 0): recovered from", REJECT),
         ],
     )
+    svg.text(
+        10,
+        36,
+        "each token's left bar is p (target): green up to min(p, q), red above it",
+        fill=GREY,
+    )
     for k, (title, tokens, p, q, draft) in enumerate(panels):
-        y0 = 48 + k * panel_h
+        y0 = 60 + k * panel_h
         svg.text(10, y0 + 10, title, bold=True)
         base = y0 + 26 + plot_h
         top = max(max(p), max(q), 1e-9)
@@ -546,18 +551,17 @@ def spec_metadata(
 ) -> str:
     """_calc_spec_decode_metadata's output over the flat batch: which tokens get
     a logits row, and which rows verify a draft or give the bonus token."""
-    cell, left, top = 26, 20, 60
+    cell, left, top, gap = 28, 20, 84, 24
     total = sum(num_scheduled)
     # A long request is drawn with its middle folded: its first and last cells.
-    shown: list[int | None] = []
+    groups: list[list[int | None]] = []
     start = 0
     for n in num_scheduled:
         idx = list(range(start, start + n))
-        shown += idx if n <= 8 else [*idx[:3], None, *idx[-4:]]
+        groups.append(list(idx) if n <= 8 else [*idx[:2], None, *idx[-4:]])
         start += n
-    width = left + cell * len(shown) + 20
-    rows = len(logits_indices)
-    svg = Svg(max(width, 760), top + 120 + rows * 0 + 150, "_calc_spec_decode_metadata")
+    width = left + cell * sum(len(g) for g in groups) + gap * len(groups) + 20
+    svg = Svg(max(width, 760), top + 190, "_calc_spec_decode_metadata")
     svg.text(
         10,
         20,
@@ -565,33 +569,31 @@ def spec_metadata(
         f"(a flat batch of {total})",
         bold=True,
     )
-    legend(svg, 42, [("token with a logits row", "#7986cb"), ("no logits", LIGHT)])
-    owner: dict[int, int] = {}
-    start = 0
-    for r, n in enumerate(num_scheduled):
-        for t in range(start, start + n):
-            owner[t] = r
-        start += n
+    legend(svg, 42, [("token with a logits row", "#7986cb"), ("no logits row", LIGHT)])
     where: dict[int, float] = {}
-    for j, t in enumerate(shown):
-        x = left + j * cell
-        if t is None:
-            svg.text(x + cell / 2, top + 18, "…", anchor="middle")
-            continue
-        fill = "#7986cb" if t in logits_indices else LIGHT
-        svg.rect(x, top, cell, 26, fill, stroke=color(str(owner[t])))
-        ink = "#ffffff" if t in logits_indices else GREY
-        svg.text(x + cell / 2, top + 17, str(t), ink, "middle", True)
-        where[t] = x + cell / 2
+    x = left
+    for r, group in enumerate(groups):
+        svg.text(x, top - 26, f"request {r}", fill=color(str(r)), bold=True)
+        svg.text(x, top - 9, f"{num_drafts[r]} drafts", fill=color(str(r)))
+        for t in group:
+            if t is None:
+                svg.text(x + cell / 2, top + 18, "…", anchor="middle")
+                x += cell
+                continue
+            has_row = t in logits_indices
+            svg.rect(x, top, cell, 26, "#7986cb" if has_row else LIGHT, stroke=color(str(r)))
+            ink = "#ffffff" if has_row else GREY
+            svg.text(x + cell / 2, top + 17, str(t), ink, "middle", True)
+            where[t] = x + cell / 2
+            x += cell
+        x += gap
     # Each logits row under the token it is computed from.
-    y = top + 70
-    svg.text(left, y - 14, "logits rows (logits_indices[i] → row i):", fill=GREY)
+    y = top + 62
+    svg.text(left, y - 12, "logits rows (row i is computed at token logits_indices[i]):", GREY)
     for row, t in enumerate(logits_indices):
-        x = where[t]
-        kind = "bonus" if row in bonus_logits_indices else "target"
-        fill = BONUS if kind == "bonus" else ACCEPT
-        svg.rect(x - cell / 2, y, cell, 26, fill)
-        svg.text(x, y + 17, str(row), "#ffffff", "middle", True)
+        fill = BONUS if row in bonus_logits_indices else ACCEPT
+        svg.rect(where[t] - cell / 2, y, cell, 26, fill)
+        svg.text(where[t], y + 17, str(row), "#ffffff", "middle", True)
     legend(
         svg,
         y + 50,
@@ -620,10 +622,10 @@ def hash_chain(
     ``rows``: (request, [(tokens as text, parent hash, hash, physical block)],
     what follows the last full block).
     """
-    box_w, box_h, left, top, row_h = 250, 92, 120, 50, 140
+    box_w, box_h, left, top, row_h = 250, 92, 120, 50, 150
     n = max(len(blocks) for _, blocks, _ in rows)
     width = left + n * (box_w + 40) + 10
-    svg = Svg(max(width, 760), top + row_h * len(rows) + 40, "The block-hash chain")
+    svg = Svg(max(width, 760), top + row_h * len(rows), "The block-hash chain")
     svg.text(
         10,
         20,
@@ -650,7 +652,7 @@ def hash_chain(
             seen.setdefault(h, req_id)
             if j + 1 < len(blocks):
                 svg.line(x + box_w, y + box_h / 2, x + box_w + 38, y + box_h / 2)
-        svg.text(left + (len(blocks) - 1) * (box_w + 40), y + box_h + 52, tail, fill=GREY)
+        svg.text(left + (len(blocks) - 1) * (box_w + 40), y + box_h + 34, tail, fill=GREY)
     return svg.render()
 
 

@@ -48,6 +48,8 @@ PROMPTS = [
     "What is the capital of France?",
 ]
 UPDATE_SPAN = "Scheduler.update_from_output"
+# The flatter q of the p-against-q figure: the target's logits at this temperature.
+FLAT_TEMPERATURE = 1.5
 
 
 def run() -> None:
@@ -286,7 +288,7 @@ def draw_bars(
     rejected in step ``i``: p the model's distribution there (temperature 1,
     computed from the recorded tokens), q the n-gram's (one-hot on its
     draft), and, for the general case, a flatter q: the same logits at
-    temperature 2, as a small draft model's tends to be."""
+    temperature FLAT_TEMPERATURE, as a small draft model's tends to be."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -307,7 +309,7 @@ def draw_bars(
     # The recorded step is greedy: its recovered token is p's argmax.
     assert int(p.argmax()) == spec["next"], (int(p.argmax()), spec["next"])
     draft = spec["drafts"][spec["accepted"]]
-    q_flat = torch.softmax(logits / 2.0, -1)
+    q_flat = torch.softmax(logits / FLAT_TEMPERATURE, -1)
     top = torch.topk(p, 6).indices.tolist()
     tokens = top + ([draft] if draft not in top else [])
     labels = [_shown(tokenizer.decode([t]))[:8] for t in tokens]
@@ -327,7 +329,8 @@ def draw_bars(
                     draft_label,
                 ),
                 (
-                    "the same position, q a flatter guess (the same logits at temperature 2)",
+                    "the same position, q a flatter guess (the same logits at temperature "
+                    f"{FLAT_TEMPERATURE})",
                     labels,
                     p_row,
                     q_row,
@@ -342,6 +345,8 @@ def draw_bars(
         "p_draft": round(float(p[draft]), 3),
         "p_next": round(float(p[spec["next"]]), 3),
         "accept_ngram": round(float(p[draft]), 3),
+        "flat_temperature": FLAT_TEMPERATURE,
+        "accept_flat": round(float(torch.minimum(p, q_flat).sum()), 2),
     }
 
 
