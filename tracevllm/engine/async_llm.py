@@ -41,6 +41,7 @@ from tracevllm.metrics.stats import IterationStats
 from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import SamplingParams
 from tracevllm.tracing import records
+from tracevllm.tracing.kv_transfer import kv_transfer_trace_headers
 from tracevllm.tracing.request_span import llm_request_span, record_request_error
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,8 @@ class AsyncLLM:
             raise EngineDeadError()
         arrival_time = arrival_time if arrival_time is not None else time.time()
         n = params.n if isinstance(params, SamplingParams) else 1
-        with llm_request_span(request_id, arrival_time, n, trace_headers) as trace_headers:
+        remote = kv_transfer_trace_headers(params)  # a KV producer's trace, continued
+        with llm_request_span(request_id, arrival_time, n, trace_headers, remote) as trace_headers:
             request = self.input_processor.process_inputs(
                 request_id, prompt, params, arrival_time, trace_headers, priority
             )

@@ -28,6 +28,7 @@ from tracevllm.engine.parallel_sampling import ParentRequest
 from tracevllm.metrics.stats import IterationStats, SchedulerStats
 from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import SamplingParams
+from tracevllm.tracing.kv_transfer import kv_transfer_trace_headers
 from tracevllm.tracing.request_span import llm_request_span, record_request_error
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ class LLMEngine:
         self._check_not_shut_down()
         arrival_time = arrival_time if arrival_time is not None else time.time()
         n = params.n if isinstance(params, SamplingParams) else 1
-        with llm_request_span(request_id, arrival_time, n, trace_headers) as trace_headers:
+        remote = kv_transfer_trace_headers(params)  # a KV producer's trace, continued
+        with llm_request_span(request_id, arrival_time, n, trace_headers, remote) as trace_headers:
             return self._add_request(
                 request_id, prompt, params, arrival_time, trace_headers, priority
             )

@@ -99,6 +99,16 @@ def add_trace_context(
     return params
 
 
+def kv_transfer_trace_headers(params: Any) -> dict[str, str] | None:
+    """The producer's trace headers in a request's
+    ``extra_args["kv_transfer_params"]`` (None if it has none)."""
+    extra_args = getattr(params, "extra_args", None)
+    if not isinstance(extra_args, dict):
+        return None
+    params = extra_args.get("kv_transfer_params")
+    return remote_trace_headers(params if isinstance(params, dict) else None)
+
+
 def remote_trace_headers(kv_transfer_params: Mapping[str, Any] | None) -> dict[str, str] | None:
     """The producer's trace headers inside a consumer's ``kv_transfer_params``."""
     if not kv_transfer_params:

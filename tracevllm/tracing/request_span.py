@@ -167,14 +167,21 @@ class LLMRequestSpan:
 
 @contextlib.contextmanager
 def llm_request_span(
-    request_id: str, arrival_time: float, n: int, trace_headers: Mapping[str, str] | None
+    request_id: str,
+    arrival_time: float,
+    n: int,
+    trace_headers: Mapping[str, str] | None,
+    remote_trace_headers: Mapping[str, str] | None = None,
 ) -> Iterator[Mapping[str, str] | None]:
     """Start the request's span (tracing on) and make it current.
 
     Yields the trace headers to send with the request: the span's own
     context, so the engine core's spans about the request become its
     children, and ``find_request_span`` finds it. If adding the request
-    fails, the span ends at once, with the error.
+    fails, the span ends at once, with the error. ``remote_trace_headers``:
+    the context of the same request on the engine that computed its prompt
+    (a KV producer's, from ``kv_transfer_params``): the span continues that
+    trace, and links to the code that added it here.
     """
     if not is_enabled():
         yield trace_headers
@@ -184,9 +191,15 @@ def llm_request_span(
     # trace_headers (an HTTP traceparent given straight to add_request).
     current = trace.get_current_span()
     context = None if current.is_recording() else extract_trace_context(trace_headers)
+    links = []
+    if (remote := extract_trace_context(remote_trace_headers)) is not None:
+        if current.is_recording():
+            links.append(trace.Link(current.get_span_context()))
+        context = remote
     span = get_tracer().start_span(
         "llm_request",
         context=context,
+        links=links,
         kind=trace.SpanKind.SERVER,
         start_time=int(arrival_time * 1e9),
         attributes={SpanAttributes.GEN_AI_REQUEST_ID: request_id},

@@ -1,0 +1,352 @@
+"""KV connectors: a producer engine saves each prompt's KV, a consumer engine loads it.
+
+Two LLMs on a tiny random-weight Llama through vLLM's ExampleConnector (files
+on a shared path): the consumer's greedy tokens equal a single engine's, and
+it computed only the tail of each prompt (``num_cached_tokens`` counts the
+loaded tokens). A missing, corrupt or truncated file is recomputed (policy
+``recompute``) or fails just that request (``fail``), and the engine keeps
+serving; every KV block is back in the pool after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.utils import make_tiny_llama
+from tracevllm import LLM, SamplingParams
+from tracevllm.config import KVTransferConfig
+from tracevllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+    COMPLETE_MARKER,
+    num_tokens_to_transfer,
+    prefix_key,
+)
+from tracevllm.engine.arg_utils import EngineArgs
+
+BLOCK_SIZE = 8
+PROMPT_LENS = (21, 33, 40, 47, 9, 64)
+NUM_TOKENS = 12
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # N(0, 0.08) weights: greedy continuations that depend on the context.
+    path = str(tmp_path_factory.mktemp("kv-tiny-llama"))
+    return make_tiny_llama(path, seed=0, initializer_range=0.08)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(5, 250, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def _llm(model_dir: str, **kwargs: Any) -> LLM:
+    kwargs.setdefault("enable_multiprocessing", False)
+    return LLM(model=model_dir, block_size=BLOCK_SIZE, num_gpu_blocks_override=64, **kwargs)
+
+
+def _kv(role: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"shared_storage_path": path},
+        **kwargs,
+    }
+
+
+def _greedy(kv_transfer_params: dict[str, Any] | None = None) -> SamplingParams:
+    extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    return SamplingParams(
+        temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, extra_args=extra_args
+    )
+
+
+def _inputs(prompts: list[list[int]]) -> list[Any]:
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _assert_pool_free(llm: LLM) -> None:
+    stats = llm.llm_engine.engine_core.get_kv_cache_stats()
+    assert stats["used"] == 0 and stats["free"] == stats["total"], stats
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    """A single engine's greedy tokens, without any connector."""
+    with _llm(model_dir) as llm:
+        outputs = llm.generate(_inputs(prompts), _greedy(), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _produce(model_dir: str, prompts: list[list[int]], path: str, **kwargs: Any) -> list[Any]:
+    """The producer's run: max_tokens=1, the prompts' KV saved under ``path``."""
+    with _llm(model_dir, kv_transfer_config=_kv("kv_producer", path), **kwargs) as producer:
+        outputs = producer.generate(
+            _inputs(prompts), SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False
+        )
+        _assert_pool_free(producer)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def stored(
+    model_dir: str, prompts: list[list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, list[dict[str, Any]]]:
+    """One in-process producer run: the store and each prompt's kv_transfer_params."""
+    path = str(tmp_path_factory.mktemp("kv-store"))
+    outputs = _produce(model_dir, prompts, path)
+    return path, [o.kv_transfer_params for o in outputs]
+
+
+def _copy_store(stored: tuple[str, Any], tmp_path: Any) -> str:
+    path = str(tmp_path / "store")
+    shutil.copytree(stored[0], path)
+    return path
+
+
+def _layer_file(path: str, prompt: list[int], layer: str) -> str:
+    key = prefix_key(prompt[: num_tokens_to_transfer(len(prompt), BLOCK_SIZE)])
+    return os.path.join(path, key, f"{layer}.safetensors")
+
+
+# ---------------------------------------------------------------- the config
+def test_kv_transfer_config_is_checked_as_vllm_checks_it(model_dir: str) -> None:
+    roles = re.escape("('kv_producer', 'kv_consumer', 'kv_both')")
+    message = f"Please specify kv_role when kv_connector is set, supported roles are {roles}"
+    with pytest.raises(ValueError, match=message):
+        KVTransferConfig(kv_connector="ExampleConnector")
+    with pytest.raises(ValueError, match=r"Unsupported kv_role: kv_prefill\. Supported roles"):
+        KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_prefill")
+    with pytest.raises(ValueError, match="kv_load_failure_policy must be 'recompute' or 'fail'"):
+        KVTransferConfig(kv_role="kv_both", kv_load_failure_policy="retry")
+    with pytest.raises(TypeError, match="kv_port must be an int, got bool"):
+        KVTransferConfig(kv_port=True)
+    with pytest.raises(TypeError, match="kv_connector_extra_config must be a dict"):
+        KVTransferConfig(kv_connector_extra_config=["shared_storage_path"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"unknown keys \['kv_connecter'\]"):
+        KVTransferConfig.from_dict({"kv_connecter": "ExampleConnector", "kv_role": "kv_both"})
+    config = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    assert config.is_kv_producer and config.is_kv_consumer and config.engine_id
+    assert config.kv_load_failure_policy == "fail"  # vLLM's default
+    # Refused in the frontend, before an engine starts: vLLM's message.
+    typo = {"kv_connector": "NixlConnectr", "kv_role": "kv_both"}
+    with pytest.raises(ValueError, match="Unsupported connector type: NixlConnectr"):
+        LLM(model=model_dir, kv_transfer_config=typo)
+    # tracevllm serve --kv-transfer-config '{...}' parses to the same config.
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--kv-transfer-config", '{"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}']
+    )
+    config = EngineArgs.from_cli_args(args).create_kv_transfer_config()
+    assert config is not None and config.engine_id
+    assert config == KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_consumer", engine_id=config.engine_id
+    )
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-transfer-config", "[1]"])
+
+
+# ------------------------------------------------------- producer -> consumer
+@pytest.mark.parametrize("multiprocessing", ["0", "1"])
+def test_consumer_generates_what_one_engine_does_from_the_producers_kv(
+    model_dir: str,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    multiprocessing: str,
+) -> None:
+    monkeypatch.setenv("TRACEVLLM_ENABLE_MULTIPROCESSING", multiprocessing)
+    path = str(tmp_path / "store")
+    # A 16-token budget: the longer prompts are saved in the step that
+    # completes their kept blocks, not their first chunk.
+    produced = _produce(
+        model_dir, prompts, path, enable_multiprocessing=None, max_num_batched_tokens=16
+    )
+    for prompt, output in zip(prompts, produced, strict=True):
+        assert output.kv_transfer_params == {"do_remote_prefill": True}
+        folder = os.path.dirname(_layer_file(path, prompt, LAYERS[0]))
+        assert sorted(os.listdir(folder)) == sorted(
+            [COMPLETE_MARKER] + [f"{layer}.safetensors" for layer in LAYERS]
+        )
+    with _llm(
+        model_dir, kv_transfer_config=_kv("kv_consumer", path), enable_multiprocessing=None
+    ) as consumer:
+        outputs = consumer.generate(
+            _inputs(prompts), [_greedy(o.kv_transfer_params) for o in produced], use_tqdm=False
+        )
+        _assert_pool_free(consumer)
+    for prompt, output, expected in zip(prompts, outputs, baseline, strict=True):
+        assert list(output.outputs[0].token_ids) == expected, f"prompt of {len(prompt)}"
+        # Loaded: the full blocks before the last prompt token; computed: the rest.
+        assert output.num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+# ----------------------------------------------------------- load failures
+def _damage(path: str, prompts: list[list[int]]) -> None:
+    """Prompt 0: a layer file of garbage; 1: a layer file gone; 2: one cut short."""
+    with open(_layer_file(path, prompts[0], LAYERS[1]), "wb") as f:
+        f.write(os.urandom(256))
+    os.remove(_layer_file(path, prompts[1], LAYERS[0]))
+    name = _layer_file(path, prompts[2], LAYERS[1])
+    with open(name, "rb") as f:
+        data = f.read()
+    with open(name, "wb") as f:
+        f.write(data[: len(data) // 2])
+
+
+@pytest.mark.timeout(240)  # a request stuck after a failed load fails fast
+def test_a_failed_load_is_recomputed_under_recompute(
+    model_dir: str,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    stored: tuple[str, list[dict[str, Any]]],
+    tmp_path: Any,
+) -> None:
+    path = _copy_store(stored, tmp_path)
+    _damage(path, prompts)
+    config = _kv("kv_consumer", path, kv_load_failure_policy="recompute")
+    with _llm(model_dir, kv_transfer_config=config) as consumer:
+        params = [_greedy(p) for p in stored[1]]
+        for _ in range(2):  # and the engine keeps serving
+            outputs = consumer.generate(_inputs(prompts), params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == baseline
+            _assert_pool_free(consumer)
+
+
+@pytest.mark.timeout(240)  # a request stuck after a failed load fails fast
+def test_a_failed_load_fails_only_its_request_under_fail(
+    model_dir: str,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    stored: tuple[str, list[dict[str, Any]]],
+    tmp_path: Any,
+) -> None:
+    path = _copy_store(stored, tmp_path)
+    _damage(path, prompts)
+    with _llm(model_dir, kv_transfer_config=_kv("kv_consumer", path)) as consumer:
+        params = [_greedy(p) for p in stored[1]]
+        outputs = consumer.generate(_inputs(prompts), params, use_tqdm=False)
+        for i, (output, expected) in enumerate(zip(outputs, baseline, strict=True)):
+            completion = output.outputs[0]
+            if i < 3:
+                assert completion.finish_reason == "error", i
+                assert completion.token_ids == [], i
+            else:
+                assert list(completion.token_ids) == expected, i
+        _assert_pool_free(consumer)
+        # The bad blocks left the prefix cache: with the files put right, the
+        # same prompts load again, never hitting what the failed load left.
+        shutil.rmtree(path)
+        shutil.copytree(stored[0], path)
+        outputs = consumer.generate(_inputs(prompts[:3]), params[:3], use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == baseline[:3]
+        _assert_pool_free(consumer)
+
+
+@pytest.fixture
+def no_connector_left() -> Iterator[None]:
+    yield
+    from tracevllm.distributed.kv_transfer import has_kv_transfer_group
+
+    assert not has_kv_transfer_group(), "an engine left its KV connector behind"
+
+
+def test_in_process_engines_never_share_a_connector(
+    model_dir: str, tmp_path: Any, no_connector_left: None
+) -> None:
+    """Two live in-process engines with connectors would load and save
+    through one another's: the second is refused, and a connector-less
+    engine beside one runs untouched."""
+    path = str(tmp_path / "store")
+    with _llm(model_dir, kv_transfer_config=_kv("kv_producer", path)) as producer:
+        with pytest.raises(RuntimeError, match="A KV connector is already running"):
+            _llm(model_dir, kv_transfer_config=_kv("kv_consumer", path))
+        with _llm(model_dir) as plain:
+            plain.generate(_inputs([[7] * 30]), _greedy(), use_tqdm=False)
+        assert not os.path.exists(path)  # the plain engine saved nothing
+        producer.generate(_inputs([[7] * 30]), _greedy(), use_tqdm=False)
+        assert os.listdir(path)
+
+
+# ------------------------------------------------------------------ tracing
+def test_saves_and_loads_are_spans_and_the_consumer_continues_the_producers_trace(
+    model_dir: str, prompts: list[list[int]], baseline: list[list[int]], tmp_path: Any
+) -> None:
+    """Producer and consumer engines in their own processes, each writing spans:
+    one save span per request on the producer and one load span per request
+    on the consumer (bytes, blocks, layers, milliseconds), each in its
+    request's trace; the consumer's request continues the producer's trace,
+    whose context came in kv_transfer_params."""
+    from tracevllm.tracing import SPANS_FILE
+    from tracevllm.tracing.exporters import read_spans_jsonl
+
+    path, traces = str(tmp_path / "store"), tmp_path / "traces"
+    two = prompts[1:3]
+    traced = {"trace_detail": "request", "enable_multiprocessing": True}
+    with _llm(
+        model_dir,
+        kv_transfer_config=_kv("kv_producer", path),
+        trace_dir=str(traces / "producer"),
+        **traced,
+    ) as producer:
+        produced = producer.generate(
+            _inputs(two), SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False
+        )
+    for output in produced:
+        assert output.kv_transfer_params is not None
+        assert output.kv_transfer_params["traceparent"].startswith("00-")
+    with _llm(
+        model_dir,
+        kv_transfer_config=_kv("kv_consumer", path),
+        trace_dir=str(traces / "consumer"),
+        **traced,
+    ) as consumer:
+        params = [_greedy(o.kv_transfer_params) for o in produced]
+        outputs = consumer.generate(_inputs(two), params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == baseline[1:3]
+
+    p_spans = read_spans_jsonl(str(traces / "producer" / SPANS_FILE))
+    c_spans = read_spans_jsonl(str(traces / "consumer" / SPANS_FILE))
+    # [2, 1, 2, 2] bytes per value: K and V, tiny Llama's 2 KV heads of 16, fp32, 2 layers.
+    bytes_per_token = 2 * 2 * 16 * 4 * len(LAYERS)
+    for direction, spans, name in (
+        ("save", p_spans, "ExampleConnector.save_kv_layer"),
+        ("load", c_spans, "ExampleConnector.wait_for_layer_load"),
+    ):
+        transfers = sorted(
+            (s for s in spans if s.name == name),
+            key=lambda s: s.attributes["tracevllm.kv_transfer.num_tokens"],
+        )
+        assert len(transfers) == 2, (direction, [s.name for s in spans])
+        for span, prompt in zip(transfers, two, strict=True):
+            kept = num_tokens_to_transfer(len(prompt), BLOCK_SIZE)
+            attrs = span.attributes
+            assert attrs["tracevllm.kv_transfer.connector"] == "ExampleConnector"
+            assert attrs["tracevllm.kv_transfer.direction"] == direction
+            assert attrs["tracevllm.kv_transfer.num_tokens"] == kept
+            assert attrs["tracevllm.kv_transfer.num_blocks"] == kept // BLOCK_SIZE
+            assert attrs["tracevllm.kv_transfer.num_layers"] == len(LAYERS)
+            assert attrs["tracevllm.kv_transfer.num_bytes"] == kept * bytes_per_token
+            assert attrs["tracevllm.kv_transfer.ms"] >= 0
+            assert span.process_kind == "engine_core"
+        # Each under its own request's llm_request span (made in the frontend).
+        request_span_ids = {s.span_id for s in spans if s.name == "llm_request"}
+        parents = {s.parent_span_id for s in transfers}
+        assert len(parents) == 2 and parents <= request_span_ids, direction
+    # One trace per request, from the producer's llm_request to the consumer's.
+    p_requests = {s.span_id: s for s in p_spans if s.name == "llm_request"}
+    c_requests = [s for s in c_spans if s.name == "llm_request"]
+    assert len(p_requests) == len(c_requests) == 2
+    for c_request in c_requests:
+        parent = p_requests[c_request.parent_span_id]  # type: ignore[index]
+        assert parent.trace_id == c_request.trace_id
