@@ -290,6 +290,14 @@ class VllmBackend:
         )
         cache_dir = local_cache_dir(self.vllm_config, hash_key, self.prefix)
         os.makedirs(cache_dir, exist_ok=True)
+        # A saved piece holds Inductor's generated C++, not the built library:
+        # Inductor's own cache (its .so files) goes beside it, or a cached
+        # start builds every kernel again (measured: 101 s of 105 on the tiny
+        # model). vLLM does the same for its AOT artifacts; set unconditionally
+        # as vLLM, since torch may have filled in its /tmp default already.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            self.compilation_config.cache_dir, "inductor_cache"
+        )
         self.compilation_config.local_cache_dir = cache_dir
         self.compiler_manager.initialize_cache(cache_dir)
 
