@@ -117,6 +117,9 @@ def test_folded_siblings_and_collapsed_spans_say_how_many() -> None:
     text = _text(render_waterfall(spans))
     assert text.count("EngineCore.step") == 4  # three, then the fold line
     assert "… 2 more EngineCore.step" in text
+    # In a narrow terminal names lose their class, not the fold line its name.
+    narrow = _text(render_waterfall(_steps(5, 40)), 60)
+    assert "… 2 more EngineCore.step" in narrow and "… 37 more .c" not in narrow
     text = _text(render_waterfall(spans, max_same_name=5, collapse=frozenset({"EngineCore.step"})))
     assert text.count("EngineCore.step") == 5
     assert text.count("… 2 spans inside") == 5

@@ -130,7 +130,8 @@ class Waterfall:
             for kid_name, n in seen.items():
                 if n > self.max_same_name:
                     more = f"… {n - self.max_same_name} more"
-                    yield _Row(depth + 1, f"{more} {kid_name}", more, False, None)
+                    short = f"{more} {_short(kid_name, span)}"
+                    yield _Row(depth + 1, f"{more} {kid_name}", short, False, None)
 
         for root in children.get(None, []):
             yield from walk(root, 0, None)
