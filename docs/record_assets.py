@@ -60,6 +60,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "docs"))
 
 import diagrams  # noqa: E402  (docs/, beside this file)
+import diagrams_cache  # noqa: E402
 from recording import (  # noqa: E402
     Steps,
     first_step,
@@ -435,7 +436,7 @@ def draw_tile_walk(facts: dict[str, Any], step: int) -> dict[str, Any]:
             programs.append((f"request {r} ({kind}): queries at {lo}…{hi}", lo, hi, req["blocks"]))
             shown.append({"req": r, "first": lo, "last": hi, "tiles": -(-(hi + 1) // tile_size)})
     write_text(
-        "paged-tile-walk.svg", diagrams.tile_walk(programs, PREEMPT["block_size"], tile_size)
+        "paged-tile-walk.svg", diagrams_cache.tile_walk(programs, PREEMPT["block_size"], tile_size)
     )
     return {"block_q": block_q, "tile_size": tile_size, "programs": shown}
 
@@ -483,7 +484,7 @@ def draw_hash_chain(steps: Steps, facts: dict[str, Any]) -> dict[str, Any]:
     # The engine found a prefix hit of one block: the hashes must say so.
     hit = facts["2"]["requests"]["1"]["computed"] >= block_size
     assert (out["1"]["hashes"][0] == out["0"]["hashes"][0]) == hit, out
-    write_text("kv-hash-chain.svg", diagrams.hash_chain(rows, _hex(kv_cache_utils.NONE_HASH)))
+    write_text("kv-hash-chain.svg", diagrams_cache.hash_chain(rows, _hex(kv_cache_utils.NONE_HASH)))
     out["none_hash"] = _hex(kv_cache_utils.NONE_HASH)
     return out
 
@@ -551,7 +552,7 @@ def draw_slot_regions(steps: Steps, facts: dict[str, Any]) -> dict[str, Any]:
     out.append(
         {"computed": computed, "hits": 0, "new": 1 + k, "lookahead": k, "returned": returned}
     )
-    write_text("kv-slot-regions.svg", diagrams.slot_regions(calls, block_size))
+    write_text("kv-slot-regions.svg", diagrams_cache.slot_regions(calls, block_size))
     return {"calls": out, "held": held, "k": k}
 
 

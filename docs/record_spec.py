@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "docs"))
 
-import diagrams  # noqa: E402
+import diagrams_spec  # noqa: E402  (docs/, beside this file)
 import record_assets as assets  # noqa: E402
 from recording import Steps, external, step_view, steps_of  # noqa: E402
 
@@ -239,7 +239,7 @@ def draw_verify(
     spec = specs[i][req]
     # Each token of the chunk has a logits row: k drafts + 1.
     assert len(rows) >= start + n and spec["drafts"] == ids[1:], (spec, ids)
-    diagrams_text = diagrams.verify_step(
+    diagrams_text = diagrams_spec.verify_step(
         i,
         req,
         positions,
@@ -319,7 +319,7 @@ def draw_bars(
     draft_label = labels[tokens.index(draft)]
     assets.write_text(
         f"{NAME}-p-q.svg",
-        diagrams.accept_reject_bars(
+        diagrams_spec.accept_reject_bars(
             [
                 (
                     f"step {i}, position {at}: the n-gram's draft {draft_label}, q one-hot on it",
@@ -377,7 +377,7 @@ def draw_metadata() -> dict[str, Any]:
         "target_logits_indices": md.target_logits_indices.tolist(),
         "bonus_logits_indices": md.bonus_logits_indices.tolist(),
     }
-    assets.write_text(f"{NAME}-metadata.svg", diagrams.spec_metadata(**out))
+    assets.write_text(f"{NAME}-metadata.svg", diagrams_spec.spec_metadata(**out))
     return out
 
 

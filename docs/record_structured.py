@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "docs"))
 
-import diagrams  # noqa: E402
+import diagrams_cache  # noqa: E402  (docs/, beside this file)
 import record_assets as assets  # noqa: E402
 from recording import external, step_view, steps_of  # noqa: E402
 
@@ -264,7 +264,7 @@ def draw_bitmask(tokenizer: Any, rows: list[dict[str, Any]]) -> dict[str, Any]:
         f"at step {rows[widest]['step']}: {counts['all']} words are −1 (all 32 allowed), "
         f"{counts['none']} are 0, the rest mixed",
     ]
-    assets.write_text(f"{NAME}-bitmask.svg", diagrams.bitmask_words(panels, summary))
+    assets.write_text(f"{NAME}-bitmask.svg", diagrams_cache.bitmask_words(panels, summary))
     return {
         "num_words": num_words,
         "first_tokens": allowed_first,
