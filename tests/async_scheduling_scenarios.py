@@ -50,13 +50,17 @@ def kill_rank(model: str, tp: str, rank: str) -> None:
     )
 
 
-def lasting_shm_segments(timeout: float = 5.0) -> list[str]:
-    """Segments made since this scenario began that are still there after
-    ``timeout``: an engine's segment is unlinked once its readers attach, so
-    one that another test, running alongside, has just made goes by itself."""
+def lasting_shm_segments(timeout: float = 60.0) -> list[str]:
+    """Segments made since this scenario began, there when it ended and still
+    there after ``timeout``. An engine's segment lives from its executor's
+    start until every worker has loaded the model and attached: another
+    test's engine, starting alongside, holds one that long (a minute, if it
+    compiles), then it goes by itself; a leaked one stays."""
     deadline = time.monotonic() + timeout
-    while (left := shm_segments()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    left = shm_segments()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = sorted(set(left) & set(shm_segments()))
     return left
 
 
