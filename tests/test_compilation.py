@@ -226,3 +226,31 @@ def test_cache_key_covers_what_changes_the_compiled_code(tiny_model_dir: str) ->
     assert base not in changed and len(set(changed)) == len(changed)
     longer = _config(tiny_model_dir, compilation_config=COMPILATION, max_model_len=256)
     assert compute_cache_hash(longer, "inductor", "code") != base
+
+
+@pytest.mark.parametrize("mode", [3, 2, 1])
+def test_each_mode_with_the_eager_backend_is_lossless(
+    tiny_model_dir: str, eager_run: Any, tmp_path: Any, mode: int
+) -> None:
+    """Dynamo's capture without Inductor, in one process after the other: mode
+    3 splits and runs each piece as captured, modes 2 and 1 hand the whole
+    graph over (1 keeping Dynamo's guards); each engine captures its own."""
+    before = compilation_counter.clone()
+    with _cache_root(str(tmp_path)):
+        llm = LLM(
+            tiny_model_dir,
+            compilation_config={"mode": mode, "backend": "eager"},
+            enable_multiprocessing=False,
+            **ENGINE,
+        )
+    try:
+        out = _generate(llm)
+    finally:
+        llm.shutdown()
+    assert out == eager_run[0]
+    counted = _diff(compilation_counter, before)
+    assert counted["num_models_seen"] == 1
+    assert counted["num_inductor_compiles"] == 0
+    assert counted["num_graphs_seen"] == (1 if mode == 3 else 0)
+    assert counted["num_eager_compiles"] == (NUM_LAYERS + 1 if mode == 3 else 0)
+    assert counted["stock_torch_compile_count"] == (1 if mode == 1 else 0)
