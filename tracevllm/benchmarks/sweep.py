@@ -144,6 +144,7 @@ def _environment(config: dict[str, Any]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+# --8<-- [start:run_sweep]
 def run_sweep(
     args: argparse.Namespace,
     configs: list[dict[str, Any]],
@@ -187,6 +188,9 @@ def run_sweep(
             console.print(f"  {name}: output tok/s of each run {spread}")
         results.append({"name": name, **config} | metrics | {"engine": built})
     return results
+
+
+# --8<-- [end:run_sweep]
 
 
 def meets_target(
