@@ -87,6 +87,9 @@ class ChatCompletionRequest(GenerateRequest):
     tool_choice: ToolChoice = "none"
     # False: at most one tool call in the reply (vLLM drops the others).
     parallel_tool_calls: bool | None = True
+    # vLLM's: the KV connector's parameters for a disaggregated request (a
+    # decode server's, from the prefill server's response); to extra_args.
+    kv_transfer_params: dict[str, Any] | None = None
 
     # --8<-- [start:check_tool_usage]
     @model_validator(mode="after")
@@ -181,6 +184,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    # vLLM's: what the KV connector returned (a prefill server's, for the decode server).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -139,6 +139,11 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens=max_tokens,
             logprobs=request.top_logprobs if request.logprobs else None,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=(
+                {"kv_transfer_params": request.kv_transfer_params}
+                if request.kv_transfer_params
+                else None
+            ),
         )
 
     # --8<-- [start:chat_completion_stream_generator]
@@ -293,7 +298,13 @@ class OpenAIServingChat(OpenAIServing):
             )
         num_generated = sum(len(output.token_ids) for output in final_res.outputs)
         usage = usage_info(len(final_res.prompt_token_ids), num_generated)
-        return ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+        return ChatCompletionResponse(
+            id=request_id,
+            model=model_name,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=final_res.kv_transfer_params,
+        )
 
     @staticmethod
     def _create_chat_logprobs(

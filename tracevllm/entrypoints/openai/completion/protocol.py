@@ -12,7 +12,7 @@ prompt embeddings. Structured outputs come through ``structured_outputs`` or
 from __future__ import annotations
 
 import time
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -42,6 +42,9 @@ class CompletionRequest(GenerateRequest):
     # OpenAI's: generate best_of and return the n most likely. Only
     # best_of == n (the same as leaving it out) is served.
     best_of: int | None = None
+    # vLLM's: the KV connector's parameters for a disaggregated request (a
+    # decode server's, from the prefill server's response); to extra_args.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
@@ -78,6 +81,8 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    # vLLM's: what the KV connector returned (a prefill server's, for the decode server).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):

@@ -135,6 +135,11 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens=max_tokens,
             logprobs=request.logprobs,
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=(
+                {"kv_transfer_params": request.kv_transfer_params}
+                if request.kv_transfer_params
+                else None
+            ),
         )
 
     # --8<-- [start:completion_stream_generator]
@@ -237,7 +242,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 num_generated_tokens += len(output.token_ids)
         usage = usage_info(num_prompt_tokens, num_generated_tokens)
-        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+        # vLLM's: the first prompt's (a disaggregated request has one).
+        kv_transfer_params = final_res_batch[0].kv_transfer_params if final_res_batch else None
+        return CompletionResponse(
+            id=request_id,
+            model=model_name,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=kv_transfer_params,
+        )
 
     @staticmethod
     def _create_completion_logprobs(

@@ -1,0 +1,134 @@
+"""KV connectors over HTTP: ``tracevllm serve --kv-transfer-config`` and vLLM's
+``kv_transfer_params`` in the OpenAI request and response.
+
+A prefill server (``kv_producer``) answers with ``max_tokens=1`` and returns
+``kv_transfer_params``; a decode server (``kv_consumer``) given them (the
+official client's ``extra_body``) loads the prompt's KV and answers as one
+engine does, for completions and chat completions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import pytest
+
+from tests.utils import make_tiny_llama
+from tracevllm import LLM, SamplingParams
+from tracevllm.entrypoints.openai.server_process import ServerProcess, free_port
+
+# Two servers start at once; on a busy machine that takes minutes.
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = "tiny"
+PROMPT = list(range(40, 81))  # 41 tokens: 40 kept (5 blocks of 8), 1 computed
+MESSAGES = [{"role": "user", "content": "Where do the keys and values of a prompt go?"}]
+
+
+class Server(ServerProcess):
+    def __init__(self, model_dir: str, kv_transfer_config: dict[str, Any]) -> None:
+        port = free_port()
+        super().__init__(
+            [sys.executable, "-m", "tracevllm.entrypoints.cli", "serve", model_dir,
+             "--port", str(port), "--served-model-name", MODEL, "--block-size", "8",
+             "--num-gpu-blocks-override", "64", "--uvicorn-log-level", "warning",
+             "--kv-transfer-config", json.dumps(kv_transfer_config)],
+            port,
+            env={**os.environ, "PYTHONPATH": os.getcwd()},
+            timeout=600,
+        )  # fmt: skip
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("kv-serve-llama"))
+    return make_tiny_llama(path, seed=0, initializer_range=0.08)
+
+
+@pytest.fixture(scope="module")
+def servers(
+    model_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Server, Server]]:
+    store = str(tmp_path_factory.mktemp("kv-serve-store"))
+    extra = {"kv_connector_extra_config": {"shared_storage_path": store}}
+    config = {"kv_connector": "ExampleConnector", **extra}
+    with ThreadPoolExecutor(2) as pool:
+        starting = [
+            pool.submit(Server, model_dir, {**config, "kv_role": role})
+            for role in ("kv_producer", "kv_consumer")
+        ]
+    if errors := [f.exception() for f in starting if f.exception() is not None]:
+        for f in starting:
+            if f.exception() is None:
+                f.result().stop()
+        raise errors[0]  # type: ignore[misc]
+    prefill, decode = (f.result() for f in starting)
+    yield prefill, decode
+    assert prefill.stop() == 0
+    assert decode.stop() == 0
+
+
+def test_completion_through_prefill_then_decode_server(
+    model_dir: str, servers: tuple[Server, Server]
+) -> None:
+    prefill, decode = servers
+    with LLM(model=model_dir, block_size=8, enable_multiprocessing=False) as llm:
+        (expected,) = llm.generate(
+            [{"prompt_token_ids": PROMPT}],
+            SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+            use_tqdm=False,
+        )
+    first = prefill.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0.0
+    )
+    kv_transfer_params = (first.model_extra or {})["kv_transfer_params"]
+    assert kv_transfer_params["do_remote_prefill"] is True
+    answer = decode.client().completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0.0,
+        extra_body={"kv_transfer_params": kv_transfer_params, "ignore_eos": True},
+    )
+    assert answer.choices[0].text == expected.outputs[0].text
+    # The consumer returns none of its own.
+    assert (answer.model_extra or {}).get("kv_transfer_params") is None
+
+
+def test_chat_carries_kv_transfer_params_both_ways(servers: tuple[Server, Server]) -> None:
+    prefill, decode = servers
+    first = prefill.client().chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=1,
+        temperature=0.0,  # type: ignore[arg-type]
+    )
+    kv_transfer_params = (first.model_extra or {})["kv_transfer_params"]
+    assert kv_transfer_params == {"do_remote_prefill": True}
+    plain = prefill.client().chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0.0,  # type: ignore[arg-type]
+    )
+    answer = decode.client().chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=8,
+        temperature=0.0,
+        extra_body={"kv_transfer_params": kv_transfer_params},
+    )
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        decode.client().completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"kv_transfer_params": [1]}
+        )
