@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.parallel_utils import init_world_of_one
 from tracevllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from tracevllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tracevllm.sampling_params import SamplingParams
@@ -23,7 +24,9 @@ HF_CONFIG = {
 
 @pytest.fixture
 def runner() -> ModelRunner:
-    # No weights needed: these tests stop before the forward pass.
+    # No weights needed: these tests stop before the forward pass. A runner
+    # lives in a worker, whose world (here of one) is up before it is made.
+    init_world_of_one()
     vllm_config = VllmConfig(
         ModelConfig(model="unused", hf_config=dict(HF_CONFIG)),
         CacheConfig(block_size=4),
