@@ -28,7 +28,9 @@ same renderers as ``tracevllm view``) and writes them to
 
 Beside the views it writes ``facts.json``, the figures the prose quotes
 (checked at build time by docs/hooks/recorded.py), and the diagrams of
-docs/diagrams.py, drawn from the same spans.
+docs/diagrams.py, drawn from the same spans. It empties the folder first,
+except for what docs/record_tuning.py (``make docs-tuning``, minutes of
+sweeps that this run does not redo) wrote there: its ``OUTPUTS``.
 
 The ``batch`` and ``preempt`` runs are in one process so that every request
 is added before the first step: their step composition does not depend on
@@ -43,6 +45,7 @@ Only the timings change.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import io
 import json
 import os
@@ -685,9 +688,7 @@ def main() -> None:
     import record_spec  # likewise
     import record_structured  # likewise
 
-    # Start empty: a view the book still names but no run drew breaks the build.
-    shutil.rmtree(OUT_DIR, ignore_errors=True)
-    os.makedirs(OUT_DIR)
+    clear_out_dir()
     if not args.draw_only:
         run_single()
         run_serve()
@@ -711,6 +712,24 @@ def main() -> None:
     # The roofline and the profile: from committed benchmark results, not re-measured.
     facts |= record_performance.draw_measured()
     write_text("facts.json", json.dumps(facts, indent=1, sort_keys=True) + "\n")
+
+
+def clear_out_dir() -> None:
+    """Start empty, so that a view the book still names but no run drew
+    breaks the build; but keep what a record script that this run does not
+    call wrote there (docs/record_tuning.py, ``make docs-tuning``: its charts
+    and facts.tuning.json), which nothing here would draw again."""
+    import record_tuning  # docs/, beside this file
+
+    os.makedirs(OUT_DIR, exist_ok=True)
+    for name in os.listdir(OUT_DIR):
+        if any(fnmatch.fnmatch(name, pattern) for pattern in record_tuning.OUTPUTS):
+            continue
+        path = os.path.join(OUT_DIR, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 # The runs of this file that --only re-records alone (the others have their

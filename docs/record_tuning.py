@@ -29,6 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(ROOT, "docs", "assets", "recorded")
 RESULTS = os.path.join(ROOT, "traces", "docs", "tuning.json")
 FACTS = os.path.join(OUT_DIR, "facts.tuning.json")
+# What this script writes into OUT_DIR (glob patterns): make docs-assets,
+# which does not run it, keeps these when it starts the folder afresh.
+OUTPUTS = ("tuning-*.svg", "facts.tuning.json")
 
 # A shared system prompt (the prefix-caching workload): long enough to fill
 # several KV blocks.

@@ -1,7 +1,8 @@
 # The book (docs/, mkdocs.yml). Included by the Makefile.
 #   make docs          build the site strictly into site/ (a moved snippet or src: link fails it)
 #   make docs-serve    serve it on http://127.0.0.1:8000 with live reload
-#   make docs-assets   re-run the engine and re-record docs/assets/recorded/ (commit the result)
+#   make docs-assets   re-run the engine and re-record docs/assets/recorded/ (commit the result;
+#                      make docs-tuning's charts and facts.tuning.json there are kept, not redone)
 #   make docs-check    strict build + the headless-Chromium test of the built site
 .PHONY: docs docs-serve docs-assets docs-check setup-browser
 
