@@ -109,3 +109,8 @@ KVConnectorFactory.register_connector(
     "ExampleConnector",
 )
 # --8<-- [end:register_connector]
+KVConnectorFactory.register_connector(
+    "OffloadingConnector",
+    "tracevllm.distributed.kv_transfer.kv_connector.v1.offloading_connector",
+    "OffloadingConnector",
+)

@@ -1,0 +1,1 @@
+"""The offload tier's worker side (vllm/v1/kv_offload/worker/)."""
