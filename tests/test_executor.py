@@ -106,6 +106,57 @@ def test_heads_must_divide_by_tensor_parallel_size(default_model_dir: str) -> No
     assert config.parallel_config.world_size == 3
 
 
+@pytest.mark.parametrize(
+    ("pp", "partition", "message"),
+    [
+        (
+            3,
+            None,
+            "pipeline_parallel_size (3) must not be larger than the model's number of "
+            "hidden layers (2): each pipeline stage needs at least one layer, so "
+            "pipeline_parallel_size may be 1 to 2.",
+        ),
+        (2, "2,0", "TRACEVLLM_PP_LAYER_PARTITION='2,0' gives pipeline stages [2, 0] layers"),
+        (2, "3,-1", "TRACEVLLM_PP_LAYER_PARTITION='3,-1' gives pipeline stages [3, -1]"),
+        # vLLM's get_pp_indices errors, now before any worker starts.
+        (2, "1,1,0", "len(partitions)=3 does not match pp_size=2."),
+        (2, "1,2", "sum(partitions)=3 does not match num_hidden_layers=2."),
+    ],
+)
+def test_every_pipeline_stage_needs_a_layer(
+    tiny_model_dir: str,
+    monkeypatch: pytest.MonkeyPatch,
+    pp: int,
+    partition: str | None,
+    message: str,
+) -> None:
+    """Refused in the config (the tiny model has 2 layers), not later in a
+    worker with a stage of no layers ('load_model() first')."""
+    if partition is None:
+        monkeypatch.delenv("TRACEVLLM_PP_LAYER_PARTITION", raising=False)
+    else:
+        monkeypatch.setenv("TRACEVLLM_PP_LAYER_PARTITION", partition)
+    args = EngineArgs(
+        model=tiny_model_dir, pipeline_parallel_size=pp, distributed_executor_backend="mp"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        args.create_engine_config()
+
+
+@pytest.mark.timeout(120)
+def test_llm_refuses_more_stages_than_layers_before_starting_a_process(
+    tiny_model_dir: str,
+) -> None:
+    import os
+
+    before = scenarios.children(os.getpid())
+    with pytest.raises(ValueError, match=re.escape("pipeline_parallel_size (3)")):
+        LLM(model=tiny_model_dir, pipeline_parallel_size=3, distributed_executor_backend="mp")
+    assert scenarios.children(os.getpid()) == before
+    config = EngineArgs(model=tiny_model_dir, pipeline_parallel_size=2).create_engine_config()
+    assert config.parallel_config.world_size == 2  # as many stages as layers is fine
+
+
 # --- the flags --------------------------------------------------------------------
 
 

@@ -226,16 +226,45 @@ class ModelConfig:
         return self.max_model_len
 
     def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
-        """vLLM's check that tensor parallelism can split the attention heads."""
+        """vLLM's check that tensor parallelism can split the attention heads,
+        and that pipeline parallelism gives every stage some of the layers."""
         tensor_parallel_size = parallel_config.tensor_parallel_size
-        if tensor_parallel_size == 1:
-            return
         total_num_attention_heads = self.get_num_attention_heads()
-        if total_num_attention_heads % tensor_parallel_size != 0:
+        if tensor_parallel_size > 1 and total_num_attention_heads % tensor_parallel_size != 0:
             raise ValueError(
                 f"Total number of attention heads ({total_num_attention_heads})"
                 " must be divisible by tensor parallel size "
                 f"({tensor_parallel_size})."
+            )
+        if parallel_config.pipeline_parallel_size > 1:
+            self._verify_pp_partition(parallel_config.pipeline_parallel_size)
+
+    def _verify_pp_partition(self, pp_size: int) -> None:
+        """Every pipeline stage must hold at least one decoder layer.
+
+        tracevllm's own check, made here so that it fails before any worker
+        starts: vLLM makes none, and a stage of no layers has no attention
+        layer, so no KV cache to size. ``get_pp_indices`` is called for each
+        stage as the workers will call it, so a bad
+        ``TRACEVLLM_PP_LAYER_PARTITION`` fails here too, with vLLM's errors.
+        """
+        from tracevllm import envs
+        from tracevllm.distributed.utils import get_pp_indices
+
+        num_layers = self.get_total_num_hidden_layers()
+        if pp_size > num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size ({pp_size}) must not be larger than the model's "
+                f"number of hidden layers ({num_layers}): each pipeline stage needs at "
+                f"least one layer, so pipeline_parallel_size may be 1 to {num_layers}."
+            )
+        stages = [get_pp_indices(num_layers, pp_rank, pp_size) for pp_rank in range(pp_size)]
+        sizes = [end - start for start, end in stages]
+        if min(sizes) < 1:
+            raise ValueError(
+                f"TRACEVLLM_PP_LAYER_PARTITION={envs.TRACEVLLM_PP_LAYER_PARTITION!r} gives "
+                f"pipeline stages {sizes} layers: each of the {pp_size} stages needs at "
+                f"least one of the model's {num_layers} layers."
             )
 
     def try_get_generation_config(self) -> dict[str, Any]:
