@@ -16,8 +16,10 @@ to the engine-core process when it is spawned.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -327,6 +329,10 @@ def _read_hf_config(path: str) -> dict[str, Any]:
     return config
 
 
+# vLLM's KVOffloadingBackend literals.
+KV_OFFLOADING_BACKENDS = ("native", "lmcache")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """The paged KV cache. vLLM: block size 16, prefix caching on, sha256."""
@@ -344,6 +350,10 @@ class CacheConfig:
     # ModelConfig by EngineArgs, as vLLM. Per-layer windows (Gemma-2) go to
     # each Attention as per_layer_sliding_window instead.
     sliding_window: int | None = None
+    # vLLM's KV offloading: a second tier of this many GiB (None: off), through
+    # kv_offloading_backend; VllmConfig turns it into the KV connector's config.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
 
     def __post_init__(self) -> None:
         # Types first: a bool is not an int (True would pass as block_size 1).
@@ -371,6 +381,36 @@ class CacheConfig:
             raise ValueError(
                 "prefix_caching_hash_algo must be 'sha256' (vLLM's default; tracevllm "
                 f"has no other), got {self.prefix_caching_hash_algo!r}."
+            )
+        self._check_kv_offloading()
+
+    def _check_kv_offloading(self) -> None:
+        """vLLM's ``float | None`` and ``Literal["native", "lmcache"]``, checked
+        as its pydantic layer does (a bool is not a number), plus a range."""
+        size = self.kv_offloading_size
+        if size is not None:
+            if isinstance(size, bool) or not isinstance(size, int | float):
+                raise TypeError(
+                    f"kv_offloading_size must be a number of GiB, got {type(size).__name__}."
+                )
+            if not math.isfinite(size) or size <= 0:
+                raise ValueError(
+                    f"kv_offloading_size must be a positive, finite number of GiB, got {size}."
+                )
+        backend = self.kv_offloading_backend
+        if not isinstance(backend, str):
+            raise TypeError(
+                f"kv_offloading_backend must be a string, got {type(backend).__name__}."
+            )
+        if backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(
+                f"kv_offloading_backend must be one of {list(KV_OFFLOADING_BACKENDS)}, "
+                f"got {backend!r}."
+            )
+        if backend == "lmcache":
+            raise ValueError(
+                "kv_offloading_backend 'lmcache' needs LMCache's LMCacheConnectorV1, which "
+                "tracevllm does not have: use 'native' (the OffloadingConnector's CPU tier)."
             )
 
 
@@ -761,6 +801,7 @@ class VllmConfig:
 
     def __post_init__(self) -> None:
         self.model_config.verify_with_parallel_config(self.parallel_config)
+        self._post_init_kv_transfer_config()
         self._resolve_compilation()
         if self.parallel_config.pipeline_parallel_size > 1:
             backend = self.parallel_config.distributed_executor_backend
@@ -781,6 +822,30 @@ class VllmConfig:
                     "(pipeline_parallel_size > 1) in tracevllm."
                 )
         self._resolve_async_scheduling()
+
+    def _post_init_kv_transfer_config(self) -> None:
+        """vLLM's: ``kv_offloading_size`` (backend ``native``) becomes the
+        ``OffloadingConnector``'s config, ``kv_role`` ``kv_both`` and
+        ``cpu_bytes_to_use`` in ``kv_connector_extra_config``, over any
+        ``kv_transfer_config`` given (as vLLM's, which warns of nothing; a
+        copy here, the caller's config left as it was)."""
+        size = self.cache_config.kv_offloading_size
+        if size is None:
+            return
+        base = self.kv_transfer_config or KVTransferConfig()
+        if base.kv_connector not in (None, "OffloadingConnector"):
+            logger.warning(
+                "kv_offloading_size replaces kv_transfer_config's kv_connector %r with "
+                "OffloadingConnector (as vLLM does).",
+                base.kv_connector,
+            )
+        extra = {**base.kv_connector_extra_config, "cpu_bytes_to_use": size * (1 << 30)}
+        self.kv_transfer_config = dataclasses.replace(
+            base,
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
 
     def _resolve_compilation(self) -> None:
         """vLLM's rule, enforce_eager forces mode NONE, and tracevllm's eager

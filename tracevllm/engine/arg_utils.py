@@ -16,6 +16,7 @@ from typing import Any
 
 from tracevllm.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
+    KV_OFFLOADING_BACKENDS,
     AttentionConfig,
     CacheConfig,
     CompilationConfig,
@@ -46,6 +47,10 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
+    # vLLM's KV offloading: a second tier of this many GiB, "native" (the
+    # OffloadingConnector's CPU tier); None: off.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
@@ -118,6 +123,8 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 sliding_window=model_wide_sliding_window(model_config),
+                kv_offloading_size=self.kv_offloading_size,
+                kv_offloading_backend=self.kv_offloading_backend,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -200,6 +207,10 @@ class EngineArgs:
             elif f.name == "optimization_level":
                 # -O3 and -O 3, as vLLM.
                 parser.add_argument(flag, "-O", type=int, choices=range(4), default=None)
+            elif f.name == "kv_offloading_size":
+                parser.add_argument(flag, type=float, default=None, metavar="GiB")
+            elif f.name == "kv_offloading_backend":
+                parser.add_argument(flag, choices=KV_OFFLOADING_BACKENDS, default=default)
             elif f.name in ("enable_multiprocessing", "async_scheduling", "enforce_eager"):
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
             elif f.name in ("speculative_config", "kv_transfer_config"):
