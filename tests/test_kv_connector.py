@@ -20,15 +20,33 @@ from typing import Any
 import pytest
 import torch
 
+from tests.test_scheduler import make_request
+from tests.test_scheduler import runner_output as sched_runner_output
 from tests.utils import make_tiny_llama
 from tracevllm import LLM, SamplingParams
-from tracevllm.config import KVTransferConfig
+from tracevllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from tracevllm.core.kv_cache_manager import KVCacheBlocks
+from tracevllm.core.sched.output import SchedulerOutput
+from tracevllm.core.sched.scheduler import Scheduler
+from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
 from tracevllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     COMPLETE_MARKER,
     num_tokens_to_transfer,
     prefix_key,
 )
+from tracevllm.engine import EngineCoreOutputs, FinishReason
 from tracevllm.engine.arg_utils import EngineArgs
+from tracevllm.outputs import KVConnectorOutput
+from tracevllm.request import Request, RequestStatus
 
 BLOCK_SIZE = 8
 PROMPT_LENS = (21, 33, 40, 47, 9, 64)
@@ -350,3 +368,209 @@ def test_saves_and_loads_are_spans_and_the_consumer_continues_the_producers_trac
     for c_request in c_requests:
         parent = p_requests[c_request.parent_span_id]  # type: ignore[index]
         assert parent.trace_id == c_request.trace_id
+
+
+# --- the scheduler's asynchronous-load path, with a connector that moves nothing ---
+
+
+class _FakeMetadata(KVConnectorMetadata):
+    pass
+
+
+class AsyncFakeConnector(KVConnectorBase_V1):
+    """A scheduler-side connector shaped as vLLM's NixlConnector's: a request
+    with ``do_remote_prefill`` loads its whole prompt asynchronously; one with
+    ``do_remote_decode`` leaves its blocks held for a remote reader. The tests
+    play the workers (``KVConnectorOutput``)."""
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            params["do_remote_prefill"] = False  # once: a preempted request recomputes
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _FakeMetadata()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if (
+            params.get("do_remote_decode")
+            and request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        ):
+            return True, {"do_remote_prefill": True, "remote_block_ids": block_ids}
+        return False, None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None: ...
+    def wait_for_layer_load(self, layer_name: str) -> None: ...
+    def save_kv_layer(self, *args: Any, **kwargs: Any) -> None: ...
+    def wait_for_save(self) -> None: ...
+
+
+def _async_scheduler(policy: str = "recompute", role: str = "kv_both") -> Scheduler:
+    """A scheduler alone (block size 4, 63 usable blocks) with the fake connector."""
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+    }
+    cache_config = CacheConfig(block_size=4)
+    cache_config.num_gpu_blocks = 64
+    config = VllmConfig(
+        ModelConfig(model="fake", hf_config=hf_config, max_model_len=64),
+        cache_config,
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=64),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="AsyncFakeConnector",
+            kv_connector_module_path="tests.test_kv_connector",
+            kv_role=role,
+            kv_load_failure_policy=policy,
+        ),
+    )
+    return Scheduler(config)
+
+
+def _remote(req_id: str, prompt: list[int], **params: Any) -> Request:
+    return make_request(req_id, prompt, max_tokens=4, extra_args={"kv_transfer_params": params})
+
+
+def _report(sched: Scheduler, so: SchedulerOutput, **kv: Any) -> dict[int, EngineCoreOutputs]:
+    """One step's runner output, with what the workers' connectors report."""
+    out = sched_runner_output(sched, so)
+    out.kv_connector_output = KVConnectorOutput(**kv)
+    return sched.update_from_output(so, out)
+
+
+def _held_blocks(sched: Scheduler, req_id: str) -> list[int]:
+    (block_ids,) = sched.kv_cache_manager.get_block_ids(req_id)
+    return block_ids
+
+
+def _num_free(sched: Scheduler) -> int:
+    return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+PROMPT10 = list(range(100, 110))  # 10 tokens: two full blocks of 4 and a partial one
+
+
+def test_an_async_load_waits_with_its_blocks_allocated_but_not_cached() -> None:
+    sched = _async_scheduler()
+    free0 = _num_free(sched)
+    sched.add_request(_remote("a", PROMPT10, do_remote_prefill=True))
+    so = sched.schedule()
+    req = sched.requests["a"]
+    # Nothing runs; the whole prompt's slots are held, none of them cached
+    # (mutation caught: delay_cache_blocks ignored).
+    assert so.num_scheduled_tokens == {}
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert req.num_computed_tokens == 10
+    blocks = _held_blocks(sched, "a")
+    assert len(blocks) == 3 and _num_free(sched) == free0 - 3
+    pool = sched.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].block_hash is None for b in blocks)
+    _report(sched, so)
+
+    # A request with the same prompt, arriving while the load runs, gets no
+    # hit on blocks that hold nothing yet: it computes its whole prompt.
+    sched.add_request(make_request("b", PROMPT10, max_tokens=4))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"b": 10}
+    assert sched.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    _report(sched, so, finished_recving={"a"})
+
+    # Loaded: cached now, and only the last prompt token runs (for its logits).
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"b": 1, "a": 1}
+    assert [d.req_id for d in so.scheduled_new_reqs] == ["a"]
+    assert _held_blocks(sched, "a") == blocks
+    assert all(pool.blocks[b].block_hash is not None for b in blocks[:2])
+    _report(sched, so)
+    while sched.has_requests():
+        _report(sched, sched.schedule())
+    assert _num_free(sched) == free0
+
+
+def test_a_failed_async_load_recomputes_from_its_first_bad_block() -> None:
+    sched = _async_scheduler("recompute")
+    sched.add_request(_remote("a", PROMPT10, do_remote_prefill=True))
+    _report(sched, so := sched.schedule())
+    blocks = _held_blocks(sched, "a")
+    # The second block failed; the load is over.
+    _report(sched, sched.schedule(), invalid_block_ids={blocks[1]}, finished_recving={"a"})
+    so = sched.schedule()
+    # Tokens 4..9 recomputed into the same blocks (mutation caught: async
+    # requests left out of the invalid-block scan runs 1 token).
+    assert so.num_scheduled_tokens == {"a": 6}
+    assert _held_blocks(sched, "a") == blocks
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 4
+    _report(sched, so)
+    while sched.has_requests():
+        _report(sched, sched.schedule())
+    assert _num_free(sched) == sched.kv_cache_manager.block_pool.get_num_usable_blocks()
+
+
+def test_a_failed_async_load_fails_its_request_and_frees_its_blocks_once_done() -> None:
+    sched = _async_scheduler("fail")
+    free0 = _num_free(sched)
+    sched.add_request(_remote("a", PROMPT10, do_remote_prefill=True))
+    sched.add_request(make_request("b", 6, max_tokens=3))
+    _report(sched, sched.schedule())
+    blocks = _held_blocks(sched, "a")
+    # The failure is reported before the transfer has ended.
+    eco = _report(sched, sched.schedule(), invalid_block_ids={blocks[0]})
+    (failed,) = [o for o in eco[0].outputs if o.request_id == "a"]
+    assert failed.finish_reason == FinishReason.ERROR
+    assert failed.stop_reason == "KV cache load failed"
+    # The transfer may still write them: held (mutation caught: freed at once).
+    assert _held_blocks(sched, "a") == blocks
+    _report(sched, sched.schedule(), finished_recving={"a"})
+    assert "a" not in sched.requests
+    while sched.has_requests():
+        _report(sched, sched.schedule())
+    assert _num_free(sched) == free0  # and b, beside it, ran to its end
+
+
+def test_an_aborted_async_load_keeps_its_blocks_until_the_load_ends() -> None:
+    sched = _async_scheduler()
+    free0 = _num_free(sched)
+    sched.add_request(_remote("a", PROMPT10, do_remote_prefill=True))
+    _report(sched, sched.schedule())
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert _num_free(sched) == free0 - 3 and sched.has_requests()
+    _report(sched, sched.schedule(), finished_recving={"a"})
+    assert _num_free(sched) == free0 and not sched.has_requests()
+
+
+def test_a_producer_holds_its_blocks_until_they_are_sent() -> None:
+    sched = _async_scheduler(role="kv_producer")
+    free0 = _num_free(sched)
+    req = make_request(
+        "p", PROMPT10, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+    )
+    sched.add_request(req)
+    eco = _report(sched, sched.schedule())
+    (out,) = eco[0].outputs
+    assert out.finish_reason == FinishReason.LENGTH
+    assert out.kv_transfer_params == {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3]}
+    # Finished, but its blocks wait for the reader (mutation caught:
+    # request_finished's delay_free_blocks ignored).
+    assert _num_free(sched) == free0 - 3
+    assert sched.has_requests() and not sched.has_unfinished_requests()
+    _report(sched, sched.schedule())
+    assert _num_free(sched) == free0 - 3
+    _report(sched, sched.schedule(), finished_sending={"p"})
+    assert _num_free(sched) == free0 and not sched.has_requests()

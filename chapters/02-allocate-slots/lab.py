@@ -26,9 +26,15 @@ def allocate_slots(
     num_new_computed_tokens: int = 0,
     new_computed_blocks: KVCacheBlocks | None = None,
     num_lookahead_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+    delay_cache_blocks: bool = False,
 ) -> KVCacheBlocks | None:
     """Make room for ``num_new_tokens`` more tokens of ``request``; None if the
     pool cannot. Returns only the blocks allocated by this call."""
+    # (num_external_computed_tokens and delay_cache_blocks come from a KV
+    # connector: tokens it fills, and an asynchronous load whose blocks must not
+    # be cached yet. The lab's tests pass neither; the disaggregated-prefill
+    # chapter reads the engine's version.)
     # TODO 1: num_new_tokens == 0 is a caller's bug: raise ValueError.
     # TODO 2: the prefix hits, one sequence per KV cache group:
     #         new_computed_blocks.blocks, or self.empty_kv_cache_blocks.blocks

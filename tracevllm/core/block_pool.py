@@ -5,7 +5,7 @@ with vLLM's signatures: ``BlockPool(num_gpu_blocks, enable_caching,
 hash_block_size)``, ``get_cached_block(block_hash, kv_cache_group_ids)``,
 ``cache_full_blocks(..., kv_cache_group_id, block_mask=None)``. Left out: KV
 cache events (``enable_kv_cache_events``, ``take_events``), the metrics
-collector, ``evict_blocks`` (for KV connectors), and caching a group whose
+collector, and caching a group whose
 block size is a multiple of ``hash_block_size`` (hybrid groups). Added, for
 stats and views: ``num_cached_blocks``, ``get_num_usable_blocks`` and
 ``peek_free_blocks``.
@@ -187,6 +187,18 @@ class BlockPool:
             return False
         block.reset_hash()
         return True
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Take these blocks out of the prefix cache (a KV connector's blocks
+        that failed to load). Only the hash goes: a block a request still
+        holds stays with it, and goes back to the free queue when freed."""
+        for block_id in block_ids:
+            assert block_id < len(self.blocks), (
+                f"Invalid block_id {block_id} >= {len(self.blocks)}. "
+                f"This indicates a bug in the KV connector - workers should "
+                f"only report block IDs that were allocated by the scheduler."
+            )
+            self._maybe_evict_cached_block(self.blocks[block_id])
 
     # --8<-- [start:touch_and_free]
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:

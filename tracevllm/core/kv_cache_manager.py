@@ -7,8 +7,11 @@ and layers: the manager asks a ``KVCacheCoordinator``
 (kv_cache_coordinator.py), which asks one ``SingleTypeKVCacheManager`` per
 KV cache group (single_type_kv_cache_manager.py); the requests' block tables
 live there (``coordinator.single_type_managers[i].req_to_blocks``). A Llama
-has one group. Left out: KV connectors (external computed tokens, delayed
-caching), encoder tokens, ``full_sequence_must_fit``, eagle, KV cache
+has one group. A KV connector's tokens (``num_external_computed_tokens``)
+get fresh blocks after the local hit; an asynchronous load's blocks are
+cached only once loaded (``delay_cache_blocks``; the scheduler calls
+``cache_blocks`` then), and blocks that failed to load leave the prefix
+cache (``evict_blocks``). Left out: encoder tokens, ``full_sequence_must_fit``, eagle, KV cache
 events and metrics, context parallelism, and ``take_new_block_ids``
 (blocks to zero, for Mamba). Added, for views: ``get_num_cached_free_blocks``
 and ``get_num_skipped_blocks_freed``.
@@ -140,22 +143,33 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens of ``request``; None if
         the pool cannot. Returns only the blocks allocated by this call.
 
-        ``| computed | new_computed (prefix hits) | new | lookahead |``: the
-        request holds blocks for ``computed``, the hits are cached blocks it
-        will share, and ``new`` + ``lookahead`` need fresh blocks.
+        ``| computed | new_computed (prefix hits) | ext_computed | new | lookahead |``:
+        the request holds blocks for ``computed``, the hits are cached blocks
+        it will share, ``ext_computed`` are tokens a KV connector fills, and
+        those, ``new`` and ``lookahead`` need fresh blocks. The blocks full at
+        ``new`` are entered in the prefix cache now, unless
+        ``delay_cache_blocks`` (an asynchronous load: its blocks hold nothing
+        yet, and no other request may hit them before they do).
         """
-        if num_new_tokens == 0:
-            raise ValueError("num_new_tokens must be greater than 0")
+        # An asynchronous load allocates for the connector's tokens alone.
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise ValueError(
+                "num_new_tokens must be greater than 0 when there are no external computed tokens"
+            )
         if new_computed_blocks is not None:
             new_computed_block_list = new_computed_blocks.blocks
         else:
             new_computed_block_list = self.empty_kv_cache_blocks.blocks
         num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        total_computed_tokens = min(num_local_computed_tokens, self.max_model_len)
+        total_computed_tokens = min(
+            num_local_computed_tokens + num_external_computed_tokens, self.max_model_len
+        )
         num_tokens_main_model = total_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
 
@@ -169,24 +183,29 @@ class KVCacheManager:
             num_tokens=num_tokens_need_slot,
             new_computed_blocks=new_computed_block_list,
             num_encoder_tokens=0,
-            total_computed_tokens=num_local_computed_tokens,
+            total_computed_tokens=num_local_computed_tokens + num_external_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,
         )
         if num_blocks_to_allocate > self.block_pool.get_num_free_blocks():
             return None
 
-        # Hits first (touched, so handing out new blocks cannot evict them).
-        if new_computed_block_list is not self.empty_kv_cache_blocks.blocks:
+        # Hits first (touched, so handing out new blocks cannot evict them),
+        # then the connector's blocks.
+        if (
+            new_computed_block_list is not self.empty_kv_cache_blocks.blocks
+            or num_external_computed_tokens > 0
+        ):
             self.coordinator.allocate_new_computed_blocks(
                 request_id=request.request_id,
                 new_computed_blocks=new_computed_block_list,
                 num_local_computed_tokens=num_local_computed_tokens,
-                num_external_computed_tokens=0,
+                num_external_computed_tokens=num_external_computed_tokens,
             )
         new_blocks = self.coordinator.allocate_new_blocks(
             request.request_id, num_tokens_need_slot, num_tokens_main_model
         )
-        if self.enable_caching:
+        # An asynchronous load: cached once loaded (Scheduler._update_waiting_for_remote_kv).
+        if self.enable_caching and not delay_cache_blocks:
             # Cache the blocks these tokens will fill, now, before the forward
             # pass writes them. Capped at num_tokens: lookahead (draft) tokens
             # may be rejected, so their blocks are not final.
@@ -208,6 +227,10 @@ class KVCacheManager:
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Free the blocks attention no longer reads (before a sliding window)."""
         self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        """Take these blocks out of the prefix cache (they failed to load)."""
+        self.block_pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         if not self.block_pool.reset_prefix_cache():

@@ -112,14 +112,15 @@ class SingleTypeKVCacheManager(ABC):
     ) -> None:
         """Give a request being admitted its prefix hits: touch them (so they
         cannot be evicted) and put them first in its block table, the skipped
-        ones as null blocks. They are cached already."""
+        ones as null blocks. They are cached already. A KV connector's tokens
+        (``num_external_computed_tokens``) get fresh blocks after them."""
         if request_id in self.num_cached_block:
             assert len(new_computed_blocks) == 0, "a running request has no new prefix hits"
             return
         req_blocks = self.req_to_blocks[request_id]
         assert len(req_blocks) == 0
-        assert num_external_computed_tokens == 0, "tracevllm has no KV connector"
-        num_skipped_tokens = self.get_num_skipped_tokens(num_local_computed_tokens)
+        num_total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(num_total_computed_tokens)
         num_skipped_blocks = num_skipped_tokens // self.block_size
         if num_skipped_blocks > 0:
             new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
@@ -130,6 +131,13 @@ class SingleTypeKVCacheManager(ABC):
         req_blocks.extend([self._null_block] * num_skipped_blocks)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
+        if num_external_computed_tokens > 0:
+            # Fresh blocks for a KV connector's tokens (cached once they hold them).
+            req_blocks.extend(
+                self.block_pool.get_new_blocks(
+                    cdiv(num_total_computed_tokens, self.block_size) - len(req_blocks)
+                )
+            )
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int

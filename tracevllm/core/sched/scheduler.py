@@ -369,20 +369,21 @@ class Scheduler:
                     if num_new_tokens == 0:
                         break  # without chunked prefill, a prompt that does not fit waits
 
-                # vLLM passes the connector's tokens as num_external_computed_tokens;
-                # tracevllm's allocate_slots has no such argument, and the same
-                # blocks come from asking for them as new tokens (fresh blocks
-                # after the local hit). TODO: vLLM's delay_cache_blocks, so that an
-                # asynchronous load's blocks are cached only once loaded.
+                # The connector's tokens get fresh blocks after the local hit;
+                # an asynchronous load's are entered in the prefix cache only
+                # once loaded (_update_waiting_for_remote_kv), so that no other
+                # request hits blocks that hold nothing yet.
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
-                    num_new_tokens + num_external_computed_tokens,
+                    num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
                     # vLLM passes 0 for a request with no computed tokens (a
                     # P/D edge case); here the draft model writes its drafts
                     # right after the prefill, so they need their slots now.
                     num_lookahead_tokens=0 if load_kv_async else self.num_lookahead_tokens,
+                    num_external_computed_tokens=num_external_computed_tokens,
+                    delay_cache_blocks=load_kv_async,
                 )
                 if new_blocks is None:
                     break
@@ -957,11 +958,12 @@ class Scheduler:
         running ones are returned, so this step's sample is dropped). Policy
         "fail": all are returned, to be finished with an error, and the bad
         blocks leave the prefix cache so no later request hits them."""
+        # Asynchronous loads: their blocks are not cached yet, nothing to evict.
         async_load_reqs = [
             r for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         ]
         async_failed, _ = self._update_requests_with_invalid_blocks(
-            async_load_reqs, invalid_block_ids, num_scheduled_tokens
+            async_load_reqs, invalid_block_ids, num_scheduled_tokens, evict_blocks=False
         )
         sync_failed, blocks_to_evict = self._update_requests_with_invalid_blocks(
             self.running, invalid_block_ids, num_scheduled_tokens
@@ -969,7 +971,7 @@ class Scheduler:
         if not async_failed and not sync_failed:
             return set()
         if not self.recompute_kv_load_failures:
-            self._evict_blocks(blocks_to_evict)
+            self.kv_cache_manager.evict_blocks(blocks_to_evict)
             logger.error(
                 "Failing %d request(s) after a KV load failure (kv_load_failure_policy=fail): %s",
                 len(async_failed | sync_failed),
@@ -989,6 +991,7 @@ class Scheduler:
         requests: Iterable[Request],
         invalid_block_ids: set[int],
         num_scheduled_tokens: dict[str, int],
+        evict_blocks: bool = True,
     ) -> tuple[set[str], set[int]]:
         """Cut each affected request's num_computed_tokens back to its first
         invalid block. Returns the affected ids and the blocks to evict (the
@@ -1015,20 +1018,13 @@ class Scheduler:
                 marked.add(block_id)
                 marked_here = True
                 request.num_computed_tokens = idx * self.block_size
-                blocks_to_evict.update(req_block_ids[idx:])
+                if evict_blocks:
+                    blocks_to_evict.update(req_block_ids[idx:])
             if is_affected:
                 if not marked_here:
                     request.num_computed_tokens = num_computed_before
                 affected.add(request.request_id)
         return affected, blocks_to_evict
-
-    def _evict_blocks(self, block_ids: set[int]) -> None:
-        """Take these blocks out of the prefix cache (vLLM's
-        KVCacheManager.evict_blocks; tracevllm's KV cache manager has none
-        yet, so the scheduler asks the block pool)."""
-        block_pool = self.kv_cache_manager.block_pool
-        for block_id in block_ids:
-            block_pool._maybe_evict_cached_block(block_pool.blocks[block_id])
 
     # --8<-- [end:handle_invalid_blocks]
 
