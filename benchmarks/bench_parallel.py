@@ -9,7 +9,8 @@ Three parts, one run:
    their own; one thread per rank): T = 1 and 2 on a tiny random-weight Llama
    (4 layers, hidden 64, 4 query / 2 KV heads), T = 1 and 3 on the default
    model (9 query / 3 KV heads), P = 2 on the tiny model with and without
-   EngineCore's batch queue, D = 2, and async scheduling off and on on the
+   EngineCore's batch queue (each stage's busy share, and how long both ran
+   at once), D = 2, and async scheduling off and on on the
    ``mp`` backend at T = 1 and 2 (the engine core schedules step N+1 while
    the workers run step N). Each runs traced at
    ``--detail full``, which makes a span of every collective with its
@@ -34,9 +35,10 @@ three processes on two cores, so its step time measures contention as much
 as communication. The numbers are noisy; the output says so.
 
 Run: ``make bench-parallel`` or ``python benchmarks/bench_parallel.py
-[--smoke] [--only TEXT]`` (``--smoke``: T = 1 and 2 on the tiny model, 2
-prompts x 4 tokens, one all-reduce size; what tests/test_bench_cli.py runs;
-``--only async``: the async scheduling rows alone).
+[--smoke] [--only TEXT]`` (``--smoke``: T = 1 and 2 and P = 2 with and
+without the batch queue on the tiny model, 2 prompts x 4 tokens, one
+all-reduce size; what tests/test_bench_parallel.py runs; ``--only async``:
+the async scheduling rows alone, ``--only P=2`` the pipeline's).
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ class Result:
     comm_ms: float = 0.0  # rank 0's collectives
     comm_calls: int = 0
     in_flight: int = 0  # EngineCore.max_batches_in_flight
+    # P > 1: each stage's share of the timed wall time in ModelRunner.execute_model
+    # (its TP rank 0, DP rank 0: the forward, not the wait for the previous stage),
+    # and the milliseconds in which two stages ran at once.
+    stage_busy: list[float] = dataclasses.field(default_factory=list)
+    overlap_ms: float = 0.0
     error: str | None = None
 
 
@@ -106,16 +113,24 @@ def engine_has_data_parallel() -> bool:
     return importlib.util.find_spec("tracevllm.engine.coordinator") is not None
 
 
+def pp_layouts() -> list[Layout]:
+    """P = 2 without the batch queue (EngineCore.step: one step in flight,
+    the stages taking turns) and with it (step_with_batch_queue, two)."""
+    return [
+        Layout("P=2, no batch queue", "tiny", pp=2, batch_queue=False),
+        Layout("P=2, batch queue", "tiny", pp=2),
+    ]
+
+
 def layouts(smoke: bool) -> list[Layout]:
     if smoke:
-        return [Layout("T=1", "tiny"), Layout("T=2", "tiny", tp=2)]
+        return [Layout("T=1", "tiny"), Layout("T=2", "tiny", tp=2), *pp_layouts()]
     rows = [
         Layout("T=1", "tiny"),
         Layout("T=2", "tiny", tp=2),
         Layout("T=1", "default"),
         Layout("T=3", "default", tp=3),
-        Layout("P=2, no batch queue", "tiny", pp=2, batch_queue=False),
-        Layout("P=2, batch queue", "tiny", pp=2),
+        *pp_layouts(),
     ]
     dp = Layout("D=2", "tiny", dp=2)
     if not engine_has_data_parallel():
@@ -146,8 +161,12 @@ def make_tiny_model(path: str, default_dir: str) -> str:
 
 class NoBatchQueueExecutor(MultiprocExecutor):
     """The ``mp`` executor with one batch in flight: EngineCore steps
-    synchronously, the pipeline stages taking turns. (At module level: the
-    config that names it is pickled to the workers.)"""
+    synchronously, the pipeline stages taking turns. As in vLLM 0.22.0 there
+    is no flag for it: EngineCore uses the batch queue exactly when its
+    executor's ``max_concurrent_batches`` is above 1 (P for ``mp`` with P
+    stages), and ``distributed_executor_backend`` takes an ``Executor``
+    subclass. (At module level: the config that names it is pickled to the
+    workers.)"""
 
     @property
     def max_concurrent_batches(self) -> int:
@@ -211,11 +230,14 @@ def run_layout(layout: Layout, model_dir: str, num_prompts: int, max_tokens: int
         spans = [s for s in read_spans_jsonl(os.path.join(trace_dir, "spans.jsonl"))
                  if s.start_ns >= start_ns]  # fmt: skip
     forwards: dict[int, int] = {}  # by DP rank
+    stage_runs: dict[int, list[tuple[int, int]]] = {}  # by PP rank: execute_model spans
     for s in spans:
-        # The first stage's TP rank 0 of each engine runs every step's
-        # forward; the runner and collective times are DP rank 0's.
         where = (s.resource.get(f"tracevllm.{axis}_rank", 0) for axis in ("tp", "pp", "dp"))
         tp_rank, pp_rank, dp_rank = where
+        if s.name == RUNNER_SPANS[0] and tp_rank == 0 and dp_rank == 0:
+            stage_runs.setdefault(pp_rank, []).append((s.start_ns, s.end_ns))
+        # The first stage's TP rank 0 of each engine runs every step's
+        # forward; the runner and collective times are DP rank 0's.
         if tp_rank != 0 or pp_rank != 0:
             continue
         if s.name.endswith(FORWARD_SUFFIX):
@@ -230,7 +252,24 @@ def run_layout(layout: Layout, model_dir: str, num_prompts: int, max_tokens: int
     # Steps that ran the model (not the last, which only frees requests):
     # with D engines, the busiest one's.
     result.steps = max(forwards.values(), default=0)
+    if layout.pp > 1:
+        wall_ns = result.seconds * 1e9
+        runs = [sorted(stage_runs.get(r, [])) for r in range(layout.pp)]
+        result.stage_busy = [sum(e - s for s, e in rs) / wall_ns for rs in runs]
+        result.overlap_ms = overlap_ns(runs[0], runs[1]) / 1e6
     return result
+
+
+def overlap_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    """How long two sorted lists of disjoint (start, end) intervals overlap."""
+    total, i, j = 0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 RESULT = "RESULT="
@@ -427,24 +466,55 @@ def _size(nbytes: float) -> str:
 def engine_table(results: list[Result]) -> Table:
     table = Table(title="The engine at each layout (this machine, traced at detail full)")
     for col in ("model", "layout", "tok/s", "ms/step", "steps", "rank 0 runner ms",
-                "collectives", "comm share", "in flight"):  # fmt: skip
+                "collectives", "comm share", "in flight", "stages busy (at once)"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("model", "layout") else "right")
     for r in results:
         lay = r.layout
         if lay.unavailable or r.error:
             why = "not available" if lay.unavailable else f"failed: {r.error}"
-            table.add_row(lay.model, lay.label, why, *[""] * 6)
+            table.add_row(lay.model, lay.label, why, *[""] * 7)
             continue
         share = f"{r.comm_ms / r.runner_ms:.0%}" if r.runner_ms and lay.tp > 1 else "-"
+        busy = "-"
         if lay.pp > 1:
-            share = "n/a"  # send/recv are not spans: see the collectives alone
+            share = "n/a"  # a stage's send waits for the next stage: not transfer time
+            busy = " + ".join(f"{b:.0%}" for b in r.stage_busy)
+            busy += f" ({r.overlap_ms / 1e3 / r.seconds:.0%})"
         table.add_row(
             lay.model, lay.label, f"{r.tokens / r.seconds:.1f}",
             f"{r.seconds / max(r.steps, 1) * 1e3:.1f}", str(r.steps), f"{r.runner_ms:.0f}",
             f"{r.comm_calls} ({r.comm_ms:.0f} ms)" if r.comm_calls else "0", share,
-            str(r.in_flight) if r.in_flight else "-",
+            str(r.in_flight) if r.in_flight else "-", busy,
         )  # fmt: skip
     return table
+
+
+def pipeline_notes(results: list[Result]) -> list[str]:
+    """What the P rows show, against what P devices would."""
+    rows = {r.layout.batch_queue: r for r in results
+            if r.layout.pp > 1 and not r.error and not r.layout.unavailable}  # fmt: skip
+    if len(rows) < 2:
+        return []
+    off, on = rows[False], rows[True]
+    p = on.layout.pp
+    return [
+        f"P={p}, arithmetic: on {p} devices of their own, with one batch in flight a stage "
+        f"idles {p - 1}/{p} of the time (it waits for the other stages), so P stages run no "
+        f"faster than one device; with P batches in flight every stage can be busy, up to {p}x "
+        "the throughput once the pipeline is full.",
+        f"P={p}, here: both stages at once {off.overlap_ms / 1e3 / off.seconds:.0%} of the "
+        f"time without the batch queue, {on.overlap_ms / 1e3 / on.seconds:.0%} with it; "
+        f"tok/s {off.tokens / off.seconds:.1f} -> {on.tokens / on.seconds:.1f}, steps "
+        f"{off.steps} -> {on.steps}"
+        + (
+            " (a request in flight is not scheduled again, so some steps hold fewer tokens)"
+            if on.steps > off.steps
+            else ""
+        )
+        + f". The stages, the engine core and any other work share {os.cpu_count()} cores "
+        f"(load average now {os.getloadavg()[0]:.1f}): two stages at once are two processes "
+        "taking turns on the same cores, unless a core is free.",
+    ]
 
 
 def collectives_table(rows: Timings) -> Table:
@@ -463,7 +533,9 @@ def collectives_table(rows: Timings) -> Table:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--smoke", action="store_true", help="T=1 and T=2, tiny model, 2 prompts x 4 tokens"
+        "--smoke",
+        action="store_true",
+        help="T=1, T=2 and P=2 with and without the batch queue, tiny model, 2 prompts x 4 tokens",
     )
     parser.add_argument("--output-json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument(
@@ -509,9 +581,14 @@ def main(argv: list[str] | None = None) -> int:
     console.print(
         "ms/step: the timed generate's wall time over the steps that ran the model (with the "
         "batch queue, steps overlap). comm share: rank 0's collective time over its runner "
-        "time (P rows: a stage's send/recv is not a span; see the collectives alone). "
-        "in flight: the most steps EngineCore had in flight at once (batch queue only)."
+        "time (P rows: n/a, a stage's send waits for the next stage to receive, so its "
+        "span is mostly waiting; see the collectives alone). in flight: the most steps "
+        "EngineCore had in flight at once (batch queue only). stages busy: each stage's "
+        "ModelRunner.execute_model time over the wall time, and (at once) the share of the "
+        "wall time both stages ran."
     )
+    for note in pipeline_notes(results):
+        console.print(f"- {note}")
     sizes = [8 << 10] if args.smoke else [8 << 10, 256 << 10, 4 << 20]
     iters = [20] if args.smoke else [50, 20, 5]
     console.print(f"collectives alone: {', '.join(_size(s) for s in sizes)} ...")
