@@ -4,8 +4,10 @@ Mirrors vllm/v1/kv_offload/cpu/gpu_worker.py (vLLM's names: "GPU" is the
 engine's paged KV cache, wherever it lives; "CPU" the tier). The tier is
 one preallocated int8 region of ``num_cpu_blocks`` slots, each holding one
 engine block of every layer (vLLM: ``SharedOffloadRegion``, an mmap); with
-``path`` the region is a file mapped into memory, so the tier can live on a
-disk (a tmpfs, a local SSD) instead of in anonymous memory. Each layer's
+a ``directory`` the region is a temporary file there, mapped into memory,
+so the tier can live on a disk (a local SSD, a tmpfs) instead of in
+anonymous memory. The file is unlinked as soon as it is mapped: the mapping
+keeps it until the worker exits, and nothing is left behind if it dies. Each layer's
 cache is seen as ``[num_blocks, page_bytes]`` int8 (its block dimension
 first, as every tracevllm attention backend lays it out), and a slot's
 layer page sits in a ``[num_cpu_blocks, page_bytes]`` view of the region.
@@ -21,6 +23,8 @@ nothing to wait for. Left out: offloaded blocks larger than the engine's
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -55,20 +59,26 @@ class CpuRegion:
     """The tier's memory: ``num_cpu_blocks`` slots of every layer's page,
     preallocated (zeroed), in memory or mapped from a file."""
 
-    def __init__(self, num_cpu_blocks: int, page_sizes: Sequence[int], path: str | None) -> None:
+    def __init__(
+        self, num_cpu_blocks: int, page_sizes: Sequence[int], directory: str | None
+    ) -> None:
         self.num_cpu_blocks = num_cpu_blocks
         self.bytes_per_block = sum(page_sizes)
         self.total_size_bytes = num_cpu_blocks * self.bytes_per_block
-        self.path = path
-        if path is None:
+        self.file_backed = directory is not None
+        if directory is None:
             self._base = torch.zeros(self.total_size_bytes, dtype=torch.int8)
         else:
-            # A fresh file of exactly the region's size, mapped shared.
-            with open(path, "wb") as f:
-                f.truncate(self.total_size_bytes)
-            self._base = torch.from_file(
-                path, shared=True, size=self.total_size_bytes, dtype=torch.int8
-            )
+            # A fresh file of exactly the region's size (zeros), mapped shared.
+            fd, path = tempfile.mkstemp(prefix="tracevllm-kv-offload-", dir=directory)
+            try:
+                os.ftruncate(fd, self.total_size_bytes)
+                self._base = torch.from_file(
+                    path, shared=True, size=self.total_size_bytes, dtype=torch.int8
+                )
+            finally:
+                os.close(fd)
+                os.remove(path)
         # One [num_cpu_blocks, page] view per layer tensor, one after another.
         self.tensors: list[torch.Tensor] = []
         offset = 0
@@ -77,12 +87,21 @@ class CpuRegion:
             self.tensors.append(self._base[offset : offset + size].view(num_cpu_blocks, page))
             offset += size
 
+    def close(self) -> None:
+        """Drop the region (its memory goes with the last view of it)."""
+        self.tensors = []
+        self._base = torch.empty(0, dtype=torch.int8)
+
 
 class SingleDirectionOffloadingHandler(OffloadingHandler):
     """Copies one way, engine cache to tier (``gpu_to_cpu``) or back."""
 
     def __init__(
-        self, gpu_tensors: list[torch.Tensor], cpu_tensors: list[torch.Tensor], gpu_to_cpu: bool
+        self,
+        gpu_tensors: list[torch.Tensor],
+        cpu_tensors: list[torch.Tensor],
+        gpu_to_cpu: bool,
+        region: CpuRegion | None = None,
     ) -> None:
         assert len(gpu_tensors) == len(cpu_tensors) > 0
         for gpu_tensor, cpu_tensor in zip(gpu_tensors, cpu_tensors, strict=True):
@@ -93,6 +112,8 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
         self.gpu_to_cpu = gpu_to_cpu
         self.transfer_type = ("GPU", "CPU") if gpu_to_cpu else ("CPU", "GPU")
         self._finished: list[TransferResult] = []
+        # The region to close on shutdown (the gpu_to_cpu handler owns it, as vLLM's).
+        self._region = region
 
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         src_spec, dst_spec = spec
@@ -130,23 +151,28 @@ class SingleDirectionOffloadingHandler(OffloadingHandler):
     def wait(self, job_ids: set[int]) -> None:
         return  # every copy is done when transfer_async returns
 
+    def shutdown(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
 
 class CpuGpuOffloadingHandlers:
     """The tier's region and a handler each way."""
 
     def __init__(
-        self, kv_caches: dict[str, torch.Tensor], num_cpu_blocks: int, path: str | None = None
+        self, kv_caches: dict[str, torch.Tensor], num_cpu_blocks: int, directory: str | None = None
     ) -> None:
         gpu_tensors = canonical_kv_caches(kv_caches)
-        self.region = CpuRegion(num_cpu_blocks, [t.shape[1] for t in gpu_tensors], path)
+        self.region = CpuRegion(num_cpu_blocks, [t.shape[1] for t in gpu_tensors], directory)
         logger.info(
             "KV offloading: a CPU tier of %d blocks (%.1f MiB)%s",
             num_cpu_blocks,
             self.region.total_size_bytes / (1 << 20),
-            f" in {path}" if path else "",
+            f", a file in {directory}" if directory else "",
         )
         self.gpu_to_cpu_handler = SingleDirectionOffloadingHandler(
-            gpu_tensors, self.region.tensors, gpu_to_cpu=True
+            gpu_tensors, self.region.tensors, gpu_to_cpu=True, region=self.region
         )
         self.cpu_to_gpu_handler = SingleDirectionOffloadingHandler(
             gpu_tensors, self.region.tensors, gpu_to_cpu=False

@@ -5,9 +5,9 @@ gives ``cpu_bytes_to_use`` (``--kv-offloading-size`` GiB, turned into bytes
 by ``VllmConfig``); the tier holds as many whole blocks as fit:
 ``cpu_bytes_to_use // bytes per block`` (a block of every layer, the
 engine's page size summed over its KV cache tensors). ``eviction_policy``
-is vLLM's key (``lru``, the only one here). tracevllm adds ``cpu_offload_path``:
-a file to map the region from, so the tier can sit on a disk (vLLM's
-region is an mmap too, of shared memory).
+is vLLM's key (``lru``, the only one here). tracevllm adds ``cpu_offload_dir``:
+a directory where the region is a memory-mapped file, so the tier can sit
+on a disk (vLLM's region is an mmap too, of shared memory).
 
 Left out: the ARC policy, ``store_threshold``, KV cache events, tensor and
 pipeline parallelism (each rank would hold its own slice of every block:
@@ -59,12 +59,13 @@ class CPUOffloadingSpec(OffloadingSpec):
             else 0
         )
         self.eviction_policy: str = self.extra_config.get("eviction_policy", "lru")
-        path = self.extra_config.get("cpu_offload_path")
-        if path is not None and (not isinstance(path, str) or not path):
+        directory = self.extra_config.get("cpu_offload_dir")
+        if directory is not None and (not isinstance(directory, str) or not directory):
             raise ValueError(
-                f"kv_connector_extra_config['cpu_offload_path'] must be a file path, got {path!r}."
+                "kv_connector_extra_config['cpu_offload_dir'] must be a directory, "
+                f"got {directory!r}."
             )
-        self.cpu_offload_path: str | None = path
+        self.cpu_offload_dir: str | None = directory
         self._manager: OffloadingManager | None = None
         self._handlers: CpuGpuOffloadingHandlers | None = None
 
@@ -82,7 +83,7 @@ class CPUOffloadingSpec(OffloadingSpec):
             from tracevllm.kv_offload.cpu.gpu_worker import CpuGpuOffloadingHandlers
 
             self._handlers = CpuGpuOffloadingHandlers(
-                kv_caches, num_cpu_blocks=self.num_blocks, path=self.cpu_offload_path
+                kv_caches, num_cpu_blocks=self.num_blocks, directory=self.cpu_offload_dir
             )
         yield GPULoadStoreSpec, CPULoadStoreSpec, self._handlers.gpu_to_cpu_handler
         yield CPULoadStoreSpec, GPULoadStoreSpec, self._handlers.cpu_to_gpu_handler
