@@ -17,6 +17,7 @@ from tracevllm.benchmarks import latency, sweep, throughput
 from tracevllm.benchmarks import serve as bench_serve
 from tracevllm.engine.arg_utils import EngineArgs
 from tracevllm.entrypoints.openai.cli_args import make_arg_parser
+from tracevllm.entrypoints.serve.disagg import proxy as disagg_proxy
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -122,6 +123,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     mode = "one process (--no-mp)" if args.no_mp else "two processes over ZeroMQ"
     if args.serve:
         mode = "three processes: HTTP client, API server, engine core"
+    if args.disagg:
+        mode = (
+            "six processes: HTTP client, disagg proxy, prefill server + engine core,"
+            " decode server + engine core"
+        )
     world_size = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
     if world_size > 1:  # the mp executor: a worker process per rank
         mode += (
@@ -129,7 +135,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
             f", PP {engine_args.pipeline_parallel_size})"
         )
     console.rule(f"tracevllm trace · {mode} · detail={args.detail}")
-    if args.serve:
+    if args.serve and args.disagg:
+        raise ValueError("--serve and --disagg: choose one.")
+    if args.disagg:
+        from tracevllm.entrypoints.trace_disagg import trace_disagg
+
+        answer = trace_disagg(args, engine_args, _sampling_params(args), out, console)
+    elif args.serve:
         from tracevllm.entrypoints.trace_serve import trace_serve
 
         answer = trace_serve(args, engine_args, _sampling_params(args), out, console)
@@ -204,6 +216,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(run_server(args))
 
 
+def cmd_disagg_proxy(args: argparse.Namespace) -> int:
+    """The disaggregation proxy until Ctrl-C or SIGTERM."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)  # as cmd_serve: after uvicorn has drained
+
+    signal.signal(signal.SIGTERM, stop)
+    return disagg_proxy.run_disagg_proxy(args)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tracevllm", description="vLLM's V1 engine, small enough to read."
@@ -222,12 +244,23 @@ def make_parser() -> argparse.ArgumentParser:
     tr.add_argument(
         "--serve", action="store_true", help="through tracevllm serve and the openai client"
     )
+    tr.add_argument(
+        "--disagg",
+        action="store_true",
+        help="through tracevllm disagg-proxy to a prefill and a decode server (ExampleConnector)",
+    )
     EngineArgs.add_cli_args(tr)
     tr.set_defaults(func=cmd_trace)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible server (as vllm serve)")
     make_arg_parser(serve)
     serve.set_defaults(func=cmd_serve)
+
+    proxy = sub.add_parser(
+        "disagg-proxy", help="prefill on one server, decode on another (vLLM's disagg proxy)"
+    )
+    disagg_proxy.add_cli_args(proxy)
+    proxy.set_defaults(func=cmd_disagg_proxy)
 
     bench = sub.add_parser("bench", help="benchmarks, with vLLM's names (vllm bench)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -62,15 +62,40 @@ def openai_kwargs(params: SamplingParams) -> dict[str, Any]:
     )
 
 
-def trace_serve(
-    args: Namespace, engine_args: EngineArgs, params: SamplingParams, out: str, console: Console
-) -> str:
-    """Run the request through the server; returns the answer's text."""
+def traced_chat(url: str, model: str, prompt: str, params: SamplingParams, out: str) -> str:
+    """One streamed chat request to the server at ``url`` under a client span of
+    its own (its ``traceparent`` in the HTTP headers), written to ``out``."""
     import openai
 
     from tracevllm import tracing
     from tracevllm.config import TraceConfig
 
+    # The client's spans go to the same spans.jsonl as the server's.
+    tracing.init_tracer("client", TraceConfig(detail="request", out_dir=out))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        with tracing.get_tracer().start_as_current_span(
+            "openai.chat.completions.create",
+            kind=trace.SpanKind.CLIENT,
+            attributes={"http.request.method": "POST", "url.path": "/v1/chat/completions"},
+        ):
+            # Streamed, as a chat UI would: the tokens come back as server-sent events.
+            stream = client.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": prompt}],
+                stream=True,
+                extra_headers=tracing.inject_trace_context(),
+                **openai_kwargs(params),
+            )
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        tracing.shutdown_tracer()
+
+
+def trace_serve(
+    args: Namespace, engine_args: EngineArgs, params: SamplingParams, out: str, console: Console
+) -> str:
+    """Run the request through the server; returns the answer's text."""
     if args.raw:
         raise ValueError("--raw has no meaning with --serve: the server applies the chat template.")
     port = free_port()
@@ -81,25 +106,8 @@ def trace_serve(
     with console.status("starting tracevllm serve (API server + engine core) ..."):
         server = ServerProcess(cmd, port)
     try:
-        # The client's spans go to the same spans.jsonl as the server's.
-        tracing.init_tracer("client", TraceConfig(detail="request", out_dir=out))
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
-        with tracing.get_tracer().start_as_current_span(
-            "openai.chat.completions.create",
-            kind=trace.SpanKind.CLIENT,
-            attributes={"http.request.method": "POST", "url.path": "/v1/chat/completions"},
-        ):
-            # Streamed, as a chat UI would: the tokens come back as server-sent events.
-            stream = client.chat.completions.create(
-                model="tracevllm",
-                messages=[{"role": "user", "content": args.prompt}],
-                stream=True,
-                extra_headers=tracing.inject_trace_context(),
-                **openai_kwargs(params),
-            )
-            answer = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        answer = traced_chat(server.url, "tracevllm", args.prompt, params, out)
     finally:
-        tracing.shutdown_tracer()
         # The server drains, shuts the engine down, and both flush their spans.
         server.stop()
     return answer
