@@ -161,6 +161,7 @@ def test_offloading_flags_are_checked_and_become_the_connectors_config(model_dir
 
 
 # ------------------------------------------------- hits after device eviction
+@pytest.mark.timeout(300)  # a load never reported would hang its request
 def test_an_evicted_prefix_is_loaded_back_from_the_tier_with_unchanged_output(
     model_dir: str,
     workload: list[list[list[int]]],
@@ -182,8 +183,9 @@ def test_an_evicted_prefix_is_loaded_back_from_the_tier_with_unchanged_output(
     assert [cached for _, cached in results] == [0, 0, 0, PREFIX_LEN, PREFIX_LEN]
     assert stats["connector_prefix_cache_stats"]["hits"] == PREFIX_LEN
     offload = stats["offload"]
+    # Loaded once: the second request waited for the first's load (its blocks
+    # were not in the prefix cache yet) rather than loading them again.
     assert offload["loaded"] == PREFIX_LEN // BLOCK_SIZE
-    assert offload["lookup_hits"] == PREFIX_LEN // BLOCK_SIZE
     assert offload["evicted"] == 0  # room for everything
     # Write-through: each request's full blocks, once per distinct block.
     full_blocks = [(len(p) + NUM_TOKENS - 1) // BLOCK_SIZE for r in workload for p in r]
@@ -191,6 +193,7 @@ def test_an_evicted_prefix_is_loaded_back_from_the_tier_with_unchanged_output(
     assert offload["stored"] == sum(full_blocks) - 2 * shared
 
 
+@pytest.mark.timeout(300)  # a load never reported would hang its request
 def test_loads_and_stores_are_spans_in_their_requests_traces(
     model_dir: str,
     workload: list[list[list[int]]],
@@ -235,6 +238,7 @@ def test_loads_and_stores_are_spans_in_their_requests_traces(
 
 
 # ------------------------------------------------------------ the tier's bound
+@pytest.mark.timeout(300)  # a load never reported would hang its request
 def test_the_tiers_bound_holds_and_its_lru_evicts_the_oldest(model_dir: str, tmp_path: Any) -> None:
     """A 12-block tier, in a file-backed region: five prompts of 5 blocks
     each go through it; it never holds more than 12 blocks, its region is

@@ -12,13 +12,14 @@ with its own LRU. ``--kv-offloading-size GiB`` (``kv_offloading_backend``
 Every block an engine fills is stored in the tier too (write-through), so
 when the engine's prefix cache evicts a prompt's blocks, a later request
 with that prefix still finds them: its scheduler-side lookup continues
-past the local hit into the tier, the blocks are copied back into fresh
-engine blocks before the forward (``start_load_kv``), and only the rest of
-the prompt is computed. Each request's load and store in a step is one span
+past the local hit into the tier, the request waits in
+``WAITING_FOR_REMOTE_KVS`` while the blocks are copied back into fresh
+engine blocks (``start_load_kv``, in the next step), and then computes only
+the rest of the prompt. Each request's load and store in a step is one span
 (``OffloadingConnector.wait_for_layer_load`` / ``.save_kv_layer``).
 
-tracevllm departs from vLLM in the roles' docstrings (synchronous loads,
-jobs done within their step) and refuses what it does not run: tensor or
+tracevllm departs from vLLM in the roles' docstrings (copies done within
+their step, so no job is left to wait for) and refuses what it does not run: tensor or
 pipeline parallelism, a model with a sliding window, and prefix caching off
 (the tier is keyed by the prefix cache's block hashes, which tracevllm
 computes only with prefix caching on). Left out: vLLM's cross-layer KV
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     )
     from tracevllm.forward_context import ForwardContext
     from tracevllm.kv_cache_interface import KVCacheConfig
+    from tracevllm.outputs import KVConnectorOutput
     from tracevllm.request import Request
 
 
@@ -174,6 +176,10 @@ class OffloadingConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_connector_output(connector_output.finished_recving)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -6,31 +6,28 @@ hashes, the prefix cache's). Each step:
 
 - ``get_num_new_matched_tokens``: past the engine's own prefix-cache hit,
   the longest run of the request's next blocks the tier holds
-  (``lookup``), as tokens to load; the request's blocks are ``touch``\\ ed;
+  (``lookup``), as tokens to load asynchronously (``(n, True)``); the
+  request's blocks are ``touch``\\ ed. A request whose hit includes blocks
+  another request is loading right now waits a step (None), and then finds
+  them in the engine's prefix cache;
 - ``update_state_after_alloc``: those tokens' blocks (allocated by the
-  scheduler right after the local hit) become a load job, the tier's slots
-  reserved (``prepare_load``);
+  scheduler right after the local hit, not yet in the prefix cache) become
+  a load job, the tier's slots reserved (``prepare_load``); the request
+  waits in ``WAITING_FOR_REMOTE_KVS``;
 - ``build_connector_meta``: the step's loads, and a store job for every
   block a scheduled request fills up this step that the tier lacks
   (``prepare_store``, which evicts by LRU): write-through, so that a block
-  is in the tier before the engine's prefix cache evicts it.
+  is in the tier before the engine's prefix cache evicts it;
+- ``update_connector_output``: a load the workers report done
+  (``finished_recving``) releases its slots (``complete_load``); the
+  scheduler then runs the request from its first token past the load.
 
-Where tracevllm departs from vLLM's, and why:
-
-- Loads are synchronous (``get_num_new_matched_tokens`` answers
-  ``(n, False)``): the worker copies the blocks in before the forward of
-  the step that schedules the request (``start_load_kv``), so the request
-  never waits in ``WAITING_FOR_REMOTE_KVS``. vLLM's loads are asynchronous.
-- The hit stops one token short of the request (the full blocks before its
-  last token, as the prefix cache's): a synchronous load must leave a token
-  to compute. vLLM's may cover every token and recomputes the last after
-  the asynchronous load.
-- Every job is done within the step whose metadata carries it (loads before
-  the forward, stores after it, one worker, in order), so the jobs are
-  completed (``complete_load`` / ``complete_store``) as the metadata is
-  built: a later step's transfer can only run after them. vLLM's workers
-  report finished jobs back (``OffloadingWorkerMetadata``), and it fences
-  reused blocks with ``jobs_to_flush``.
+Where tracevllm departs from vLLM's, and why: every job is done within the
+step whose metadata carries it (loads before the forward, stores after it,
+one worker, in order), so stores are completed (``complete_store``) as the
+metadata is built: a later step's transfer can only run after them. vLLM's
+workers report finished stores back (``OffloadingWorkerMetadata``), and it
+fences reused blocks with ``jobs_to_flush``.
 - One KV cache group of full attention (vLLM's sliding-window and Mamba
   groups, offloaded blocks larger than the engine's, are left out).
 
@@ -126,6 +123,9 @@ class OffloadingConnectorScheduler:
         self._current_batch_load_jobs: dict[int, TransferJob] = {}
         self._job_counter = 0
         self._jobs: dict[int, TransferJobStatus] = {}
+        # Loads in flight: the request's job, and every key being loaded.
+        self._load_job_ids: dict[ReqId, int] = {}
+        self._blocks_being_loaded: set[OffloadKey] = set()
         self.stats = OffloadingSchedulerStats()
 
     def _generate_job_id(self) -> int:
@@ -153,16 +153,23 @@ class OffloadingConnectorScheduler:
         """Tokens past the local hit the tier can supply (0: none worth a load)."""
         block_size = self.block_size
         num_computed_tokens = req_status.num_locally_computed_tokens
-        # The full blocks before the last token: one token is left to compute.
-        max_hit_tokens = (req_status.req.num_tokens - 1) // block_size * block_size
-        max_hit_tokens = min(max_hit_tokens, len(req_status.offload_keys) * block_size)
+        # Every full block, the last token's too: after a whole prompt is
+        # loaded the scheduler computes its last token again.
+        max_hit_tokens = min(req_status.req.num_tokens, len(req_status.offload_keys) * block_size)
         if max_hit_tokens - num_computed_tokens < block_size:
-            return 0
+            return 0  # less than a block to load: better compute it
         start_block_idx = num_computed_tokens // block_size
         keys = req_status.offload_keys[start_block_idx : max_hit_tokens // block_size]
         num_hit_blocks = self._maximal_prefix_lookup(keys, req_status.req_context)
         if num_hit_blocks is None:
             logger.debug("Request %s: blocks in flight, ask again", req_status.req_context.req_id)
+            return None
+        if not num_hit_blocks:
+            return 0
+        # Another request is loading some of them: wait for its load, then
+        # find them in the prefix cache.
+        if not self._blocks_being_loaded.isdisjoint(keys[:num_hit_blocks]):
+            logger.debug("Request %s: its blocks are being loaded", req_status.req_context.req_id)
             return None
         return (start_block_idx + num_hit_blocks) * block_size - num_computed_tokens
 
@@ -170,7 +177,7 @@ class OffloadingConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """The tier's tokens past the local hit, loaded synchronously (False)."""
+        """The tier's tokens past the local hit, loaded asynchronously."""
         req_status = self._req_status.get(request.request_id)
         if req_status is None:
             req_status = RequestOffloadState(
@@ -185,7 +192,7 @@ class OffloadingConnectorScheduler:
         num_hit_tokens = self._lookup(req_status)
         # Most recently used: the whole request, hit or not.
         self.manager.touch(req_status.offload_keys, req_status.req_context)
-        return num_hit_tokens, False
+        return num_hit_tokens, bool(num_hit_tokens)
 
     # --8<-- [end:offloading_get_num_new_matched_tokens]
 
@@ -224,6 +231,8 @@ class OffloadingConnectorScheduler:
             block_size=block_size,
         )
         self._jobs[job_id] = TransferJobStatus(request.request_id, keys_to_load, is_store=False)
+        self._load_job_ids[request.request_id] = job_id
+        self._blocks_being_loaded.update(keys_to_load)
 
     # ------------------------------------------------------------------ stores
     def _build_store_jobs(self, scheduler_output: SchedulerOutput) -> dict[int, TransferJob]:
@@ -294,11 +303,21 @@ class OffloadingConnectorScheduler:
             store_jobs=self._build_store_jobs(scheduler_output),
         )
         self._current_batch_load_jobs = {}
-        # The worker runs these in this step, before any later step's
+        # The worker runs the stores in this step, before any later step's
         # transfer: done, as far as any later decision can tell.
-        for job_id in (*meta.load_jobs, *meta.store_jobs):
+        for job_id in meta.store_jobs:
             self._complete_job(job_id)
         return meta
+
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        """Loads the workers report done: their slots may be evicted again,
+        their blocks are the engine's (cached by the scheduler)."""
+        for req_id in finished_recving or ():
+            job_id = self._load_job_ids.pop(req_id, None)
+            if job_id is None:
+                continue
+            self._blocks_being_loaded.difference_update(self._jobs[job_id].keys)
+            self._complete_job(job_id)
 
     def _complete_job(self, job_id: int) -> None:
         job_status = self._jobs.pop(job_id)
@@ -312,13 +331,10 @@ class OffloadingConnectorScheduler:
             self.manager.complete_load(job_status.keys, req_context)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Nothing outlives the request (its jobs finished with their steps)."""
+        """Nothing outlives the request: its stores finished with their steps,
+        and a load in flight (an aborted request's) keeps its own blocks until
+        it is reported (the scheduler holds them till then)."""
         self._req_status.pop(request.request_id, None)
-        # Aborted between its allocation and the metadata: no load after all.
-        for job_id, job in list(self._current_batch_load_jobs.items()):
-            if job.req_id == request.request_id:
-                del self._current_batch_load_jobs[job_id]
-                self._complete_job(job_id)
         return False, None
 
     def reset_cache(self) -> None:

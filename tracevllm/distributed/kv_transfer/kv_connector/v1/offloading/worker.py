@@ -3,15 +3,17 @@
 Mirrors vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py.
 ``register_kv_caches`` builds the tier's handlers over the engine's KV cache
 tensors (the spec allocates the tier's region here, in the worker);
-``start_kv_transfers`` runs the step's loads before the forward;
-``get_finished`` runs the step's stores after it (vLLM queues them for the
-start of the next step, so that they overlap the next forward on their CUDA
-streams; a synchronous copy gains nothing by waiting) and collects the
-finished transfers: each becomes a span in its request's trace
-(tracing/kv_transfer.py) and counts in vLLM's transfer stats (bytes and
-seconds per direction, ``GPU_to_CPU`` and ``CPU_to_GPU``). A load that fails
-reports its blocks (``get_block_ids_with_load_errors``): the scheduler
-recomputes them or fails the request (``kv_load_failure_policy``).
+``start_kv_transfers`` runs the step's loads (of requests waiting in
+``WAITING_FOR_REMOTE_KVS``) before the forward; ``get_finished`` runs the
+step's stores after it (vLLM queues them for the start of the next step, so
+that they overlap the next forward on their CUDA streams; a synchronous
+copy gains nothing by waiting), reports the loaded requests
+(``finished_recving``: they run from the next step) and records every
+finished transfer: a span in its request's trace (tracing/kv_transfer.py)
+and vLLM's transfer stats (bytes and seconds per direction, ``GPU_to_CPU``
+and ``CPU_to_GPU``). A load that fails reports its blocks too
+(``get_block_ids_with_load_errors``): the scheduler recomputes them or fails
+the request (``kv_load_failure_policy``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class OffloadingConnectorWorker:
         # job id -> (job, direction, wall-clock start) of transfers submitted this step.
         self._jobs: dict[int, tuple[TransferJob, str, int]] = {}
         self._invalid_block_ids: set[int] = set()
+        # Requests whose load ran (or failed) since the last get_finished.
+        self._finished_recving: set[str] = set()
         # vLLM's OffloadingConnectorStats: per transfer type, bytes and seconds.
         self.transfer_stats: dict[str, dict[str, float]] = defaultdict(
             lambda: {"total_bytes": 0, "total_time": 0.0, "num_transfers": 0}
@@ -56,6 +60,8 @@ class OffloadingConnectorWorker:
 
     def _submit(self, job_id: int, job: TransferJob, direction: str) -> None:
         self._jobs[job_id] = (job, direction, time.time_ns())
+        if direction == "load":
+            self._finished_recving.add(job.req_id)
         if not self.worker.transfer_async(job_id, job.transfer_spec):
             self._jobs.pop(job_id)
             if direction == "load":
@@ -75,7 +81,7 @@ class OffloadingConnectorWorker:
             self._submit(job_id, job, "save")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Every transfer is done by now: record each; none is asynchronous."""
+        """Every transfer is done by now: record each, and report the loads."""
         for result in self.worker.get_finished():
             entry = self._jobs.pop(result.job_id, None)
             if entry is None:
@@ -86,7 +92,8 @@ class OffloadingConnectorWorker:
                 assert isinstance(dst, BlockIDsLoadStoreSpec)
                 self._invalid_block_ids.update(dst.block_ids)
             self._record(job, direction, result, start_ns=start_ns)
-        return None, None
+        finished_recving, self._finished_recving = self._finished_recving, set()
+        return None, finished_recving or None
 
     def _record(
         self,
