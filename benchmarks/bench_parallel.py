@@ -48,6 +48,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -273,7 +274,9 @@ def overlap_ns(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 
 
 RESULT = "RESULT="
-LAYOUT_TIMEOUT_S = {"tiny": 120, "default": 240}
+# Start-up alone (three processes importing torch, the workers loading) takes
+# 60-90 s at a load average over 10 on the two cores.
+LAYOUT_TIMEOUT_S = {"tiny": 240, "default": 360}
 
 
 def run_layout_in_child(
@@ -297,11 +300,22 @@ def run_layout_in_child(
         return Result(layout, error=f"no answer in {timeout} s: killed")
     line = next((x for x in out.splitlines() if x.startswith(RESULT)), None)
     if proc.returncode != 0 or line is None:
-        last = (err.strip().splitlines() or ["exit code " + str(proc.returncode)])[-1]
-        return Result(layout, error=last[:160])
+        why = f"exit code {proc.returncode}" + ("" if line is None else " after its result")
+        return Result(layout, error=f"{why}: {_last_error(err)}"[:200])
     fields = json.loads(line.removeprefix(RESULT))
     fields["layout"] = layout
     return Result(**fields)
+
+
+def _last_error(stderr: str) -> str:
+    """The line that says what went wrong: the last exception line of the
+    child's stderr, not a warning printed at exit after it (the resource
+    tracker's, for one)."""
+    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
+    for x in reversed(lines):
+        if re.match(r"[\w.]*(Error|Exception|Interrupt|Exit)\b", x):
+            return x
+    return lines[-1] if lines else "(nothing on stderr)"
 
 
 # ------------------------------------------------------------ the collectives alone
@@ -499,9 +513,9 @@ def pipeline_notes(results: list[Result]) -> list[str]:
     p = on.layout.pp
     return [
         f"P={p}, arithmetic: on {p} devices of their own, with one batch in flight a stage "
-        f"idles {p - 1}/{p} of the time (it waits for the other stages), so P stages run no "
-        f"faster than one device; with P batches in flight every stage can be busy, up to {p}x "
-        "the throughput once the pipeline is full.",
+        f"idles at least {p - 1}/{p} of the time (it waits for the other stages), so {p} "
+        f"stages run no faster than one device; with {p} batches in flight every stage can "
+        f"be busy, up to {p}x the throughput once the pipeline is full.",
         f"P={p}, here: both stages at once {off.overlap_ms / 1e3 / off.seconds:.0%} of the "
         f"time without the batch queue, {on.overlap_ms / 1e3 / on.seconds:.0%} with it; "
         f"tok/s {off.tokens / off.seconds:.1f} -> {on.tokens / on.seconds:.1f}, steps "
@@ -511,9 +525,10 @@ def pipeline_notes(results: list[Result]) -> list[str]:
             if on.steps > off.steps
             else ""
         )
-        + f". The stages, the engine core and any other work share {os.cpu_count()} cores "
-        f"(load average now {os.getloadavg()[0]:.1f}): two stages at once are two processes "
-        "taking turns on the same cores, unless a core is free.",
+        + f", rank 0's runner time {off.runner_ms:.0f} -> {on.runner_ms:.0f} ms. The stages, "
+        f"the engine core and any other work share {os.cpu_count()} cores (load average now "
+        f"{os.getloadavg()[0]:.1f}): two stages at once are two processes taking turns on "
+        "the same cores, unless a core is free.",
     ]
 
 
