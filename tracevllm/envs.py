@@ -93,6 +93,15 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # reach it (vLLM's VLLM_HOST_IP); unset: the address of the interface
     # that routes outwards. Set it on each node, to that node's own address.
     "TRACEVLLM_HOST_IP": lambda: os.environ.get("TRACEVLLM_HOST_IP", ""),
+    # The NixlConnector's side channel, where a decode engine's workers fetch
+    # a prefill engine's NIXL agent metadata (vLLM's VLLM_NIXL_SIDE_CHANNEL_*).
+    "TRACEVLLM_NIXL_SIDE_CHANNEL_HOST": lambda: os.environ.get(
+        "TRACEVLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"
+    ),
+    "TRACEVLLM_NIXL_SIDE_CHANNEL_PORT": _count("TRACEVLLM_NIXL_SIDE_CHANNEL_PORT", "5600"),
+    # Seconds a prefill engine holds a finished request's blocks for a reader
+    # that never comes (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT before 0.22's leases).
+    "TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT": _count("TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480"),
 }
 
 if TYPE_CHECKING:  # the names above, as module attributes
@@ -112,6 +121,9 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE: int
     TRACEVLLM_PP_LAYER_PARTITION: str | None
     TRACEVLLM_HOST_IP: str
+    TRACEVLLM_NIXL_SIDE_CHANNEL_HOST: str
+    TRACEVLLM_NIXL_SIDE_CHANNEL_PORT: int
+    TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT: int
 
 
 def __getattr__(name: str) -> Any:

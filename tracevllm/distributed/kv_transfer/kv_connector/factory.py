@@ -108,6 +108,11 @@ KVConnectorFactory.register_connector(
     "tracevllm.distributed.kv_transfer.kv_connector.v1.example_connector",
     "ExampleConnector",
 )
+KVConnectorFactory.register_connector(
+    "NixlConnector",
+    "tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
+    "NixlConnector",
+)
 # --8<-- [end:register_connector]
 KVConnectorFactory.register_connector(
     "OffloadingConnector",

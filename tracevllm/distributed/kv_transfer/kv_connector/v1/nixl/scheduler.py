@@ -1,0 +1,171 @@
+"""The NixlConnector's scheduler side: which requests pull, which hold their blocks.
+
+Mirrors vllm/distributed/kv_transfer/kv_connector/v1/nixl/scheduler.py
+(``NixlConnectorScheduler``). A decode engine's request that arrives with
+``do_remote_prefill`` in its ``kv_transfer_params`` asks for its whole prompt
+from the connector, asynchronously (``get_num_new_matched_tokens``): the
+scheduler allocates its blocks and parks it in ``WAITING_FOR_REMOTE_KVS``;
+``update_state_after_alloc`` notes the blocks that are not local prefix hits
+(the unhashed ones), and the next ``build_connector_meta`` tells the worker to
+read the remote blocks into them. A prefill engine's request sent with
+``do_remote_decode`` finishes (``max_tokens=1``) holding its blocks
+(``request_finished`` returns ``delay_free_blocks=True``) and returns the
+``kv_transfer_params`` the decode engine needs: this engine's id, side-channel
+host and port, the block ids, and the request's trace context. Its worker
+frees them when the reader says it is done, or after
+``TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT`` seconds.
+
+Where tracevllm departs: the hold is vLLM's older fixed timeout
+(``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s) rather than 0.22's 30-second
+lease renewed by the reader's heartbeats; the side channel is served by the
+worker (one per engine here) rather than by the scheduler. Left out: host
+buffers (the KV cache is in host memory already), bidirectional transfers,
+Mamba and sliding-window clipping, connector stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from tracevllm import envs
+from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    ReqId,
+    SendMeta,
+)
+from tracevllm.tracing import kv_transfer as kv_transfer_tracing
+
+if TYPE_CHECKING:
+    from tracevllm.config import VllmConfig
+    from tracevllm.core.kv_cache_manager import KVCacheBlocks
+    from tracevllm.core.sched.output import SchedulerOutput
+    from tracevllm.request import Request
+
+logger = logging.getLogger(__name__)
+
+_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+class NixlConnectorScheduler:
+    """Implementation of Scheduler side methods"""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str) -> None:
+        self.vllm_config = vllm_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = engine_id
+        self.side_channel_host = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_HOST
+        self.side_channel_port = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_PORT
+        self.abort_request_timeout = envs.TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT
+        # Consumer: requests to read, with their local blocks, until the next meta.
+        self._reqs_need_recv: dict[ReqId, tuple[Request, list[int]]] = {}
+        # Producer: finished requests holding blocks, with their expiry.
+        self._reqs_need_send: dict[ReqId, float] = {}
+        self._send_meta: dict[ReqId, SendMeta] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """A remote prefill: every prompt token past the local hit, read
+        asynchronously (between steps)."""
+        params = request.kv_transfer_params
+        if params is not None and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        if params.get("remote_block_ids"):
+            if all(p in params for p in _REMOTE_KEYS):
+                # The blocks allocated for the remote tokens are the unhashed
+                # ones (local hits are cached). None on a full local hit: the
+                # worker still tells the producer, so that it frees its blocks.
+                local_block_ids = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+                self._reqs_need_recv[request.request_id] = (request, local_block_ids)
+            else:
+                logger.warning(
+                    "Got invalid KVTransferParams: %s. This request will not utilize KVTransfer",
+                    params,
+                )
+        else:
+            assert num_external_tokens == 0
+        # Only trigger 1 KV transfer per request.
+        params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
+        meta = NixlConnectorMetadata()
+        for req_id, (req, block_ids) in self._reqs_need_recv.items():
+            assert req.kv_transfer_params is not None
+            meta.add_new_req_to_recv(
+                request_id=req_id,
+                local_block_ids=block_ids,
+                kv_transfer_params=req.kv_transfer_params,
+                trace_headers=dict(req.trace_headers) if req.trace_headers else None,
+                remote_trace_headers=kv_transfer_tracing.remote_trace_headers(
+                    req.kv_transfer_params
+                ),
+            )
+        meta.reqs_to_send = self._reqs_need_send
+        meta.send_meta = self._send_meta
+        self._reqs_need_recv = {}
+        self._reqs_need_send = {}
+        self._send_meta = {}
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Once a request is finished, determine whether request blocks
+        should be freed now or will be sent asynchronously and freed later."""
+        from tracevllm.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Aborted before it was scheduled: the worker still notifies the
+            # producer (no blocks to read), so its blocks are not stranded.
+            self._reqs_need_recv[request.request_id] = (request, [])
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            # Aborted or failed: nothing will read its blocks.
+            return False, None
+
+        delay_free_blocks = len(block_ids) > 0
+        if delay_free_blocks:
+            self._reqs_need_send[request.request_id] = (
+                time.perf_counter() + self.abort_request_timeout
+            )
+            self._send_meta[request.request_id] = SendMeta(
+                num_blocks=len(block_ids),
+                num_tokens=request.num_computed_tokens,
+                trace_headers=dict(request.trace_headers) if request.trace_headers else None,
+                start_ns=time.time_ns(),
+            )
+        kv_transfer_params: dict[str, Any] = dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_block_ids=block_ids,
+            remote_engine_id=self.engine_id,
+            remote_request_id=request.request_id,
+            remote_host=self.side_channel_host,
+            remote_port=self.side_channel_port,
+            tp_size=self.vllm_config.parallel_config.tensor_parallel_size,
+            remote_num_tokens=request.num_computed_tokens,
+        )
+        return delay_free_blocks, kv_transfer_tracing.add_trace_context(
+            kv_transfer_params, request.trace_headers
+        )

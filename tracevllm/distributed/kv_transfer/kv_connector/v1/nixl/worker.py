@@ -1,0 +1,548 @@
+"""The NixlConnector's worker side: NIXL READs of a remote engine's KV blocks.
+
+Mirrors vllm/distributed/kv_transfer/kv_connector/v1/nixl/worker.py
+(``NixlConnectorWorker``). Each worker owns a NIXL agent (UCX backend) and
+registers its KV cache tensors with it (``register_kv_caches``): one region
+per layer, described block by block, so that a transfer names blocks by
+index. A prefill engine's worker answers the side channel (ZeroMQ, msgpack)
+with its agent's metadata and where its blocks lie. A decode engine's worker,
+told to read a request's blocks (``start_load_kv``), first fetches that
+metadata once per remote engine in a background thread (``_nixl_handshake``),
+adds the remote agent, then posts one non-blocking READ of every layer's
+blocks with a notification for the producer (``_read_blocks``);
+``get_finished`` polls the transfers (``finished_recving``) and the
+producer's notifications (``finished_sending``: its blocks can go), and frees
+a producer's blocks that no one read after ``TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT``
+seconds. A handshake or transfer that fails marks the request's blocks
+invalid: the scheduler recomputes them or fails the request
+(``kv_load_failure_policy``). Each transfer is one span (bytes, blocks,
+layers, milliseconds): the load on the decode side, the send (from the
+request's end to the reader's notification) on the prefill side.
+
+Left out: heterogeneous tensor parallelism, block sizes and layouts, host
+buffers, heartbeats, cross-layer blocks, transfer telemetry and stats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from tracevllm import envs
+from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    GET_META_MSG,
+    EngineId,
+    NixlAgentMetadata,
+    NixlConnectorMetadata,
+    NixlHandshakePayload,
+    ReqId,
+    ReqMeta,
+    SendMeta,
+    compute_nixl_compatibility_hash,
+)
+from tracevllm.tracing import kv_transfer as kv_transfer_tracing
+
+if TYPE_CHECKING:
+    import torch
+
+    from tracevllm.config import VllmConfig
+
+logger = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "NixlConnector"
+# A dead or absent side channel fails the handshake after this long.
+HANDSHAKE_TIMEOUT_MS = 5000
+
+
+def make_zmq_path(scheme: str, host: str, port: int) -> str:
+    return f"{scheme}://{host}:{port}"
+
+
+class NixlConnectorWorker:
+    """Implementation of Worker side methods"""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:
+            raise RuntimeError(
+                "NIXL is not available: pip install nixl (tracevllm pins it in its dev extra)."
+            ) from e
+        self.vllm_config = vllm_config
+        self.engine_id: EngineId = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.side_channel_host = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_HOST
+        self.side_channel_port = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_PORT
+        self.compat_hash = compute_nixl_compatibility_hash(vllm_config)
+        self.nixl_wrapper = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=["UCX"]))
+
+        # Set in register_kv_caches.
+        self.num_blocks = 0
+        self.num_layers = 0
+        self.block_lens: list[int] = []
+        self.kv_caches_base_addr: list[int] = []
+        self._registered_descs: Any = None
+        self.src_xfer_side_handle: Any = None
+        self._handshake_payload = b""
+
+        # Remote engines: agent name, prepared block descriptors, block count.
+        self._remote_agents: dict[EngineId, str] = {}
+        self.dst_xfer_side_handles: dict[EngineId, Any] = {}
+        self.dst_num_blocks: dict[EngineId, int] = {}
+        self._handshake_futures: dict[EngineId, Future[str]] = {}
+        self._handshake_lock = threading.RLock()
+        self._handshake_initiation_executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tracevllm-nixl-handshake"
+        )
+        # Filled from the handshake thread, drained by the step.
+        self._ready_requests: queue.Queue[tuple[ReqId, ReqMeta]] = queue.Queue()
+        self._failed_recv_reqs: queue.Queue[ReqId] = queue.Queue()
+        self._invalid_block_ids: queue.Queue[set[int]] = queue.Queue()
+
+        # Consumer: each request's metadata and its READs in flight.
+        self._recving_metadata: dict[ReqId, ReqMeta] = {}
+        self._recving_transfers: dict[ReqId, list[Any]] = defaultdict(list)
+        self._recv_start_ns: dict[ReqId, int] = {}
+        # Producer: requests whose blocks wait for a reader, with their
+        # expiry (time.perf_counter), oldest first; notifications that came
+        # before the request did (tracevllm's), with their arrival time.
+        self._reqs_to_send: dict[ReqId, float] = {}
+        self._send_meta: dict[ReqId, SendMeta] = {}
+        self._early_notifs: dict[ReqId, float] = {}
+
+        self._stop_listener = threading.Event()
+        self._nixl_handshake_listener_t: threading.Thread | None = None
+
+    # ------------------------------------------------------------ registration
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register each layer's KV tensor with NIXL, describe it block by
+        block, and start answering the side channel."""
+        caches = [kv_caches[name] for name in sorted(kv_caches)]
+        self.num_layers = len(caches)
+        self.num_blocks = caches[0].shape[0]
+        regions = []
+        for cache in caches:  # [num_blocks, 2, block_size, H_kv, D]
+            assert cache.is_contiguous() and cache.shape[0] == self.num_blocks
+            region_len = cache.numel() * cache.element_size()
+            self.kv_caches_base_addr.append(cache.data_ptr())
+            self.block_lens.append(region_len // self.num_blocks)
+            regions.append((cache.data_ptr(), region_len, 0, ""))
+        self._registered_descs = self.nixl_wrapper.get_reg_descs(regions, "DRAM")
+        self.nixl_wrapper.register_memory(self._registered_descs)
+        self.src_xfer_side_handle = self.nixl_wrapper.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", self._block_descs(self.kv_caches_base_addr, self.num_blocks), "DRAM"
+        )
+        agent_metadata = NixlAgentMetadata(
+            engine_id=self.engine_id,
+            agent_metadata=self.nixl_wrapper.get_agent_metadata(),
+            kv_caches_base_addr=self.kv_caches_base_addr,
+            num_blocks=self.num_blocks,
+            block_lens=self.block_lens,
+            block_size=self.block_size,
+        )
+        self._handshake_payload = msgspec.msgpack.encode(
+            NixlHandshakePayload(
+                compatibility_hash=self.compat_hash,
+                agent_metadata_bytes=msgspec.msgpack.encode(agent_metadata),
+            )
+        )
+        ready = threading.Event()
+        self._nixl_handshake_listener_t = threading.Thread(
+            target=self._nixl_handshake_listener,
+            args=(ready,),
+            daemon=True,
+            name="tracevllm-nixl-handshake-listener",
+        )
+        self._nixl_handshake_listener_t.start()
+        ready.wait()
+
+    def _block_descs(self, base_addrs: list[int], num_blocks: int) -> list[tuple[int, int, int]]:
+        """(address, length, device) of every block, layer-major: block b of
+        layer l is descriptor l * num_blocks + b."""
+        return [
+            (base + block_id * block_len, block_len, 0)
+            for base, block_len in zip(base_addrs, self.block_lens, strict=True)
+            for block_id in range(num_blocks)
+        ]
+
+    def _nixl_handshake_listener(self, ready: threading.Event) -> None:
+        """Answer GET_META_MSG with this worker's handshake payload."""
+        path = make_zmq_path("tcp", self.side_channel_host, self.side_channel_port)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(path)
+        except zmq.ZMQError:
+            logger.exception("NixlConnector: cannot bind the side channel at %s", path)
+            sock.close()
+            ctx.term()
+            ready.set()
+            return
+        logger.debug("NixlConnector: side channel listening at %s", path)
+        ready.set()
+        try:
+            while not self._stop_listener.is_set():
+                if not sock.poll(100):
+                    continue
+                identity, _, msg = sock.recv_multipart()
+                try:
+                    request = msgspec.msgpack.decode(msg)
+                except msgspec.DecodeError:
+                    request = None
+                if not isinstance(request, list) or request[:1] != [GET_META_MSG]:
+                    logger.warning("NixlConnector: unexpected side-channel message %r", msg[:64])
+                    sock.send_multipart((identity, b"", b""))
+                    continue
+                sock.send_multipart((identity, b"", self._handshake_payload))
+        finally:
+            sock.close()
+            ctx.term()
+
+    # --------------------------------------------------------------- handshake
+    # --8<-- [start:nixl_handshake]
+    def _nixl_handshake(self, host: str, port: int, expected_engine_id: str) -> str:
+        """Fetch a remote worker's agent metadata over its side channel, add
+        its agent, and prepare its blocks' descriptors. Returns its agent name."""
+        path = make_zmq_path("tcp", host, port)
+        with _zmq_req_socket(path) as sock:
+            sock.send(msgspec.msgpack.encode((GET_META_MSG, 0)))
+            handshake_bytes = sock.recv()  # zmq.Again after HANDSHAKE_TIMEOUT_MS
+        try:
+            payload = msgspec.msgpack.decode(handshake_bytes, type=NixlHandshakePayload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise RuntimeError(
+                "Failed to decode NixlHandshakePayload. This likely indicates "
+                f"an incompatibility between connector version. Error: {e}"
+            ) from e
+        if payload.compatibility_hash != self.compat_hash:
+            raise RuntimeError(
+                f"NIXL compatibility hash mismatch. Local: {self.compat_hash}, "
+                f"Remote: {payload.compatibility_hash}. Prefill and decode instances "
+                "have incompatible configurations (model, dtype, KV heads, layers)."
+            )
+        meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+        if meta.engine_id != expected_engine_id:
+            raise RuntimeError(
+                f"Remote NIXL agent engine ID mismatch. Expected {expected_engine_id}, "
+                f"received {meta.engine_id}."
+            )
+        if meta.block_size != self.block_size or meta.block_lens != self.block_lens:
+            raise RuntimeError(
+                f"Remote engine {meta.engine_id} has block size {meta.block_size} and "
+                f"block lengths {meta.block_lens[:1]}..., this one {self.block_size} and "
+                f"{self.block_lens[:1]}...: tracevllm reads only identical layouts."
+            )
+        agent_name = self.nixl_wrapper.add_remote_agent(meta.agent_metadata)
+        self.dst_xfer_side_handles[meta.engine_id] = self.nixl_wrapper.prep_xfer_dlist(
+            agent_name, self._block_descs(meta.kv_caches_base_addr, meta.num_blocks), "DRAM"
+        )
+        self.dst_num_blocks[meta.engine_id] = meta.num_blocks
+        self._remote_agents[meta.engine_id] = agent_name
+        return agent_name
+
+    # --8<-- [end:nixl_handshake]
+
+    def _background_nixl_handshake(self, req_id: ReqId, meta: ReqMeta) -> None:
+        """Handshake in the background (once per remote engine); the request's
+        read starts in the step after it completes."""
+        remote = meta.remote
+        future = self._handshake_futures.get(remote.engine_id)
+        if future is None:
+            future = self._handshake_initiation_executor.submit(
+                self._nixl_handshake, remote.host, remote.port, remote.engine_id
+            )
+            self._handshake_futures[remote.engine_id] = future
+
+        def request_ready(f: Future[str], entry: tuple[ReqId, ReqMeta] = (req_id, meta)) -> None:
+            try:
+                f.result()
+            except Exception as e:
+                logger.error(
+                    "NixlConnector: handshake with %s:%s (engine %s) failed for request %s: %s",
+                    remote.host,
+                    remote.port,
+                    remote.engine_id,
+                    req_id,
+                    e,
+                )
+                with self._handshake_lock:
+                    if self._handshake_futures.get(remote.engine_id) is f:
+                        del self._handshake_futures[remote.engine_id]  # the next one retries
+                self._handle_failed_transfer(req_id, None)
+                return
+            self._ready_requests.put(entry)
+
+        future.add_done_callback(request_ready)
+
+    # ------------------------------------------------------------------ reads
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        """Start this step's reads (non-blocking); note the producer's
+        finished requests, which wait for their readers."""
+        for req_id, meta in metadata.reqs_to_recv.items():
+            if meta.local_block_ids:
+                # Reported through get_finished; an empty list (a full local
+                # hit, or a request aborted before it ran) only notifies.
+                self._recving_metadata[req_id] = meta
+                self._recv_start_ns[req_id] = time.time_ns()
+            with self._handshake_lock:
+                if meta.remote.engine_id not in self._remote_agents:
+                    self._background_nixl_handshake(req_id, meta)
+                    continue
+            self._read_blocks_for_req(req_id, meta)
+        while not self._ready_requests.empty():
+            self._read_blocks_for_req(*self._ready_requests.get_nowait())
+
+        for req_id, expiration_time in metadata.reqs_to_send.items():
+            self._send_meta[req_id] = metadata.send_meta[req_id]
+            if self._early_notifs.pop(req_id, None) is not None:
+                self._finish_send(req_id, None)  # already read
+            else:
+                self._reqs_to_send[req_id] = expiration_time
+
+    # --8<-- [start:read_blocks]
+    def _read_blocks_for_req(self, req_id: ReqId, meta: ReqMeta) -> None:
+        remote = meta.remote
+        agent_name = self._remote_agents[remote.engine_id]
+        # The producer counts readers per request: "<its request id>:<tp size>".
+        notif_id = f"{remote.request_id}:1".encode()
+        local_block_ids = meta.local_block_ids
+        if not local_block_ids:
+            # Nothing to read (a full local hit, or aborted): free the producer's blocks.
+            self.nixl_wrapper.send_notif(agent_name, notif_msg=notif_id)
+            return
+        # A local prefix hit covers the first blocks: read only the rest.
+        remote_block_ids = remote.block_ids[-len(local_block_ids) :]
+        if len(remote_block_ids) != len(local_block_ids):
+            logger.error(
+                "NixlConnector: request %s has %d local blocks to fill, the remote %d",
+                req_id,
+                len(local_block_ids),
+                len(remote_block_ids),
+            )
+            self._handle_failed_transfer(req_id, None)
+            return
+        remote_num_blocks = self.dst_num_blocks[remote.engine_id]
+        local_ids = [
+            layer * self.num_blocks + b for layer in range(self.num_layers) for b in local_block_ids
+        ]
+        remote_ids = [
+            layer * remote_num_blocks + b
+            for layer in range(self.num_layers)
+            for b in remote_block_ids
+        ]
+        handle = None
+        try:
+            handle = self.nixl_wrapper.make_prepped_xfer(
+                "READ",
+                self.src_xfer_side_handle,
+                local_ids,
+                self.dst_xfer_side_handles[remote.engine_id],
+                remote_ids,
+                notif_msg=notif_id,
+            )
+            state = self.nixl_wrapper.transfer(handle)
+            if state == "ERR":
+                raise RuntimeError("NIXL transfer posted in state ERR")
+        except Exception as e:
+            logger.error("NixlConnector: cannot read request %s's blocks: %s", req_id, e)
+            self._handle_failed_transfer(req_id, handle)
+            return
+        self._recving_transfers[req_id].append(handle)
+
+    # --8<-- [end:read_blocks]
+
+    def _handle_failed_transfer(self, req_id: ReqId, handle: Any) -> None:
+        """Mark the request's blocks invalid; report it done (failed)."""
+        if (meta := self._recving_metadata.get(req_id)) is not None:
+            self._invalid_block_ids.put(set(meta.local_block_ids))
+            self._failed_recv_reqs.put(req_id)
+        if handle is not None:
+            with contextlib.suppress(Exception):
+                self.nixl_wrapper.release_xfer_handle(handle)
+
+    def _pop_done_transfers(self) -> set[ReqId]:
+        """Requests whose every READ is DONE (or failed)."""
+        done_req_ids: set[ReqId] = set()
+        for req_id, handles in list(self._recving_transfers.items()):
+            in_progress = []
+            failed = False
+            for handle in handles:
+                try:
+                    xfer_state = self.nixl_wrapper.check_xfer_state(handle)
+                except Exception as e:
+                    xfer_state = f"exception {e}"
+                if xfer_state == "DONE":
+                    self.nixl_wrapper.release_xfer_handle(handle)
+                elif xfer_state == "PROC":
+                    in_progress.append(handle)
+                else:
+                    logger.error(
+                        "NixlConnector: transfer for request %s failed (%s): "
+                        "marking its blocks invalid",
+                        req_id,
+                        xfer_state,
+                    )
+                    self._handle_failed_transfer(req_id, handle)
+                    failed = True
+            if failed:
+                del self._recving_transfers[req_id]  # reported as failed
+            elif not in_progress:
+                done_req_ids.add(req_id)
+                del self._recving_transfers[req_id]
+            else:
+                self._recving_transfers[req_id] = in_progress
+        return done_req_ids
+
+    # -------------------------------------------------------------- finished
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(requests whose blocks were read or expired, requests whose reads
+        ended), this step."""
+        done_sending = self._get_new_notifs()
+        done_recving = self._pop_done_transfers()
+        failed_recv_reqs: set[ReqId] = set()
+        while not self._failed_recv_reqs.empty():
+            failed_recv_reqs.add(self._failed_recv_reqs.get_nowait())
+        done_recving |= failed_recv_reqs
+        for req_id in done_recving:
+            meta = self._recving_metadata.pop(req_id)
+            self._record_load(req_id, meta, failed=req_id in failed_recv_reqs)
+
+        # Blocks no one came for are freed after the timeout.
+        now = time.perf_counter()
+        while self._reqs_to_send:
+            req_id, expires = next(iter(self._reqs_to_send.items()))
+            if now < expires:
+                break  # oldest first
+            logger.warning(
+                "Releasing expired KV blocks for request %s which were "
+                "not retrieved by a remote worker within %d seconds.",
+                req_id,
+                envs.TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT,
+            )
+            del self._reqs_to_send[req_id]
+            self._finish_send(req_id, "expired: no remote worker read the blocks")
+            done_sending.add(req_id)
+        timeout = envs.TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT
+        for req_id, arrived in list(self._early_notifs.items()):
+            if now - arrived > timeout:
+                del self._early_notifs[req_id]
+        return done_sending, done_recving
+
+    def _get_new_notifs(self) -> set[str]:
+        """Requests a reader has finished reading."""
+        notified_req_ids: set[str] = set()
+        for notifs in self.nixl_wrapper.get_new_notifs().values():
+            for notif in notifs:
+                req_id, _tp_size = notif.decode("utf-8").rsplit(":", 1)
+                if req_id in self._reqs_to_send:
+                    del self._reqs_to_send[req_id]
+                    self._finish_send(req_id, None)
+                    notified_req_ids.add(req_id)
+                else:
+                    # Read before this worker heard the request finished (or
+                    # after it expired): matched in start_load_kv, if it comes.
+                    self._early_notifs[req_id] = time.perf_counter()
+        return notified_req_ids
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid: set[int] = set()
+        while not self._invalid_block_ids.empty():
+            invalid |= self._invalid_block_ids.get_nowait()
+        return invalid
+
+    # ----------------------------------------------------------------- spans
+    def _record_load(self, req_id: ReqId, meta: ReqMeta, failed: bool) -> None:
+        num_blocks = len(meta.local_block_ids)
+        record = kv_transfer_tracing.KVTransferRecord(
+            connector=CONNECTOR_NAME,
+            direction="load",
+            request_id=req_id,
+            trace_headers=meta.trace_headers,
+            num_blocks=num_blocks,
+            num_tokens=num_blocks * self.block_size,
+            remote_trace_headers=meta.remote_trace_headers,
+        )
+        start_ns = self._recv_start_ns.pop(req_id, time.time_ns())
+        if failed:
+            record.error = "NIXL read failed: blocks marked invalid"
+            record.start_ns, record.end_ns = start_ns, time.time_ns()
+        else:
+            record.add(num_blocks * sum(self.block_lens), start_ns, time.time_ns())
+            record.num_layers = self.num_layers
+        kv_transfer_tracing.record_kv_transfer(record)
+
+    def _finish_send(self, req_id: ReqId, error: str | None) -> None:
+        send = self._send_meta.pop(req_id, None)
+        if send is None:
+            return
+        record = kv_transfer_tracing.KVTransferRecord(
+            connector=CONNECTOR_NAME,
+            direction="save",
+            request_id=req_id,
+            trace_headers=send.trace_headers,
+            num_blocks=send.num_blocks,
+            num_tokens=send.num_tokens,
+        )
+        end_ns = time.time_ns()
+        if error is None:
+            record.add(send.num_blocks * sum(self.block_lens), send.start_ns, end_ns)
+            record.num_layers = self.num_layers
+        else:
+            record.error = error
+            record.start_ns, record.end_ns = send.start_ns, end_ns
+        kv_transfer_tracing.record_kv_transfer(record)
+
+    # -------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        """Stop the side channel, drop remote agents, deregister the KV cache."""
+        self._stop_listener.set()
+        if self._nixl_handshake_listener_t is not None:
+            self._nixl_handshake_listener_t.join(timeout=5)
+            self._nixl_handshake_listener_t = None
+        self._handshake_initiation_executor.shutdown(wait=False, cancel_futures=True)
+        for handles in self._recving_transfers.values():
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    self.nixl_wrapper.release_xfer_handle(handle)
+        self._recving_transfers.clear()
+        for handle in [self.src_xfer_side_handle, *self.dst_xfer_side_handles.values()]:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    self.nixl_wrapper.release_dlist_handle(handle)
+        self.src_xfer_side_handle = None
+        self.dst_xfer_side_handles.clear()
+        for agent_name in self._remote_agents.values():
+            with contextlib.suppress(Exception):
+                self.nixl_wrapper.remove_remote_agent(agent_name)
+        self._remote_agents.clear()
+        if self._registered_descs is not None:
+            with contextlib.suppress(Exception):
+                self.nixl_wrapper.deregister_memory(self._registered_descs)
+            self._registered_descs = None
+
+
+@contextlib.contextmanager
+def _zmq_req_socket(path: str) -> Any:
+    """A REQ socket to ``path`` that gives up after HANDSHAKE_TIMEOUT_MS."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
+    sock.setsockopt(zmq.SNDTIMEO, HANDSHAKE_TIMEOUT_MS)
+    sock.connect(path)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        ctx.term()
