@@ -16,9 +16,9 @@ import time
 from tests.executor_scenarios import (
     KILLED_AT,
     generate_killing,
+    lasting_shm_segments,
     make_llm,
     say,
-    shm_segments,
     wait_gone,
     worker_pids,
 )
@@ -48,20 +48,6 @@ def kill_rank(model: str, tp: str, rank: str) -> None:
         shm=lasting_shm_segments(),
         socket_dir=os.path.exists(socket_dir),
     )
-
-
-def lasting_shm_segments(timeout: float = 60.0) -> list[str]:
-    """Segments made since this scenario began, there when it ended and still
-    there after ``timeout``. An engine's segment lives from its executor's
-    start until every worker has loaded the model and attached: another
-    test's engine, starting alongside, holds one that long (a minute, if it
-    compiles), then it goes by itself; a leaked one stays."""
-    deadline = time.monotonic() + timeout
-    left = shm_segments()
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
-        left = sorted(set(left) & set(shm_segments()))
-    return left
 
 
 def trace(model: str, async_scheduling: str, out_dir: str) -> None:

@@ -64,14 +64,56 @@ def wait_gone(pids: list[int], timeout: float = 15) -> list[int]:
     return [p for p in pids if alive(p)]
 
 
+def shm_now() -> set[str]:
+    """tracevllm's shared-memory segments in /dev/shm now."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_NAME_PREFIX)}
+
+
 # Segments there before this scenario began (another test's, running alongside).
-_SHM_BEFORE = {n for n in os.listdir("/dev/shm") if n.startswith(SHM_NAME_PREFIX)}
+_SHM_BEFORE = shm_now()
 
 
-def shm_segments() -> list[str]:
-    """Segments made since this scenario began and still in /dev/shm."""
-    now = {n for n in os.listdir("/dev/shm") if n.startswith(SHM_NAME_PREFIX)}
-    return sorted(now - _SHM_BEFORE)
+def shm_segments(before: set[str] | None = None) -> list[str]:
+    """Segments made since ``before`` (default: since this module was
+    imported) and still in /dev/shm. Another engine, starting alongside,
+    may have made some: see ``lasting_shm_segments``."""
+    return sorted(shm_now() - (_SHM_BEFORE if before is None else before))
+
+
+def lasting_shm_segments(timeout: float = 60.0, before: set[str] | None = None) -> list[str]:
+    """Segments made since ``before``, there now and still there after
+    ``timeout``. An engine's segment lives from its executor's start until
+    every worker has loaded the model and attached: another test's engine,
+    starting alongside, holds one that long (a minute, if it compiles), then
+    it goes by itself; a leaked one stays."""
+    deadline = time.monotonic() + timeout
+    left = shm_segments(before)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = sorted(set(left) & shm_now())
+    return left
+
+
+# Set in a scenario's environment by the test that starts it: every process
+# the scenario starts (engine core, workers, resource tracker) inherits it,
+# so the test finds them all, even once their parent is gone.
+FAMILY_ENV = "TRACEVLLM_TEST_FAMILY"
+
+
+def family(token: str) -> list[int]:
+    """The live processes (not zombies) whose environment has FAMILY_ENV=token."""
+    marker = f"{FAMILY_ENV}={token}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+            except OSError:
+                continue
+            if marker in environ and alive(int(entry)):
+                found.append(int(entry))
+    return sorted(found)
 
 
 # --- functions sent to the workers by collective_rpc (called as f(worker)) ----------
@@ -146,7 +188,7 @@ def kill_rank(model: str, tp: str, rank: str) -> None:
         waited=waited,
         victim=victim,
         left=wait_gone([engine_pid, *workers]),
-        shm=shm_segments(),
+        shm=lasting_shm_segments(),
         socket_dir=os.path.exists(socket_dir),
     )
 
@@ -164,15 +206,30 @@ def kill_engine_core(model: str, tp: str) -> None:
     except EngineDeadError as e:
         error = str(e)
     llm.shutdown()
-    say(error=error, left=wait_gone([engine_pid, *workers]), shm=shm_segments())
+    say(error=error, left=wait_gone([engine_pid, *workers]), shm=lasting_shm_segments())
 
 
 def ctrl_c(model: str, tp: str) -> None:
-    """Print the pids, then generate until the test sends SIGINT to the group."""
+    """Print the pids, start generating and, once a step has run, say so;
+    then generate until the test sends SIGINT to the group."""
     llm = make_llm(model, int(tp))
     engine_pid = llm.llm_engine.engine_core.engine_pid
     say(pids=[engine_pid, *worker_pids(engine_pid)])
-    llm.generate(PROMPTS * 4, long_params(), use_tqdm=False)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(PROMPTS * 4):
+        engine.add_request(str(i), prompt, long_params())
+    engine.step()
+    say(generating=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def start_up(model: str, tp: str) -> None:
+    """Start an engine; the test kills this process before it is up. Says
+    ``ready`` if start-up ended first (it must not have)."""
+    make_llm(model, int(tp))
+    say(ready=True)
+    time.sleep(600)
 
 
 def trace(model: str, tp: str, out_dir: str) -> None:

@@ -7,8 +7,15 @@ on the tiny model; the engines are shared across tests (module fixtures).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -311,10 +318,15 @@ def _run_scenario(*args: str, timeout: float = 180) -> list[dict]:
     return run_json_lines("tests.executor_scenarios", *args, timeout=timeout)
 
 
-def test_a_killed_rank_is_engine_dead_naming_it_and_nothing_is_left(tiny_model_dir: str) -> None:
-    (out,) = _run_scenario("kill_rank", tiny_model_dir, "1", "0")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("tp", "rank"), [("1", 0), ("2", 1)])
+def test_a_killed_rank_is_engine_dead_naming_it_and_nothing_is_left(
+    tiny_model_dir: str, tp: str, rank: int
+) -> None:
+    (out,) = _run_scenario("kill_rank", tiny_model_dir, tp, str(rank), timeout=240)
     assert out["error"] is not None, out
-    assert f"VllmWorker-0 (rank 0, pid {out['victim']}) exited with signal 9" in out["error"], out
+    victim = f"VllmWorker-{rank} (rank {rank}, pid {out['victim']}) exited with signal 9"
+    assert victim in out["error"], out
     assert out["waited"] < 10, out
     assert out["left"] == [] and out["shm"] == [] and not out["socket_dir"], out
 
@@ -325,33 +337,135 @@ def test_a_killed_engine_core_takes_its_workers_along(tiny_model_dir: str) -> No
     assert out["left"] == [] and out["shm"] == []
 
 
-def test_ctrl_c_stops_the_frontend_engine_and_workers(tiny_model_dir: str) -> None:
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+class _Scenario:
+    """A scenario in its own session (a terminal's Ctrl-C reaches the whole
+    group), with its own TMPDIR (so its socket and rendezvous files are seen)
+    and a family token in its environment (so every process it starts is
+    found, even once reparented)."""
 
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.executor_scenarios", "ctrl_c", tiny_model_dir, "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        import uuid
+
+        from tests.utils import REPO_ROOT
+
+        self.tmpdir = tmp_path / "tmp"
+        self.tmpdir.mkdir()
+        self.token = uuid.uuid4().hex
+        self.log_path = tmp_path / "stderr.log"
+        self.shm_before = scenarios.shm_now()
+        env = {**os.environ, "TMPDIR": str(self.tmpdir), scenarios.FAMILY_ENV: self.token}
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.executor_scenarios", *args],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+                env=env,
+                cwd=REPO_ROOT,
+            )
+
+    def family(self) -> list[int]:
+        return scenarios.family(self.token)
+
+    def kill_all(self) -> None:
+        """Whatever of it is left, by pid (never by name)."""
+        for pid in [self.proc.pid, *self.family()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def wait_family_gone(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while self.family() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.family()
+
+    def files_left(self) -> list[str]:
+        """tracevllm's temporary directories (sockets, rendezvous) still there."""
+        return sorted(p.name for p in self.tmpdir.iterdir() if p.name.startswith("tracevllm"))
+
+    def stderr(self) -> str:
+        return self.log_path.read_text()
+
+
+def _has_loaded_torch(pid: int) -> bool:
+    """Past reading what its parent sent it, and importing the engine."""
     try:
-        assert proc.stdout is not None
-        pids = json.loads(proc.stdout.readline())["pids"]
-        assert len(pids) == 2  # EngineCore and its one worker
-        time.sleep(1.0)  # mid-generate
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        proc.wait(timeout=30)
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return b"libtorch" in f.read()
+    except OSError:
+        return False
+
+
+def _engine_core_pid(frontend: int) -> int | None:
+    """The frontend's child running EngineCore (the one that is no resource tracker)."""
+    for pid in scenarios.children(frontend):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                return pid
+    return None
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("phase", ["engine_core_started", "workers_started"])
+def test_a_frontend_killed_during_start_up_leaves_nothing(
+    tiny_model_dir: str, tmp_path: Path, phase: str
+) -> None:
+    """SIGKILL the frontend while EngineCore is still starting (TP = 2): once
+    its process is importing the engine, or once it has started its workers
+    (which are loading the model). EngineCore sees its parent gone, stops starting,
+    stops the workers and leaves: every process of the family gone within
+    seconds, no segment, no socket or rendezvous file, and never READY."""
+    run = _Scenario(tmp_path, "start_up", tiny_model_dir, "2")
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and run.proc.poll() is None:
+            engine = _engine_core_pid(run.proc.pid)
+            if engine is not None and (
+                _has_loaded_torch(engine)
+                if phase == "engine_core_started"
+                else len(scenarios.worker_pids(engine)) == 2
+            ):
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail(f"no {phase} within 180 s: {run.stderr()[-3000:]}")
+        assert run.family(), "the scenario's processes carry its token"
+        os.kill(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(timeout=10)
+        left = run.wait_family_gone(timeout=15)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert scenarios.wait_gone(pids) == []
-    assert scenarios.shm_segments() == []
+        run.kill_all()
+    assert run.proc.stdout is not None
+    assert "ready" not in run.proc.stdout.read(), "start-up ended before the kill"
+    assert left == [], run.stderr()[-3000:]
+    assert "frontend process is gone while EngineCore was starting" in run.stderr()
+    assert run.files_left() == []  # no socket directory, no rendezvous
+    assert scenarios.lasting_shm_segments(before=run.shm_before) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp", ["1", "2"])
+def test_ctrl_c_stops_the_frontend_engine_and_workers(
+    tiny_model_dir: str, tmp_path: Path, tp: str
+) -> None:
+    import json
+
+    run = _Scenario(tmp_path, "ctrl_c", tiny_model_dir, tp)
+    try:
+        assert run.proc.stdout is not None
+        pids = json.loads(run.proc.stdout.readline())["pids"]
+        assert len(pids) == 1 + int(tp)  # EngineCore and its workers
+        assert json.loads(run.proc.stdout.readline()) == {"generating": True}
+        os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        run.proc.wait(timeout=60)
+        left = run.wait_family_gone(timeout=15)
+    finally:
+        run.kill_all()
+    assert left == [], run.stderr()[-3000:]
+    assert run.files_left() == []  # no socket directory
+    assert scenarios.lasting_shm_segments(before=run.shm_before) == []
 
 
 def test_worker_spans_join_the_steps_trace_with_their_rank(tiny_model_dir: str, tmp_path) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.executor_scenarios import shm_segments, wait_gone, worker_pids
+from tests.executor_scenarios import lasting_shm_segments, wait_gone, worker_pids
 from tests.utils import run_json_lines
 
 PROMPTS = ["Hello there, how", "The capital of France", "1 2 3 4 5 6 7 8 9"]
@@ -90,7 +90,7 @@ def _failing_stage(model: str, rank: str) -> None:
         after=len(outs[0].outputs[0].token_ids),
         workers=len(workers),
         left=wait_gone(workers),
-        shm=shm_segments(),
+        shm=lasting_shm_segments(),
     )
 
 

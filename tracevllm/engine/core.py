@@ -82,6 +82,51 @@ def _remove_socket_dir(address: str) -> None:
         shutil.rmtree(os.path.dirname(address[len("ipc://") :]), ignore_errors=True)
 
 
+# How long EngineCore may take to leave once its parent died during start-up
+# (stopping its workers takes up to ~10 s) before it exits hard.
+STARTUP_ORPHAN_GRACE_S = 30.0
+
+
+def _watch_parent_during_startup(socket_address: str) -> Callable[[], None]:
+    """Leave promptly if the frontend dies while this engine is starting.
+
+    Once started, the input thread watches the parent (``process_input_sockets``);
+    before, the main thread is busy loading the model, starting the workers
+    and sizing the KV cache, which can take a minute. A thread waits on the
+    parent's sentinel and, if the parent dies first, sends SIGTERM to the
+    main thread (not the process: a blocking wait there must be woken), whose
+    handler raises SystemExit: start-up unwinds, stopping the workers and
+    releasing the queues on its way. Should the main thread be stuck where no
+    signal reaches it, the process exits hard after STARTUP_ORPHAN_GRACE_S.
+    tracevllm's own (vLLM's engine core does not watch its parent while it
+    starts). Returns the function that ends the watch, called once started.
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return lambda: None
+    sentinel = parent.sentinel
+    stop_r, stop_w = os.pipe()
+    main_thread_id = threading.main_thread().ident
+    assert main_thread_id is not None
+
+    def watch() -> None:
+        try:
+            ready = multiprocessing.connection.wait([sentinel, stop_r])
+        finally:
+            os.close(stop_r)
+        if sentinel not in ready:
+            return
+        logger.warning("The frontend process is gone while EngineCore was starting: exiting.")
+        signal.pthread_kill(main_thread_id, signal.SIGTERM)
+        time.sleep(STARTUP_ORPHAN_GRACE_S)
+        logger.warning("EngineCore did not leave within %.0f s; exiting.", STARTUP_ORPHAN_GRACE_S)
+        _remove_socket_dir(socket_address)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="EngineCoreStartupParentWatch").start()
+    return lambda: os.close(stop_w)
+
+
 class EngineCoreReadyResponse(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     """What the engine reports once it has loaded the model and sized the KV cache."""
 
@@ -438,6 +483,21 @@ class EngineCoreProc(EngineCore):
         self.engine_index = engine_index
         # Little-endian 2-byte identity, as vLLM's DEALER.
         self.identity = engine_index.to_bytes(length=2, byteorder="little")
+        try:
+            self._start(vllm_config, input_address, output_address, log_stats)
+        except BaseException:
+            # A start-up that fails, or is cut short (SystemExit: the frontend
+            # died, or asked this process to stop), stops the workers it
+            # started and releases their queues before the process goes.
+            if hasattr(self, "scheduler"):
+                self.shutdown()
+            elif hasattr(self, "model_executor"):
+                self.model_executor.shutdown()
+            raise
+
+    def _start(
+        self, vllm_config: VllmConfig, input_address: str, output_address: str, log_stats: bool
+    ) -> None:
         super().__init__(vllm_config, log_stats=log_stats)
 
         # A worker that dies (MultiprocExecutor) wakes the busy loop, idle or not.
@@ -508,11 +568,14 @@ class EngineCoreProc(EngineCore):
             vllm_config.observability_config,
             resource_attributes=resource_attributes,
         )
+        end_startup_watch = _watch_parent_during_startup(kwargs["input_address"])
         try:
             # The labs plugged into this process's engine, in its own words.
             labs.announce(f"engine core process, pid {os.getpid()}")
             proc_class = EngineCoreProc if dp_rank is None else DPEngineCoreProc
             engine_core = proc_class(*args, **kwargs)
+            # Started: from here the input thread watches the parent.
+            end_startup_watch()
             engine_core.run_busy_loop()
         except SystemExit:
             logger.debug("EngineCore exiting.")

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, cast
 
 from tracevllm import envs, tracing
 from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
@@ -86,6 +86,14 @@ class FutureWrapper(Future):  # type: ignore[type-arg]
         except Exception as e:
             with suppress(InvalidStateError):
                 self.set_exception(e)
+
+
+def _death_reason(dead: WorkerProcHandle) -> str:
+    dead.proc.join(timeout=1)  # reaped, so its exit code is known
+    return (
+        f"Worker process {dead.proc.name} (rank {dead.rank}, pid {dead.proc.pid}) "
+        f"{describe_exit(dead.proc.exitcode)}."
+    )
 
 
 class MultiprocExecutor(Executor):
@@ -174,11 +182,7 @@ class MultiprocExecutor(Executor):
             if _self is None or _self.shutting_down:
                 return
             dead = next(h for h in workers if h.proc.sentinel == died[0])
-            dead.proc.join(timeout=1)  # reaped, so its exit code is known
-            _self.failure_reason = (
-                f"Worker process {dead.proc.name} (rank {dead.rank}, pid {dead.proc.pid}) "
-                f"{describe_exit(dead.proc.exitcode)}."
-            )
+            _self.failure_reason = _self.failure_reason or _death_reason(dead)
             _self.is_failed = True
             logger.error("%s Shutting down the executor.", _self.failure_reason)
             # Wake a call that waits on the queues, tell EngineCore, then stop
@@ -201,6 +205,18 @@ class MultiprocExecutor(Executor):
             callback()
         else:
             self.failure_callback = callback
+
+    def _dead_worker_reason(self, grace_s: float = 1.0) -> str | None:
+        """Which worker died, if one did (waiting up to ``grace_s`` for its
+        process to be seen gone: a peer can hear of it a moment sooner); it
+        becomes the executor's failure reason."""
+        sentinels = {h.proc.sentinel: h for h in self.workers}
+        died = multiprocessing.connection.wait(list(sentinels), timeout=grace_s)
+        if died:
+            dead = sentinels[cast(int, died[0])]
+            self.failure_reason = self.failure_reason or _death_reason(dead)
+            self.is_failed = True
+        return self.failure_reason if died else None
 
     def _failure_error(self) -> RuntimeError:
         return RuntimeError(f"Executor failed: {self.failure_reason or 'it was shut down'}")
@@ -245,6 +261,11 @@ class MultiprocExecutor(Executor):
                 except RuntimeError as e:
                     raise self._failure_error() from e
                 if status != WorkerProc.ResponseStatus.SUCCESS:
+                    # A rank that dies fails its peers' collectives ("Connection
+                    # reset by peer"), and their answer can come in before the
+                    # monitor has seen the death: the death is the cause.
+                    if self._dead_worker_reason() is not None:
+                        raise self._failure_error()
                     raise RuntimeError(
                         f"Worker failed with error '{result}', please check the "
                         "stack trace above for the root cause"

@@ -294,7 +294,10 @@ def _watch_death_pipe(
     shutdown_requested: threading.Event,
     built: Callable[[], list[WorkerProc]],
 ) -> None:
-    """A thread that waits for the death pipe's EOF, then wakes the busy loop."""
+    """A thread that waits for the death pipe's EOF, then wakes the busy loop
+    (or, before the worker is built, interrupts its start-up)."""
+    main_thread_id = threading.main_thread().ident
+    assert main_thread_id is not None
 
     def watch() -> None:
         try:
@@ -304,10 +307,18 @@ def _watch_death_pipe(
         except OSError:
             return
         logger.info("The executor is gone or stopping: this worker leaves.")
-        shutdown_requested.set()
-        for worker in built():
-            for mq in worker.queues():
-                mq.shutdown()
+        workers = built()
+        if workers:
+            shutdown_requested.set()
+            for worker in workers:
+                for mq in worker.queues():
+                    mq.shutdown()
+        else:
+            # Still starting (loading the model, joining the groups): no queue
+            # to wake, so interrupt the main thread itself; its SIGTERM handler
+            # sets shutdown_requested and raises SystemExit there (tracevllm's;
+            # vLLM's worker watches only once built).
+            signal.pthread_kill(main_thread_id, signal.SIGTERM)
         # Still here? It is stuck where no queue wakes it: exit hard.
         time.sleep(ORPHAN_GRACE_S)
         logger.warning("Worker did not leave within %.0f s; exiting.", ORPHAN_GRACE_S)
