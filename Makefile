@@ -19,7 +19,7 @@ PP ?= 1
 # coordinator; each engine's spans carry tracevllm.dp_rank).
 DP ?= 1
 
-.PHONY: setup setup-ray generate trace trace-serve trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing bench-parallel docs-tuning clean
+.PHONY: setup setup-ray generate trace trace-serve trace-disagg trace-view serve test lint unit bench bench-serve bench-spec bench-roofline bench-tracing bench-parallel docs-tuning clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,13 @@ trace: setup
 # one trace over three processes (client, API server, engine core).
 trace-serve: setup
 	$(VENV)/bin/tracevllm trace --serve --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR)
+
+# The same request through `tracevllm disagg-proxy`: prefilled on one server
+# (kv_producer), decoded on another (kv_consumer), the KV passed through
+# ExampleConnector's files; one trace over six processes (client, proxy, and
+# each server with its engine core).
+trace-disagg: setup
+	$(VENV)/bin/tracevllm trace --disagg --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS) --out $(TRACE_DIR)
 
 # The OpenAI-compatible server on 127.0.0.1:8000 (Ctrl-C to stop).
 serve: setup

@@ -15,6 +15,8 @@ decode server and its engine core.
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import random
 import re
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from rich.console import Console
 
 from tests.utils import make_tiny_llama
 from tracevllm.entrypoints.openai.server_process import ServerProcess, free_port
@@ -39,6 +42,7 @@ from tracevllm.entrypoints.trace_serve import traced_chat
 from tracevllm.sampling_params import SamplingParams
 from tracevllm.tracing import SPANS_FILE
 from tracevllm.tracing.exporters import SpanRecord, read_spans_jsonl
+from tracevllm.views.waterfall import render_waterfall
 
 # Three servers start at once; on a busy machine that takes minutes.
 pytestmark = pytest.mark.timeout(900)
@@ -128,7 +132,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def metric(server: ServerProcess, name: str, **labels: str) -> float:
     """The sum of a Prometheus series over the label values not given."""
     total = 0.0
-    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+    for line in httpx.get(f"{server.url}/metrics", timeout=60).text.splitlines():
         m = re.match(rf"{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total += float(m.group(2))
@@ -147,8 +151,8 @@ def counts(cluster: Cluster) -> list[float]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_completion_through_the_proxy_is_one_servers_answer(cluster: Cluster, stream: bool) -> None:
-    """Mutations caught: the prefill request not cut to max_tokens=1 (its
-    servers' tokens), the decode server's answer cut or not relayed (text)."""
+    """Mutation caught: the prefill request not cut to max_tokens=1 (the
+    prefill server then generates all 12 tokens)."""
     tokens = prompt(int(stream))
     single = cluster.client(cluster.prefill[0]).completions.create(
         model=MODEL, prompt=tokens, max_tokens=12, **GREEDY
@@ -175,6 +179,7 @@ def test_completion_through_the_proxy_is_one_servers_answer(cluster: Cluster, st
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_through_the_proxy_is_one_servers_answer(cluster: Cluster, stream: bool) -> None:
+    """Mutation caught: max_tokens and max_completion_tokens left uncut."""
     kwargs = dict(model=MODEL, messages=MESSAGES, max_completion_tokens=10, **GREEDY)
     single = cluster.client(cluster.prefill[0]).chat.completions.create(**kwargs)  # type: ignore[call-overload]
     before = counts(cluster)
@@ -231,22 +236,32 @@ def test_a_backends_refusal_is_its_own_error_object(cluster: Cluster) -> None:
     assert httpx.get(f"{cluster.proxy.url}/health").status_code == 200
 
 
-def test_a_client_that_hangs_up_mid_stream_aborts_the_decode(cluster: Cluster) -> None:
-    """Mutation caught: the relay not closing the decode server's response
-    (the request then runs to its length on the decode server)."""
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_hangs_up_aborts_the_decode(cluster: Cluster, stream: bool) -> None:
+    """The client's connection closes while the decode server generates: the
+    request is aborted there. Mutations caught: the handler not cancelled
+    when its client goes (no ``with_cancellation``: whole), the relay shielded
+    from the cancellation (streamed); either request then runs to its length."""
     aborted = metric(cluster.decode, "vllm:request_success_total", finished_reason="abort")
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
-            "stream": True, "temperature": 0.0}  # fmt: skip
-    with httpx.stream("POST", f"{cluster.proxy.url}/v1/completions", json=body) as response:
-        assert response.status_code == 200
-        next(response.iter_lines())
+    body = json.dumps(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+         "stream": stream, "temperature": 0.0}
+    ).encode()  # fmt: skip
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", cluster.proxy.port)) as conn:
+        conn.sendall(head.encode() + body)
+        # Hang up once the decode server is generating.
+        deadline = time.monotonic() + 120
+        while metric(cluster.decode, "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the request never reached the decode server"
+            time.sleep(0.05)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if metric(cluster.decode, "vllm:request_success_total", finished_reason="abort") > aborted:
-            break
+    while metric(cluster.decode, "vllm:request_success_total", finished_reason="abort") == aborted:
+        assert time.monotonic() < deadline, "the decode server never aborted the request"
         time.sleep(0.2)
-    else:
-        pytest.fail("the decode server never aborted the request")
     assert metric(cluster.decode, "vllm:num_requests_running") == 0
 
 
@@ -257,7 +272,8 @@ def _trace(path: str, trace_id: str) -> list[SpanRecord]:
 def test_one_trace_over_client_proxy_and_both_servers_and_their_cores(cluster: Cluster) -> None:
     """Mutations caught: no traceparent to the backends (the servers' spans in
     traces of their own), kv_transfer_params not passed on (the decode
-    server's request not the prefill server's child)."""
+    server's request not the prefill server's child), the proxy's process
+    kind unknown to the waterfall (shown as ``?``)."""
     params = SamplingParams(temperature=0.0, max_tokens=6)
     answer = traced_chat(cluster.proxy.url, MODEL, "What is a KV cache?", params, cluster.trace_dir)
     assert answer
@@ -294,3 +310,11 @@ def test_one_trace_over_client_proxy_and_both_servers_and_their_cores(cluster: C
     (decoded,) = [s for s in spans if s.name == "llm_request" and s.pid == decode_pid]
     assert decoded.parent_span_id is not None
     assert by_id[decoded.parent_span_id].pid in prefill_pids
+    # The waterfall names the proxy's process.
+    assert re.search(r"DisaggProxy\.create_chat_completion +PX\b", waterfall_text(spans))
+
+
+def waterfall_text(spans: list[SpanRecord]) -> str:
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render_waterfall(spans))
+    return console.export_text()

@@ -26,6 +26,7 @@ from tracevllm.tracing.exporters import SpanRecord
 
 PROCESS_STYLE = {
     "client": "green",
+    "proxy": "blue",
     "frontend": "cyan",
     "engine_core": "magenta",
     "inprocess": "cyan",
@@ -33,6 +34,7 @@ PROCESS_STYLE = {
 }
 PROCESS_SHORT = {
     "client": "CL",
+    "proxy": "PX",  # tracevllm disagg-proxy
     "frontend": "FE",
     "engine_core": "EC",
     "inprocess": "1P",
@@ -207,6 +209,8 @@ class Waterfall:
         legend = "FE frontend · EC engine core · 1P one process" + pids
         if "client" in kinds:
             legend = "CL HTTP client · FE API server · " + legend.split(" · ", 1)[1]
+        if "proxy" in kinds:
+            legend = legend.replace("FE API server", "PX disagg proxy · FE API server")
         workers = _worker_places(self.spans)
         if workers:
             legend += " · " + ", ".join(workers)
