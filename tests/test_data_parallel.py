@@ -74,6 +74,28 @@ def _dp_states(llm: Any) -> list[dict[str, Any]]:
     return list(llm.llm_engine.engine_core.call_utility_all("get_dp_state"))
 
 
+def _wait_until(condition: Any, timeout: float = 60.0) -> bool:
+    """Poll ``condition()`` until true (True) or ``timeout`` seconds (False):
+    a wait on what the coordinator publishes, however slow the machine."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _wave_over(llm: Any, after_wave: int = -1) -> bool:
+    """The coordinator has published the wave (past ``after_wave``) ended
+    and every engine idle, and every engine says it is not running."""
+    balancer = llm.llm_engine.engine_core.balancer
+    if balancer.engines_running or balancer.current_wave <= after_wave:
+        return False
+    if any(list(counts) != [0, 0] for counts in balancer.lb_engines):
+        return False
+    return all(not s["engines_running"] for s in _dp_states(llm))
+
+
 # --- scenarios (child processes) ---------------------------------------------------
 def offline(model: str, dp: str) -> None:
     """The workload at D = dp; then a prompt alone and one sharing its prefix."""
@@ -85,9 +107,10 @@ def offline(model: str, dp: str) -> None:
         states = _dp_states(llm) if int(dp) > 1 else []
         # Both engines idle: the second of these goes where the first went (the
         # least loaded is the first engine again), and finds its prefix cached.
-        time.sleep(0.5)
+        # (Idle as the balancer sees it: the coordinator has said so.)
+        idle = int(dp) == 1 or _wait_until(lambda: _wave_over(llm))
         llm.generate([{"prompt_token_ids": prompts[6]}], _greedy(4), use_tqdm=False)
-        time.sleep(0.5)
+        idle = idle and (int(dp) == 1 or _wait_until(lambda: _wave_over(llm)))
         (hit,) = llm.generate([{"prompt_token_ids": prompts[7]}], _greedy(4), use_tqdm=False)
         say(
             tokens=[list(o.outputs[0].token_ids) for o in outs],
@@ -95,6 +118,7 @@ def offline(model: str, dp: str) -> None:
             preemptions=preemptions,
             states=states,
             cached=hit.num_cached_tokens,
+            idle=idle,
         )
     finally:
         llm.shutdown()
@@ -124,7 +148,8 @@ def idle_engine(model: str) -> None:
                     done.add(out.request_id)
                     if out.request_id == "short":
                         long_tokens_when_short_done = long_tokens
-        time.sleep(1.0)  # the coordinator publishes the wave's end
+        # Until the coordinator publishes the wave's end (or a minute passes).
+        _wait_until(lambda: _wave_over(llm))
         after_pair = _dp_states(llm)
         wave_after_pair = client.balancer.current_wave
         running_after_pair = client.balancer.engines_running
@@ -132,7 +157,14 @@ def idle_engine(model: str) -> None:
         engine.add_request("alone", {"prompt_token_ids": prompts[3]}, _greedy(40))
         while engine.has_unfinished_requests():
             engine.step()
-        time.sleep(1.0)
+        # Until the coordinator publishes that wave's end too, and both
+        # engines have moved on to the next one.
+        _wait_until(
+            lambda: (
+                _wave_over(llm, wave_after_pair)
+                and len({s["current_wave"] for s in _dp_states(llm)}) == 1
+            )
+        )
         after_alone = _dp_states(llm)
         say(
             engines=[int.from_bytes(engines[k], "little") for k in sorted(engines)],
@@ -265,6 +297,7 @@ def test_dp2_greedy_equals_dp1_and_spreads_requests(
     assert dp1["preemptions"] > 0 and dp2["preemptions"] > 0
     # (At least the 20 shared tokens; its own earlier blocks too if they are
     # on that engine, which at D = 2 depends on where it went the first time.)
+    assert dp2["idle"], "the coordinator never published both engines idle"
     assert dp1["cached"] >= 20 and dp2["cached"] >= 20, (dp1["cached"], dp2["cached"])
     # Spread over both engines, by each engine's own count.
     states = dp2["states"]
