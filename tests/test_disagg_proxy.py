@@ -262,7 +262,6 @@ def test_a_client_that_hangs_up_aborts_the_decode(cluster: Cluster, stream: bool
     while metric(cluster.decode, "vllm:request_success_total", finished_reason="abort") == aborted:
         assert time.monotonic() < deadline, "the decode server never aborted the request"
         time.sleep(0.2)
-    assert metric(cluster.decode, "vllm:num_requests_running") == 0
 
 
 def _trace(path: str, trace_id: str) -> list[SpanRecord]:
@@ -273,7 +272,8 @@ def test_one_trace_over_client_proxy_and_both_servers_and_their_cores(cluster: C
     """Mutations caught: no traceparent to the backends (the servers' spans in
     traces of their own), kv_transfer_params not passed on (the decode
     server's request not the prefill server's child), the proxy's process
-    kind unknown to the waterfall (shown as ``?``)."""
+    kind unknown to the waterfall (shown as ``?``), the narrow waterfall's
+    legend keeping one pid of a kind."""
     params = SamplingParams(temperature=0.0, max_tokens=6)
     answer = traced_chat(cluster.proxy.url, MODEL, "What is a KV cache?", params, cluster.trace_dir)
     assert answer
@@ -312,9 +312,12 @@ def test_one_trace_over_client_proxy_and_both_servers_and_their_cores(cluster: C
     assert by_id[decoded.parent_span_id].pid in prefill_pids
     # The waterfall names the proxy's process.
     assert re.search(r"DisaggProxy\.create_chat_completion +PX\b", waterfall_text(spans))
+    # In a narrow terminal the pids go to the legend: both servers', both cores'.
+    narrow = waterfall_text(spans, width=80)
+    assert all(str(pid) in narrow for pid in frontends | kinds["engine_core"])
 
 
-def waterfall_text(spans: list[SpanRecord]) -> str:
-    console = Console(width=200, record=True, file=io.StringIO())
+def waterfall_text(spans: list[SpanRecord], width: int = 200) -> str:
+    console = Console(width=width, record=True, file=io.StringIO())
     console.print(render_waterfall(spans))
     return console.export_text()

@@ -203,8 +203,11 @@ class Waterfall:
             table.add_row(*cells, Bar(self.total, begin, end, width=timeline, color=style))
         pids = ""
         if not layout.pid:  # the pids leave their column for the legend
-            by_kind = {_kind(s): s.pid for s in self.spans}
-            pids = " (" + ", ".join(f"{k} pid {p}" for k, p in sorted(by_kind.items())) + ")"
+            by_kind: dict[str, set[int]] = {}
+            for s in sorted(self.spans, key=_kind):  # two of a kind behind a proxy: both pids
+                by_kind.setdefault(_kind(s), set()).add(s.pid)
+            listed = [f"{k} pid {'/'.join(map(str, sorted(p)))}" for k, p in by_kind.items()]
+            pids = " (" + ", ".join(listed) + ")"
         kinds = {s.process_kind for s in self.spans}
         legend = "FE frontend · EC engine core · 1P one process" + pids
         if "client" in kinds:
