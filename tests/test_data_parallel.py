@@ -221,9 +221,15 @@ def hold(model: str, generate: str) -> None:
     pids = [p.pid for p in resources.engine_procs] + [resources.coordinator_proc.pid]
     say(pids=pids, socket_dir=resources.socket_dir)
     if generate == "1":
-        prompts = [{"prompt_token_ids": p} for p in _prompts(model)]
-        while True:
-            llm.generate(prompts, _greedy(60), use_tqdm=False)
+        engine = llm.llm_engine
+        # (40 tokens: the longest prompt and its output fit the 23 blocks.)
+        for i, prompt in enumerate(_prompts(model)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, _greedy(40))
+        engine.step()
+        say(generating=True)  # the test's Ctrl-C comes now, mid-generate
+        while engine.has_unfinished_requests():
+            engine.step()
+        say(finished=True)  # too soon: the Ctrl-C did not find it generating
     time.sleep(600)
 
 
@@ -369,9 +375,10 @@ def test_killed_or_interrupted_frontend_leaves_nothing(tiny_model_dir: str, how:
         if how == "sigkill":
             proc.kill()
         else:
-            time.sleep(1.0)  # mid-generate
+            assert json.loads(proc.stdout.readline()) == {"generating": True}
             os.killpg(proc.pid, signal.SIGINT)
         proc.wait(30)
+        assert "finished" not in proc.stdout.read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
