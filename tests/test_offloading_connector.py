@@ -158,22 +158,65 @@ def test_offloading_flags_are_checked_and_become_the_connectors_config(model_dir
     # Prefix caching off: the tier is keyed by the prefix cache's block hashes.
     with pytest.raises(ValueError, match="needs prefix caching on"):
         _llm(model_dir, kv_offloading_size=_gib(8), enable_prefix_caching=False)
+    with pytest.raises(TypeError, match=r"\['async_load'\] must be a bool, got 1"):
+        _llm(model_dir, kv_transfer_config=_offload_config(8, async_load=1))
+
+
+@pytest.mark.timeout(300)  # a wedged scheduler would loop without end
+def test_preempted_requests_come_back_through_the_tier(model_dir: str) -> None:
+    """Four requests sharing a prefix, 48 tokens each, in a pool that cannot
+    hold them all: they preempt one another, and each comes back by loading
+    its blocks from the tier (synchronously: admitted with its next chunk,
+    so the pool never wedges), with the tokens of the engine without the tier."""
+    gen = torch.Generator().manual_seed(3)
+    prefix = _tokens(40, gen)
+    prompts = [{"prompt_token_ids": prefix + _tokens(10 + i, gen)} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    results = []
+    for kwargs in ({}, {"kv_offloading_size": _gib(200)}):
+        with _llm(model_dir, **kwargs) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert llm.llm_engine.num_preemptions > 0
+            # Again: now the prompts and their outputs come from the tier.
+            outputs += llm.generate(prompts, params, use_tqdm=False)
+            results.append([list(o.outputs[0].token_ids) for o in outputs])
+            if kwargs:
+                stats = _scheduler_connector(llm).get_kv_connector_stats()
+                # Beyond the first prefix hit: the preempted requests' own blocks.
+                assert stats["offload"]["loaded"] > len(prefix) // BLOCK_SIZE
+            _assert_pool_free(llm)
+    assert results[0] == results[1]
 
 
 # ------------------------------------------------- hits after device eviction
+def _offload_config(num_blocks: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": num_blocks * BYTES_PER_BLOCK, **extra},
+    }
+
+
 @pytest.mark.timeout(300)  # a load never reported would hang its request
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync-load", "async-load"])
 def test_an_evicted_prefix_is_loaded_back_from_the_tier_with_unchanged_output(
     model_dir: str,
     workload: list[list[list[int]]],
     baseline: list[tuple[list[int], int]],
+    async_load: bool,
 ) -> None:
     """The device pool evicts the shared prefix (without the tier the next
     request with it computes all of it); with a tier big enough, it loads
     the prefix's 8 blocks back and computes only the rest, and every request
-    gives the tokens of the engine without the tier."""
+    gives the tokens of the engine without the tier. Synchronous loads
+    (``--kv-offloading-size``) and vLLM's asynchronous ones (``async_load``)."""
     # The setup holds: without the tier, the prefix is gone from the pool.
     assert [cached for _, cached in baseline] == [0, 0, 0, 0, PREFIX_LEN]
-    with _llm(model_dir, kv_offloading_size=_gib(64)) as llm:
+    if async_load:
+        kwargs: dict[str, Any] = {"kv_transfer_config": _offload_config(64, async_load=True)}
+    else:
+        kwargs = {"kv_offloading_size": _gib(64)}
+    with _llm(model_dir, **kwargs) as llm:
         results = _run(llm, workload)
         stats = _scheduler_connector(llm).get_kv_connector_stats()
         _assert_pool_free(llm)
@@ -183,8 +226,8 @@ def test_an_evicted_prefix_is_loaded_back_from_the_tier_with_unchanged_output(
     assert [cached for _, cached in results] == [0, 0, 0, PREFIX_LEN, PREFIX_LEN]
     assert stats["connector_prefix_cache_stats"]["hits"] == PREFIX_LEN
     offload = stats["offload"]
-    # Loaded once: the second request waited for the first's load (its blocks
-    # were not in the prefix cache yet) rather than loading them again.
+    # Loaded once: the second request found the blocks in the prefix cache
+    # (asynchronous: it waited for the first's load rather than loading again).
     assert offload["loaded"] == PREFIX_LEN // BLOCK_SIZE
     assert offload["evicted"] == 0  # room for everything
     # Write-through: each request's full blocks, once per distinct block.
@@ -249,15 +292,7 @@ def test_the_tiers_bound_holds_and_its_lru_evicts_the_oldest(model_dir: str, tmp
     gen = torch.Generator().manual_seed(1)
     prompts = [_tokens(33, gen) for _ in range(5)]  # 33 + 8 tokens: 5 full blocks each
     num_tier_blocks = 12
-    extra = {
-        "cpu_bytes_to_use": num_tier_blocks * BYTES_PER_BLOCK,
-        "cpu_offload_dir": str(tmp_path),
-    }
-    config = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
+    config = _offload_config(num_tier_blocks, cpu_offload_dir=str(tmp_path))
     with _llm(model_dir, kv_transfer_config=config) as llm:
         manager = _scheduler_connector(llm).connector_scheduler.manager
         region = get_kv_transfer_group().connector_worker.spec._handlers.region

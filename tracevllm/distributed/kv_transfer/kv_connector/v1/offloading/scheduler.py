@@ -6,33 +6,47 @@ hashes, the prefix cache's). Each step:
 
 - ``get_num_new_matched_tokens``: past the engine's own prefix-cache hit,
   the longest run of the request's next blocks the tier holds
-  (``lookup``), as tokens to load asynchronously (``(n, True)``); the
-  request's blocks are ``touch``\\ ed. A request whose hit includes blocks
-  another request is loading right now waits a step (None), and then finds
+  (``lookup``), as tokens to load; the request's blocks are ``touch``\\ ed.
+  With ``kv_connector_extra_config["async_load"]`` (vLLM's way) the load is
+  asynchronous (``(n, True)``), and a request whose hit includes blocks
+  another request is loading right now waits a step (None), then finds
   them in the engine's prefix cache;
 - ``update_state_after_alloc``: those tokens' blocks (allocated by the
-  scheduler right after the local hit, not yet in the prefix cache) become
-  a load job, the tier's slots reserved (``prepare_load``); the request
-  waits in ``WAITING_FOR_REMOTE_KVS``;
+  scheduler right after the local hit) become a load job, the tier's slots
+  reserved (``prepare_load``); an asynchronous load's request waits in
+  ``WAITING_FOR_REMOTE_KVS``, its blocks not yet in the prefix cache;
 - ``build_connector_meta``: the step's loads, and a store job for every
   block a scheduled request fills up this step that the tier lacks
   (``prepare_store``, which evicts by LRU): write-through, so that a block
   is in the tier before the engine's prefix cache evicts it;
-- ``update_connector_output``: a load the workers report done
-  (``finished_recving``) releases its slots (``complete_load``); the
+- ``update_connector_output``: an asynchronous load the workers report
+  done (``finished_recving``) releases its slots (``complete_load``); the
   scheduler then runs the request from its first token past the load.
 
-Where tracevllm departs from vLLM's, and why: every job is done within the
-step whose metadata carries it (loads before the forward, stores after it,
-one worker, in order), so stores are completed (``complete_store``) as the
-metadata is built: a later step's transfer can only run after them. vLLM's
-workers report finished stores back (``OffloadingWorkerMetadata``), and it
-fences reused blocks with ``jobs_to_flush``.
+Where tracevllm departs from vLLM's, and why:
+
+- Loads are synchronous by default (``(n, False)``): the request is admitted
+  with its load and its first chunk together, the worker copies the blocks
+  in before that step's forward, and the hit stops one token short (the
+  full blocks before the last token, as the prefix cache's). vLLM's
+  asynchronous loads (``async_load``) admit a request with only its loaded
+  blocks; with a pool so small that the requests waiting in
+  ``WAITING_FOR_REMOTE_KVS`` (or loaded, not yet running) hold every free
+  block while nothing runs, the scheduler's waiting pass cannot allocate
+  the head request's next block and preempts no one: the engine stops
+  making progress (seen with a 20-block pool and preempted requests, each
+  resumed through a load). Synchronous admission cannot wedge that way.
+- Every job is done within the step whose metadata carries it (loads
+  before the forward, stores after it, one worker, in order), so stores
+  are completed (``complete_store``) as the metadata is built (a
+  synchronous load's too): a later step's transfer can only run after them.
+  vLLM's workers report finished jobs back (``OffloadingWorkerMetadata``),
+  and it fences reused blocks with ``jobs_to_flush``.
 - One KV cache group of full attention (vLLM's sliding-window and Mamba
   groups, offloaded blocks larger than the engine's, are left out).
 
 The tier's counters (hits, stores, evictions) and vLLM's external prefix
-cache queries and hits are in ``get_stats``.
+cache queries and hits are in the connector's ``get_kv_connector_stats``.
 """
 
 from __future__ import annotations
@@ -101,6 +115,15 @@ class OffloadingSchedulerStats:
     hits: int = 0
 
 
+def get_async_load(extra_config: dict[str, Any]) -> bool:
+    """``kv_connector_extra_config["async_load"]``: vLLM's asynchronous loads
+    (default False: synchronous, see the module docstring)."""
+    value = extra_config.get("async_load", False)
+    if not isinstance(value, bool):
+        raise TypeError(f"kv_connector_extra_config['async_load'] must be a bool, got {value!r}.")
+    return value
+
+
 def yield_req_data(
     scheduler_output: SchedulerOutput,
 ) -> Iterator[tuple[str, tuple[list[int], ...] | None, bool]]:
@@ -117,6 +140,7 @@ def yield_req_data(
 class OffloadingConnectorScheduler:
     def __init__(self, spec: OffloadingSpec) -> None:
         assert len(spec.gpu_block_size) == 1, "one KV cache group"
+        self.load_async = get_async_load(spec.extra_config)
         self.block_size = spec.gpu_block_size[0]
         self.manager: OffloadingManager = spec.get_manager()
         self._req_status: dict[ReqId, RequestOffloadState] = {}
@@ -153,9 +177,14 @@ class OffloadingConnectorScheduler:
         """Tokens past the local hit the tier can supply (0: none worth a load)."""
         block_size = self.block_size
         num_computed_tokens = req_status.num_locally_computed_tokens
-        # Every full block, the last token's too: after a whole prompt is
-        # loaded the scheduler computes its last token again.
-        max_hit_tokens = min(req_status.req.num_tokens, len(req_status.offload_keys) * block_size)
+        if self.load_async:
+            # Every full block, the last token's too: after a whole prompt is
+            # loaded the scheduler computes its last token again.
+            max_hit_tokens = req_status.req.num_tokens
+        else:
+            # The full blocks before the last token: one is left to compute.
+            max_hit_tokens = (req_status.req.num_tokens - 1) // block_size * block_size
+        max_hit_tokens = min(max_hit_tokens, len(req_status.offload_keys) * block_size)
         if max_hit_tokens - num_computed_tokens < block_size:
             return 0  # less than a block to load: better compute it
         start_block_idx = num_computed_tokens // block_size
@@ -177,7 +206,7 @@ class OffloadingConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """The tier's tokens past the local hit, loaded asynchronously."""
+        """The tier's tokens past the local hit, and whether they load asynchronously."""
         req_status = self._req_status.get(request.request_id)
         if req_status is None:
             req_status = RequestOffloadState(
@@ -192,7 +221,7 @@ class OffloadingConnectorScheduler:
         num_hit_tokens = self._lookup(req_status)
         # Most recently used: the whole request, hit or not.
         self.manager.touch(req_status.offload_keys, req_status.req_context)
-        return num_hit_tokens, bool(num_hit_tokens)
+        return num_hit_tokens, self.load_async and bool(num_hit_tokens)
 
     # --8<-- [end:offloading_get_num_new_matched_tokens]
 
@@ -231,8 +260,9 @@ class OffloadingConnectorScheduler:
             block_size=block_size,
         )
         self._jobs[job_id] = TransferJobStatus(request.request_id, keys_to_load, is_store=False)
-        self._load_job_ids[request.request_id] = job_id
-        self._blocks_being_loaded.update(keys_to_load)
+        if self.load_async:
+            self._load_job_ids[request.request_id] = job_id
+            self._blocks_being_loaded.update(keys_to_load)
 
     # ------------------------------------------------------------------ stores
     def _build_store_jobs(self, scheduler_output: SchedulerOutput) -> dict[int, TransferJob]:
@@ -303,9 +333,11 @@ class OffloadingConnectorScheduler:
             store_jobs=self._build_store_jobs(scheduler_output),
         )
         self._current_batch_load_jobs = {}
-        # The worker runs the stores in this step, before any later step's
-        # transfer: done, as far as any later decision can tell.
-        for job_id in meta.store_jobs:
+        # The worker runs these in this step, before any later step's
+        # transfer: done, as far as any later decision can tell (an
+        # asynchronous load waits for its finished_recving).
+        completed = [*meta.store_jobs] if self.load_async else [*meta.load_jobs, *meta.store_jobs]
+        for job_id in completed:
             self._complete_job(job_id)
         return meta
 

@@ -3,11 +3,12 @@
 Mirrors vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py.
 ``register_kv_caches`` builds the tier's handlers over the engine's KV cache
 tensors (the spec allocates the tier's region here, in the worker);
-``start_kv_transfers`` runs the step's loads (of requests waiting in
-``WAITING_FOR_REMOTE_KVS``) before the forward; ``get_finished`` runs the
+``start_kv_transfers`` runs the step's loads before the forward (of the
+requests it runs, or, with ``async_load``, of requests waiting in
+``WAITING_FOR_REMOTE_KVS``); ``get_finished`` runs the
 step's stores after it (vLLM queues them for the start of the next step, so
 that they overlap the next forward on their CUDA streams; a synchronous
-copy gains nothing by waiting), reports the loaded requests
+copy gains nothing by waiting), reports asynchronously loaded requests
 (``finished_recving``: they run from the next step) and records every
 finished transfer: a span in its request's trace (tracing/kv_transfer.py)
 and vLLM's transfer stats (bytes and seconds per direction, ``GPU_to_CPU``
@@ -26,6 +27,9 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.offloading.common import 
     OffloadingConnectorMetadata,
     TransferJob,
 )
+from tracevllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    get_async_load,
+)
 from tracevllm.kv_offload.base import BlockIDsLoadStoreSpec
 from tracevllm.kv_offload.worker.worker import OffloadingWorker, TransferResult
 from tracevllm.tracing import kv_transfer as kv_transfer_tracing
@@ -42,6 +46,7 @@ class OffloadingConnectorWorker:
     def __init__(self, spec: OffloadingSpec) -> None:
         self.spec = spec
         self.worker = OffloadingWorker()
+        self.load_async = get_async_load(spec.extra_config)
         self._num_layers = 0
         # job id -> (job, direction, wall-clock start) of transfers submitted this step.
         self._jobs: dict[int, tuple[TransferJob, str, int]] = {}
@@ -60,7 +65,7 @@ class OffloadingConnectorWorker:
 
     def _submit(self, job_id: int, job: TransferJob, direction: str) -> None:
         self._jobs[job_id] = (job, direction, time.time_ns())
-        if direction == "load":
+        if direction == "load" and self.load_async:
             self._finished_recving.add(job.req_id)
         if not self.worker.transfer_async(job_id, job.transfer_spec):
             self._jobs.pop(job_id)
