@@ -8,46 +8,15 @@ instead of pytest.
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
-import time
 
-from tests.executor_scenarios import (
-    KILLED_AT,
-    generate_killing,
-    lasting_shm_segments,
-    make_llm,
-    say,
-    wait_gone,
-    worker_pids,
-)
+from tests import executor_scenarios
+from tests.executor_scenarios import make_llm, say
 
 
 def kill_rank(model: str, tp: str, rank: str) -> None:
     """SIGKILL one worker after the first async step: EngineDeadError, nothing left."""
-    from tracevllm.engine.exceptions import EngineDeadError
-
-    llm = make_llm(model, int(tp), async_scheduling=True)
-    client = llm.llm_engine.engine_core
-    engine_pid, socket_dir = client.engine_pid, client.resources.socket_dir
-    workers = worker_pids(engine_pid)
-    victim = workers[int(rank)]
-    error = None
-    try:
-        generate_killing(llm, lambda: os.kill(victim, signal.SIGKILL))
-    except EngineDeadError as e:
-        error = str(e)
-    waited = time.monotonic() - KILLED_AT[-1]
-    llm.shutdown()
-    say(
-        error=error,
-        waited=waited,
-        victim=victim,
-        left=wait_gone([engine_pid, *workers]),
-        shm=lasting_shm_segments(),
-        socket_dir=os.path.exists(socket_dir),
-    )
+    executor_scenarios.kill_rank(model, tp, rank, async_scheduling=True)
 
 
 def trace(model: str, async_scheduling: str, out_dir: str) -> None:

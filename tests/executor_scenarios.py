@@ -167,11 +167,11 @@ def long_params() -> Any:
     return SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
 
 
-def kill_rank(model: str, tp: str, rank: str) -> None:
+def kill_rank(model: str, tp: str, rank: str, **engine_kwargs: Any) -> None:
     """SIGKILL one worker mid-generate: EngineDeadError naming it, nothing left."""
     from tracevllm.engine.exceptions import EngineDeadError
 
-    llm = make_llm(model, int(tp))
+    llm = make_llm(model, int(tp), **engine_kwargs)
     client = llm.llm_engine.engine_core
     engine_pid, socket_dir = client.engine_pid, client.resources.socket_dir
     workers = worker_pids(engine_pid)
