@@ -1,0 +1,8 @@
+# KV offloading (tracevllm/kv_offload/, the OffloadingConnector). Included by the Makefile.
+#   make bench-offload   prefix hit rate and time to first token with and without the
+#                        CPU tier, on shared prefixes that do not fit the device pool
+#                        (ARGS="--async-load" for vLLM's asynchronous loads)
+.PHONY: bench-offload
+
+bench-offload: setup
+	$(PY) benchmarks/bench_offload.py $(ARGS)
