@@ -231,6 +231,9 @@ class DisaggProxy:
             with trace.use_span(span, end_on_exit=False):
                 kv_transfer_params = await self.prefill(endpoint, request, headers)
                 decode_request = dict(request)
+                # Only the prefill server's params go on: a client's own would
+                # name blocks and hosts for the decode server to read.
+                decode_request.pop("kv_transfer_params", None)
                 if kv_transfer_params:
                     decode_request["kv_transfer_params"] = kv_transfer_params
                 decode_span, response = await self.decode(endpoint, decode_request, headers)

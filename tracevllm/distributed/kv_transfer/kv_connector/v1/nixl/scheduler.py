@@ -48,6 +48,39 @@ logger = logging.getLogger(__name__)
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def remote_prefill_params_problem(params: dict[str, Any], num_prompt_tokens: int) -> str | None:
+    """What is wrong with a remote prefill's kv_transfer_params, or None.
+
+    They arrive in the client's request (the proxy passes the prefill
+    server's answer on), so everything is checked before the scheduler or
+    the worker uses it: the types, a port in range, block ids that are
+    non-negative ints, and the producer's token count equal to this prompt's
+    (a longer remote prompt's blocks would fill this one's with other KV).
+    Whether the block ids exist on the producer is checked by the worker,
+    once the handshake has told it how many blocks the producer has."""
+    if params.get("do_remote_prefill") is not True:
+        return "do_remote_prefill must be true or false"
+    block_ids = params.get("remote_block_ids")
+    if not isinstance(block_ids, list) or not block_ids:
+        return "remote_block_ids must be a non-empty list of block ids"
+    if not all(_is_int(b) and b >= 0 for b in block_ids):
+        return "remote_block_ids must hold non-negative integers"
+    for key in ("remote_engine_id", "remote_request_id", "remote_host"):
+        if not isinstance(params.get(key), str) or not params[key]:
+            return f"{key} must be a non-empty string"
+    port = params.get("remote_port")
+    if not (isinstance(port, int) and _is_int(port) and 1 <= port <= 65535):
+        return "remote_port must be an integer from 1 to 65535"
+    num_tokens = params.get("remote_num_tokens", num_prompt_tokens)
+    if not _is_int(num_tokens) or num_tokens != num_prompt_tokens:
+        return f"remote_num_tokens must equal the prompt's {num_prompt_tokens} tokens"
+    return None
+
+
 class NixlConnectorScheduler:
     """Implementation of Scheduler side methods"""
 
@@ -71,6 +104,19 @@ class NixlConnectorScheduler:
         asynchronously (between steps)."""
         params = request.kv_transfer_params
         if params is not None and params.get("do_remote_prefill"):
+            problem = remote_prefill_params_problem(params, len(request.prompt_token_ids))
+            if problem is not None:
+                # kv_transfer_params come from the client: a bad one must not
+                # reach the worker (or make it read blocks that are not this
+                # prompt's). vLLM's warning; the prompt is computed here.
+                logger.warning(
+                    "Got invalid KVTransferParams (%s): %s. This request will not "
+                    "utilize KVTransfer",
+                    problem,
+                    params,
+                )
+                params["do_remote_prefill"] = False
+                return 0, False
             count = len(request.prompt_token_ids) - num_computed_tokens
             if count > 0:
                 return count, True

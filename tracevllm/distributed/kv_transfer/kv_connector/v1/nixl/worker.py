@@ -195,7 +195,13 @@ class NixlConnectorWorker:
             while not self._stop_listener.is_set():
                 if not sock.poll(100):
                     continue
-                identity, _, msg = sock.recv_multipart()
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    # Not a ROUTER-framed request (a stray peer): drop it and
+                    # keep serving, or every later handshake would fail.
+                    logger.warning("NixlConnector: side-channel message of %d frames", len(frames))
+                    continue
+                identity, _, msg = frames
                 try:
                     request = msgspec.msgpack.decode(msg)
                 except msgspec.DecodeError:
@@ -333,6 +339,16 @@ class NixlConnectorWorker:
             self._handle_failed_transfer(req_id, None)
             return
         remote_num_blocks = self.dst_num_blocks[remote.engine_id]
+        if any(b >= remote_num_blocks for b in remote_block_ids):
+            # The ids came with the request: one past the producer's pool
+            # would read another layer's block.
+            logger.error(
+                "NixlConnector: request %s names blocks the producer does not have (%d blocks)",
+                req_id,
+                remote_num_blocks,
+            )
+            self._handle_failed_transfer(req_id, None)
+            return
         local_ids = [
             layer * self.num_blocks + b for layer in range(self.num_layers) for b in local_block_ids
         ]
