@@ -231,13 +231,16 @@ class ModelConfig:
         """vLLM's check that tensor parallelism can split the attention heads,
         and that pipeline parallelism gives every stage some of the layers."""
         tensor_parallel_size = parallel_config.tensor_parallel_size
-        total_num_attention_heads = self.get_num_attention_heads()
-        if tensor_parallel_size > 1 and total_num_attention_heads % tensor_parallel_size != 0:
-            raise ValueError(
-                f"Total number of attention heads ({total_num_attention_heads})"
-                " must be divisible by tensor parallel size "
-                f"({tensor_parallel_size})."
-            )
+        # Read only when there is something to split: a config without heads
+        # (the labs' schedulers) is fine on one rank.
+        if tensor_parallel_size > 1:
+            total_num_attention_heads = self.get_num_attention_heads()
+            if total_num_attention_heads % tensor_parallel_size != 0:
+                raise ValueError(
+                    f"Total number of attention heads ({total_num_attention_heads})"
+                    " must be divisible by tensor parallel size "
+                    f"({tensor_parallel_size})."
+                )
         if parallel_config.pipeline_parallel_size > 1:
             self._verify_pp_partition(parallel_config.pipeline_parallel_size)
 
