@@ -78,8 +78,13 @@ def test_stopped_ray_server_leaves_no_process(tiny_model_dir: str, tmp_path: Any
             model=MODEL, prompt="Hello", max_tokens=4, temperature=0.0
         )
         assert completion.choices[0].text is not None
-        started = session_processes(sid)
-        names = list(started.values())
+        # Ray names an actor's process once it runs: wait for both names.
+        deadline = time.monotonic() + 30
+        while True:
+            names = list(session_processes(sid).values())
+            if names.count("ray::RayWorkerWrapper") >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
         # The Ray instance this run started, and its two actors.
         assert {"raylet", "gcs_server"} <= set(names), names
         assert names.count("ray::RayWorkerWrapper") == 2, names
