@@ -57,6 +57,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def require_one_worker(vllm_config: VllmConfig, message: str) -> None:
+    """Refuse tensor or pipeline parallelism for a connector that moves one
+    worker's KV (tracevllm's connectors all do); ``message`` says which and why."""
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.tensor_parallel_size > 1 or parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(message)
+
+
 class KVConnectorRole(enum.Enum):
     # The connector in the scheduler (the engine core process).
     SCHEDULER = 0

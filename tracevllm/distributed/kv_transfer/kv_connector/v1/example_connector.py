@@ -54,6 +54,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    require_one_worker,
 )
 from tracevllm.tracing import kv_transfer as kv_transfer_tracing
 
@@ -124,12 +125,11 @@ class ExampleConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        parallel_config = vllm_config.parallel_config
-        if parallel_config.tensor_parallel_size > 1 or parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "ExampleConnector runs on one worker (tensor_parallel_size and "
-                "pipeline_parallel_size 1): each rank would write the same files."
-            )
+        require_one_worker(
+            vllm_config,
+            "ExampleConnector runs on one worker (tensor_parallel_size and "
+            "pipeline_parallel_size 1): each rank would write the same files.",
+        )
         self._block_size = vllm_config.cache_config.block_size
         storage_path = self._kv_transfer_config.get_from_extra_config("shared_storage_path", "/tmp")
         if not isinstance(storage_path, str) or not storage_path:

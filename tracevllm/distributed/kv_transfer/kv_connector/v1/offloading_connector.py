@@ -36,6 +36,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    require_one_worker,
 )
 from tracevllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
@@ -64,12 +65,11 @@ if TYPE_CHECKING:
 def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
     from tracevllm.kv_cache_interface import FullAttentionSpec
 
-    parallel_config = vllm_config.parallel_config
-    if parallel_config.tensor_parallel_size > 1 or parallel_config.pipeline_parallel_size > 1:
-        raise ValueError(
-            "OffloadingConnector runs on one worker in tracevllm (tensor_parallel_size and "
-            "pipeline_parallel_size 1)."
-        )
+    require_one_worker(
+        vllm_config,
+        "OffloadingConnector runs on one worker in tracevllm (tensor_parallel_size and "
+        "pipeline_parallel_size 1).",
+    )
     if not vllm_config.cache_config.enable_prefix_caching:
         raise ValueError(
             "OffloadingConnector (--kv-offloading-size) needs prefix caching on in tracevllm: "

@@ -32,6 +32,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    require_one_worker,
 )
 from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
@@ -60,12 +61,11 @@ class NixlConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        parallel_config = vllm_config.parallel_config
-        if parallel_config.tensor_parallel_size > 1 or parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "tracevllm's NixlConnector supports one worker per engine "
-                "(tensor_parallel_size=1, pipeline_parallel_size=1)."
-            )
+        require_one_worker(
+            vllm_config,
+            "tracevllm's NixlConnector supports one worker per engine "
+            "(tensor_parallel_size=1, pipeline_parallel_size=1).",
+        )
         if self._kv_transfer_config.kv_buffer_device != "cpu":
             raise ValueError(
                 "tracevllm's NixlConnector reads host memory: kv_buffer_device must be 'cpu', "
