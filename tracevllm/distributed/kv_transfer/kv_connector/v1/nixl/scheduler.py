@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from tracevllm import envs
 from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -73,7 +74,7 @@ def remote_prefill_params_problem(params: dict[str, Any], num_prompt_tokens: int
         if not isinstance(params.get(key), str) or not params[key]:
             return f"{key} must be a non-empty string"
     port = params.get("remote_port")
-    if not (isinstance(port, int) and _is_int(port) and 1 <= port <= 65535):
+    if not (_is_int(port) and 1 <= port <= 65535):
         return "remote_port must be an integer from 1 to 65535"
     num_tokens = params.get("remote_num_tokens", num_prompt_tokens)
     if not _is_int(num_tokens) or num_tokens != num_prompt_tokens:
