@@ -2,9 +2,13 @@
 
 Mirrors vllm/v1/metrics/stats.py (``PrefixCacheStats``, ``PrefillStats``,
 ``SchedulerStats``, ``RequestStateStats``, ``FinishedRequestStats``,
-``PromptTokenStats``, ``IterationStats``). Left out: LoRA,
-connector, cudagraph and perf stats, KV eviction events, corrupted-request
-counts. A request aborted in the frontend (its client hung up) is a finished
+``PromptTokenStats``, ``IterationStats``). With a KV connector,
+``SchedulerStats`` carries vLLM's ``connector_prefix_cache_stats`` (prompt
+tokens asked of the connector after the local prefix hit, and those it had)
+and ``kv_connector_stats`` (the connector's own counters, a dict: here the
+scheduler side's ``get_kv_connector_stats``, as vLLM when its workers report
+none). Left out: LoRA, cudagraph and perf stats, KV eviction events,
+corrupted-request counts. A request aborted in the frontend (its client hung up) is a finished
 request too, with ``FinishReason.ABORT`` and the intervals it lived to see:
 vLLM 0.22.0 drops it from every per-request stat (vllm-project/vllm#31503),
 so that its ``request_success{finished_reason="abort"}`` never moves. One
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tracevllm.spec_decode.metrics import SpecDecodingStats
 
@@ -56,10 +60,10 @@ class PrefixCacheStats:
 
 @dataclass
 class PrefillStats:
-    """How a request's first prefill was served: computed vs found in the cache.
-
-    tracevllm has no KV connector, so every cached token is a local prefix-cache hit.
-    """
+    """How a request's first prefill was served: computed, found in the local
+    prefix cache, or brought by the KV connector (another engine's KV, the
+    offload tier): vLLM's ``num_local_cached_tokens`` and
+    ``num_external_cached_tokens``."""
 
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
@@ -93,12 +97,16 @@ class SchedulerStats:
     current_wave: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    # With a KV connector (and log_stats): its lookups since the last report.
+    connector_prefix_cache_stats: PrefixCacheStats | None = None
     # tracevllm additions, for the views: KV pool counts and this step's preemptions.
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     num_cached_blocks: int = 0
     num_preempted_reqs: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None
+    # The KV connector's own counters (get_kv_connector_stats), when it has any.
+    kv_connector_stats: dict[str, Any] | None = None
 
 
 @dataclass

@@ -57,7 +57,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tracevllm.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from tracevllm.labs import lab_hook
-from tracevllm.metrics.stats import SchedulerStats
+from tracevllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from tracevllm.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
 from tracevllm.spec_decode.metrics import SpecDecodingStats
@@ -198,6 +198,10 @@ class Scheduler:
         self.finished_recving_kv_req_ids: set[str] = set()
         self.failed_recving_kv_req_ids: set[str] = set()
         # --8<-- [end:connector_init]
+        # vLLM's external prefix-cache counts since the last make_stats.
+        self.connector_prefix_cache_stats: PrefixCacheStats | None = (
+            PrefixCacheStats() if self.connector is not None and log_stats else None
+        )
 
     @tracing.instrument("Scheduler.schedule", record=records.record_schedule)
     def schedule(self) -> SchedulerOutput:
@@ -396,6 +400,14 @@ class Scheduler:
                         self.kv_cache_manager.get_blocks(request.request_id),
                         num_external_computed_tokens,
                     )
+                    if self.connector_prefix_cache_stats is not None and (
+                        request.num_computed_tokens == 0  # not a finished async load
+                    ):
+                        self.connector_prefix_cache_stats.record(
+                            num_tokens=request.num_tokens - num_new_local_computed_tokens,
+                            num_hits=num_external_computed_tokens,
+                            preempted=request.num_preemptions > 0,
+                        )
                 request = request_queue.pop_request()
                 if load_kv_async:
                     # Its slots are held while the load runs between steps;
@@ -1083,6 +1095,9 @@ class Scheduler:
         prefix_cache_stats = self.kv_cache_manager.make_prefix_cache_stats()
         assert prefix_cache_stats is not None
         block_pool = self.kv_cache_manager.block_pool
+        connector_prefix_cache_stats = self.connector_prefix_cache_stats
+        if connector_prefix_cache_stats is not None:
+            self.connector_prefix_cache_stats = PrefixCacheStats()
         return SchedulerStats(
             num_running_reqs=len(self.running),
             # vLLM reports the skipped ones apart (num_skipped_waiting_reqs)
@@ -1096,6 +1111,10 @@ class Scheduler:
             num_cached_blocks=block_pool.num_cached_blocks,
             num_preempted_reqs=self.num_preempted_reqs,
             spec_decoding_stats=self.spec_decoding_stats,
+            connector_prefix_cache_stats=connector_prefix_cache_stats,
+            kv_connector_stats=(
+                self.connector.get_kv_connector_stats() if self.connector is not None else None
+            ),
         )
 
     def shutdown(self) -> None:

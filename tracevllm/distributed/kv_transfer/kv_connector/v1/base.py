@@ -156,6 +156,11 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
         """Finish or cancel whatever is in flight (the engine is going away)."""
         return
 
+    def get_kv_connector_stats(self) -> dict[str, Any] | None:
+        """The connector's counters, for ``SchedulerStats.kv_connector_stats``
+        (vLLM's ``KVConnectorStats.data``); None if it keeps none."""
+        return None
+
     # --------------------------------------------------------- scheduler side
     @abstractmethod
     def get_num_new_matched_tokens(
