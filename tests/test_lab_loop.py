@@ -32,6 +32,7 @@ NEEDS_FLAGS: dict[str, list[str]] = {
     "11": ["--choice", "yes,no"],
     "12": ["--speculative-config", "DRAFT"],  # the tiny model drafting for itself
     "13": ["--model", "MOE"],
+    "15": ["--kv-offloading-size", "0.01"],
 }
 ENGINE_LABS = sorted(number for number, lab in LABS.items() if lab.span is not None)
 

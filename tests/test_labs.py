@@ -38,6 +38,7 @@ BOOK_PAGES = {
     "12": "speculative-decoding",
     "13": "model-families",
     "14": "scaling-out",
+    "15": "kv-connectors",
 }
 
 
@@ -331,7 +332,7 @@ def test_plugged_labs_serve_the_same_output(tiny_model_dir: str, tmp_path: Path)
     pluggable = {
         number: lab
         for number, lab in LABS.items()
-        if lab.span is not None and number not in NEEDS_A_MOE_MODEL
+        if lab.span is not None and number not in NEEDS_A_MOE_MODEL | NEEDS_A_CPU_TIER
     }
     for number, lab in sorted(pluggable.items()):
         folder = tmp_path / f"{number}-{lab.topic}"
@@ -359,6 +360,66 @@ def test_plugged_labs_serve_the_same_output(tiny_model_dir: str, tmp_path: Path)
 # Labs whose function only a mixture-of-experts model calls (a Llama has no
 # MoE layer): plugged in below, into a MoE layer.
 NEEDS_A_MOE_MODEL = {"13"}
+# Labs whose function only an engine with a CPU tier for KV blocks calls
+# (--kv-offloading-size): plugged in below, into one.
+NEEDS_A_CPU_TIER = {"15"}
+
+# A shared 64-token prefix, evicted from a 20-block pool (8 tokens a block)
+# by two long prompts, then asked for again: the tier holds it.
+OFFLOAD_GENERATE = textwrap.dedent(
+    """
+    import random
+    from tracevllm import LLM, SamplingParams
+
+    def run(model_dir):
+        rng = random.Random(0)
+        tokens = lambda n: [rng.randrange(5, 250) for _ in range(n)]
+        prefix = tokens(64)
+        rounds = [[prefix + tokens(5)], [tokens(100)], [tokens(100)], [prefix + tokens(7)]]
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        results = []
+        with LLM(model=model_dir, enable_multiprocessing=False, block_size=8,
+                 num_gpu_blocks_override=20, max_model_len=160,
+                 kv_offloading_size=0.01) as llm:
+            for prompts in rounds:
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                    use_tqdm=False)
+                results += [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outs]
+        import tracevllm.labs as labs
+
+        calls = {p.parent.name[:2]: m.CALLS for p, m in labs._LOADED.items()}
+        return {"tokens": [t for t, _ in results], "cached": [c for _, c in results],
+                "calls": calls}
+    """
+)
+
+
+def test_the_offload_lookup_lab_finds_an_evicted_prefix_in_the_tier(
+    tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """TRACEVLLM_LAB=15 (a pass-through lab.py) in an engine with a CPU tier:
+    the connector asks the lab's lookup for every request it admits, the
+    evicted prefix comes back from the tier (64 cached tokens), and the
+    tokens are the engine's own. (Mutation caught: a lab.py whose lookup
+    answers 0: cached [0, 0, 0, 0].)"""
+    folder = tmp_path / "15-offload-lookup"
+    folder.mkdir()
+    (folder / "lab.py").write_text(PASS_THROUGH_LAB.format(name="_lookup"))
+    namespace: dict[str, Any] = {}
+    exec(OFFLOAD_GENERATE, namespace)  # the baseline: no lab plugged into this process
+    baseline = namespace["run"](tiny_model_dir)
+    code = (
+        OFFLOAD_GENERATE + "\nimport json, sys\nprint('RESULT=' + json.dumps(run(sys.argv[1])))\n"
+    )
+    proc = _python(code, str(folder), tiny_model_dir)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT="))
+    plugged = json.loads(line.removeprefix("RESULT="))
+    assert baseline["calls"] == {}
+    assert plugged["tokens"] == baseline["tokens"]
+    assert plugged["cached"] == baseline["cached"] == [0, 0, 0, 64]
+    assert plugged["calls"]["15"] >= 4  # once per request admitted, at least
+    assert proc.stderr.count(f"lab 15: _lookup from {folder / 'lab.py'}") == 1, proc.stderr
+
 
 PLUGGED_MOE_LAYER = textwrap.dedent(
     """

@@ -186,6 +186,16 @@ LABS: dict[str, Lab] = {
         # Called while each worker builds its model (make_layers), before
         # any request: no span is open then.
         Lab("14", "pipeline-stages", "get_pp_indices", "tracevllm.distributed.utils", ""),
+        Lab(
+            "15",
+            "offload-lookup",
+            "_lookup",
+            "tracevllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler",
+            # Asked by the connector's get_num_new_matched_tokens when the
+            # scheduler admits a waiting request.
+            "Scheduler.schedule",
+            "a CPU tier for KV blocks (--kv-offloading-size GiB)",
+        ),
     )
 }
 

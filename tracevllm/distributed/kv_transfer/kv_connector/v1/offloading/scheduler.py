@@ -21,7 +21,9 @@ hashes, the prefix cache's). Each step:
   is in the tier before the engine's prefix cache evicts it;
 - ``update_connector_output``: an asynchronous load the workers report
   done (``finished_recving``) releases its slots (``complete_load``); the
-  scheduler then runs the request from its first token past the load.
+  scheduler then runs the request from its first token past the load. The
+  tier's blocks behind a load that failed are discarded (tracevllm's:
+  vLLM's loads never fail), so no request loads them again.
 
 Where tracevllm departs from vLLM's, and why:
 
@@ -69,6 +71,7 @@ from tracevllm.kv_offload.base import (
     ReqContext,
     make_offload_key,
 )
+from tracevllm.labs import lab_hook
 
 if TYPE_CHECKING:
     from tracevllm.core.kv_cache_manager import KVCacheBlocks
@@ -150,6 +153,9 @@ class OffloadingConnectorScheduler:
         # Loads in flight: the request's job, and every key being loaded.
         self._load_job_ids: dict[ReqId, int] = {}
         self._blocks_being_loaded: set[OffloadKey] = set()
+        # The key last loaded into each engine block, to name the tier's
+        # blocks behind a failed load (the workers report engine block ids).
+        self._loaded_keys_by_block: dict[int, OffloadKey] = {}
         self.stats = OffloadingSchedulerStats()
 
     def _generate_job_id(self) -> int:
@@ -158,6 +164,7 @@ class OffloadingConnectorScheduler:
         return job_id
 
     # ------------------------------------------------------------------ lookup
+    # --8<-- [start:maximal_prefix_lookup]
     def _maximal_prefix_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> int | None:
         """Consecutive offloaded blocks from the start; None if a lookup was deferred."""
         hit_count = 0
@@ -173,6 +180,10 @@ class OffloadingConnectorScheduler:
             hit_count += 1
         return None if defer_lookup else hit_count
 
+    # --8<-- [end:maximal_prefix_lookup]
+
+    # --8<-- [start:offloading_lookup]
+    @lab_hook("_lookup")  # lab 15: chapters/15-offload-lookup
     def _lookup(self, req_status: RequestOffloadState) -> int | None:
         """Tokens past the local hit the tier can supply (0: none worth a load)."""
         block_size = self.block_size
@@ -201,6 +212,8 @@ class OffloadingConnectorScheduler:
             logger.debug("Request %s: its blocks are being loaded", req_status.req_context.req_id)
             return None
         return (start_block_idx + num_hit_blocks) * block_size - num_computed_tokens
+
+    # --8<-- [end:offloading_lookup]
 
     # --8<-- [start:offloading_get_num_new_matched_tokens]
     def get_num_new_matched_tokens(
@@ -248,6 +261,7 @@ class OffloadingConnectorScheduler:
         if not (params is not None and params.get("do_remote_decode")):
             # Loaded blocks are in the tier already: do not store them again.
             req_status.next_stored_block_idx = end_block_idx
+        self._loaded_keys_by_block.update(zip(dst_block_ids, keys_to_load, strict=True))
         src_spec = self.manager.prepare_load(keys_to_load, req_status.req_context)
         dst_spec = GPULoadStoreSpec(
             dst_block_ids, group_sizes=[len(dst_block_ids)], block_indices=[start_block_idx]
@@ -341,15 +355,33 @@ class OffloadingConnectorScheduler:
             self._complete_job(job_id)
         return meta
 
-    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+    def update_connector_output(
+        self, finished_recving: set[str] | None, invalid_block_ids: set[int] | None = None
+    ) -> None:
         """Loads the workers report done: their slots may be evicted again,
-        their blocks are the engine's (cached by the scheduler)."""
+        their blocks are the engine's (cached by the scheduler). The tier's
+        blocks behind a load that failed (``invalid_block_ids``, engine
+        blocks) are discarded: otherwise the request, recomputing with no
+        local hit, would find them again, load again and fail again, without
+        end (or, under policy "fail", every later request with that prefix
+        would fail). vLLM's loads never fail."""
         for req_id in finished_recving or ():
             job_id = self._load_job_ids.pop(req_id, None)
             if job_id is None:
                 continue
             self._blocks_being_loaded.difference_update(self._jobs[job_id].keys)
             self._complete_job(job_id)
+        failed_keys = [
+            self._loaded_keys_by_block.pop(block_id)
+            for block_id in invalid_block_ids or ()
+            if block_id in self._loaded_keys_by_block
+        ]
+        if failed_keys:
+            logger.warning(
+                "Discarding %d block(s) from the offload tier: a load from them failed",
+                len(failed_keys),
+            )
+            self.manager.discard(failed_keys, ReqContext(req_id=""))
 
     def _complete_job(self, job_id: int) -> None:
         job_status = self._jobs.pop(job_id)
