@@ -718,12 +718,24 @@ def clear_out_dir() -> None:
     """Start empty, so that a view the book still names but no run drew
     breaks the build; but keep what a record script that this run does not
     call wrote there (docs/record_tuning.py, ``make docs-tuning``: its charts
-    and facts.tuning.json), which nothing here would draw again."""
-    import record_tuning  # docs/, beside this file
+    and facts.tuning.json; docs/record_disagg.py: the cross-engine trace and
+    facts.disagg.json; docs/record_serve_bench.py: facts.bench_serve.json;
+    docs/record_compile.py: the compile's tables, code and facts), which
+    nothing here would draw again."""
+    import record_compile  # docs/, beside this file (the performance chapter's compile)
+    import record_disagg  # likewise (make trace-disagg's recording)
+    import record_serve_bench  # likewise (the serving chapter's load figures)
+    import record_tuning  # likewise
 
+    kept = (
+        *record_tuning.OUTPUTS,
+        *record_disagg.OUTPUTS,
+        *record_serve_bench.OUTPUTS,
+        *record_compile.OUTPUTS,
+    )
     os.makedirs(OUT_DIR, exist_ok=True)
     for name in os.listdir(OUT_DIR):
-        if any(fnmatch.fnmatch(name, pattern) for pattern in record_tuning.OUTPUTS):
+        if any(fnmatch.fnmatch(name, pattern) for pattern in kept):
             continue
         path = os.path.join(OUT_DIR, name)
         if os.path.isdir(path) and not os.path.islink(path):
