@@ -4,6 +4,7 @@ run) wrote there."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -46,3 +47,36 @@ def test_docs_assets_keeps_the_tuning_recording(
         (out / name).write_text("x")
     ra.clear_out_dir()
     assert sorted(names) == sorted(p.name for p in out.iterdir() if p.name in names)
+
+
+def test_docs_assets_keeps_every_standalone_recording(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What docs/record_disagg.py, record_serve_bench.py and record_compile.py
+    write (their OUTPUTS, which make docs-assets does not redo) survives a
+    docs-assets run. (Mutation caught: one script's OUTPUTS left out of
+    clear_out_dir's list.)"""
+    import fnmatch
+
+    monkeypatch.syspath_prepend(str(ROOT / "docs"))
+    spec = importlib.util.spec_from_file_location(
+        "docs_record_assets_all", ROOT / "docs" / "record_assets.py"
+    )
+    assert spec is not None and spec.loader is not None
+    ra = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "docs_record_assets_all", ra)
+    spec.loader.exec_module(ra)
+    out = tmp_path / "recorded"
+    out.mkdir()
+    names = []
+    for script in ("record_disagg", "record_serve_bench", "record_compile"):
+        module = importlib.import_module(script)
+        for pattern in module.OUTPUTS:
+            name = pattern.replace("*", "x")
+            assert fnmatch.fnmatch(name, pattern)
+            names.append(name)
+    for name in [*names, "facts.json", "stale-view.md"]:
+        (out / name).write_text("x")
+    monkeypatch.setattr(ra, "OUT_DIR", str(out))
+    ra.clear_out_dir()
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
