@@ -121,7 +121,14 @@ def consumer(model_dir: str, trace_root: str) -> Iterator[LLM]:
     env = _port_env(_free_port())
     trace_dir = os.path.join(trace_root, "consumer")
     with _engine(
-        model_dir, "kv_consumer", env, trace_dir, kv_load_failure_policy="recompute"
+        model_dir,
+        "kv_consumer",
+        env,
+        trace_dir,
+        kv_load_failure_policy="recompute",
+        # A read must end 3 s before the producer's expiry (the default 10 s
+        # would leave the timeout test's short-lived producer too little).
+        kv_connector_extra_config={"kv_expiry_margin": 3},
     ) as llm:
         yield llm
 
@@ -253,6 +260,8 @@ def test_hostile_kv_transfer_params_are_computed_locally(
         {**good, "remote_host": None},
         {**good, "do_remote_prefill": 1},
         {**good, "remote_num_tokens": n + 16},  # a longer prompt's blocks
+        {k: v for k, v in good.items() if k != "remote_expiration_time"},
+        {**good, "remote_notif_token": "a:b"},
     ]
     for params in hostile:
         assert remote_prefill_params_problem(params, n) is not None, params
@@ -314,16 +323,26 @@ def test_unread_blocks_are_freed_after_the_timeout_and_a_dead_producer_is_recomp
         assert _wait_pool_free(short, timeout=90)["used"] == 0
         assert time.monotonic() - start >= timeout - 1
 
+        # A reader that comes after the expiry (its blocks may hold another
+        # request's KV by now) does not read: the prompt is recomputed, the
+        # same tokens (mutation caught: the consumer's expiry check removed
+        # -> the freed blocks are read, every prompt token counted cached).
+        (late,) = consumer.generate(_inputs(prompts[1:2]), [_greedy(params[1])], use_tqdm=False)
+        assert list(late.outputs[0].token_ids) == baseline[1]
+        assert late.num_cached_tokens < len(prompts[1])
+
         # The producer dies after the handshake: reads from it fail, and the
         # consumer recomputes and keeps serving.
+        (fresh,) = _prefill(short, prompts[2:3])
         proc = short.llm_engine.engine_core.resources.proc
         assert proc is not None and proc.pid is not None
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)
         outputs = consumer.generate(
-            _inputs(prompts[1:3]), [_greedy(params[1]), _greedy()], use_tqdm=False
+            _inputs(prompts[2:4]), [_greedy(fresh), _greedy()], use_tqdm=False
         )
-        assert [list(o.outputs[0].token_ids) for o in outputs] == baseline[1:3]
+        assert [list(o.outputs[0].token_ids) for o in outputs] == baseline[2:4]
+        assert outputs[0].num_cached_tokens < len(prompts[2])
     assert _wait_pool_free(consumer)["used"] == 0
 
 
@@ -399,3 +418,419 @@ def test_each_transfer_is_a_span_on_its_engine(
             assert attrs["tracevllm.kv_transfer.num_bytes"] == num_blocks * bytes_per_block
             assert attrs["tracevllm.kv_transfer.ms"] >= 0
             assert span.process_kind == "engine_core"
+
+
+# ---------------------------------------------- the worker side, without engines
+# NixlConnectorWorkers built directly, each with its own NIXL agent, side
+# channel and KV tensors, in this process: the READs and notifications are
+# real, and each test steps the workers itself.
+WORKER_BLOCKS = 16
+WORKER_LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def _worker_config(role: str, **extra: Any) -> Any:
+    from tracevllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+    }
+    return VllmConfig(
+        ModelConfig(model="fake", hf_config=hf_config, max_model_len=64),
+        CacheConfig(block_size=BLOCK_SIZE),
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="NixlConnector", kv_role=role, kv_connector_extra_config=extra
+        ),
+    )
+
+
+class _Side:
+    """One worker-side connector and its KV cache (random on a producer)."""
+
+    def __init__(self, role: str, engine_id: str, seed: int | None = None) -> None:
+        from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
+            NixlConnectorWorker,
+        )
+
+        self.port = _free_port()
+        saved = os.environ.get("TRACEVLLM_NIXL_SIDE_CHANNEL_PORT")
+        os.environ["TRACEVLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.port)
+        try:
+            self.worker = NixlConnectorWorker(_worker_config(role), engine_id)
+        finally:
+            if saved is None:
+                os.environ.pop("TRACEVLLM_NIXL_SIDE_CHANNEL_PORT")
+            else:
+                os.environ["TRACEVLLM_NIXL_SIDE_CHANNEL_PORT"] = saved
+        gen = torch.Generator().manual_seed(seed or 0)
+        shape = (WORKER_BLOCKS, 2, BLOCK_SIZE, 2, 16)
+        self.caches = {
+            name: torch.rand(shape, generator=gen) if seed is not None else torch.zeros(shape)
+            for name in WORKER_LAYERS
+        }
+        self.worker.register_kv_caches(self.caches)
+
+    def blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        return [self.caches[name][block_ids].clone() for name in WORKER_LAYERS]
+
+    def hold(self, req_id: str, token: str) -> None:
+        """The producer's scheduler has finished req_id, holding its blocks."""
+        from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+            SendMeta,
+        )
+
+        meta = NixlConnectorMetadata()
+        meta.reqs_to_send[req_id] = time.perf_counter() + 300
+        meta.send_meta[req_id] = SendMeta(num_blocks=2, num_tokens=16, notif_token=token)
+        self.worker.start_load_kv(meta)
+
+    def read(
+        self,
+        req_id: str,
+        producer: _Side,
+        local: list[int],
+        remote: list[int],
+        token: str,
+        expires_in: float = 300.0,
+        engine_id: str = "P",
+    ) -> None:
+        """The consumer's scheduler asks its worker to read a request's blocks."""
+        from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+            RemoteMeta,
+            ReqMeta,
+        )
+
+        meta = NixlConnectorMetadata()
+        meta.reqs_to_recv[req_id] = ReqMeta(
+            local_block_ids=local,
+            remote=RemoteMeta(
+                block_ids=remote,
+                host="localhost",
+                port=producer.port,
+                engine_id=engine_id,
+                request_id=f"remote-{req_id}",
+                expiration_time=time.time() + expires_in,
+                notif_token=token,
+            ),
+        )
+        self.worker.start_load_kv(meta)
+
+    def until_read(self, req_id: str, timeout: float = 60.0) -> set[int]:
+        """Step until req_id's read is reported; the block ids marked invalid."""
+        from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
+
+        invalid: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.worker.start_load_kv(NixlConnectorMetadata())
+            _, recving = self.worker.get_finished()
+            invalid |= self.worker.get_block_ids_with_load_errors()
+            if req_id in recving:
+                return invalid
+            time.sleep(0.05)
+        raise AssertionError(f"{req_id}'s read never ended")
+
+    def until_sent(self, req_id: str, timeout: float = 30.0) -> bool:
+        """Step until the producer frees req_id's blocks (False if it does not)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sending, _ = self.worker.get_finished()
+            if req_id in sending:
+                return True
+            time.sleep(0.05)
+        return False
+
+
+@pytest.fixture(scope="module")
+def sides() -> Iterator[tuple[_Side, _Side, _Side]]:
+    """A producer (engine id "P"), a second producer that claims the same
+    engine id at another address, and a consumer."""
+    made: list[_Side] = []
+    try:
+        for role, engine_id, seed in (
+            ("kv_producer", "P", 1),
+            ("kv_producer", "P", 2),
+            ("kv_consumer", "C", None),
+        ):
+            made.append(_Side(role, engine_id, seed))
+        yield made[0], made[1], made[2]
+    finally:
+        for side in made:
+            side.worker.shutdown()
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.timeout(300)
+def test_worker_refuses_a_read_that_would_end_past_the_producers_expiry(
+    sides: tuple[_Side, _Side, _Side], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The producer frees unread blocks at its expiry (and may reuse them):
+    a read that would start, or is only seen to end, within kv_expiry_margin
+    of it is a failed load, its blocks marked invalid, never trusted."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as nixl_worker
+
+    producer, _, consumer = sides
+    margin = consumer.worker.kv_expiry_margin
+    assert margin == 10.0  # the default
+    # A read well before the expiry: the producer's blocks arrive, and the
+    # notification (with the request's token) frees them there.
+    producer.hold("remote-ok", "tok1")
+    consumer.read("ok", producer, [1, 2], [3, 4], "tok1")
+    assert consumer.until_read("ok") == set()
+    assert _same(consumer.blocks([1, 2]), producer.blocks([3, 4]))
+    assert producer.until_sent("remote-ok")
+
+    # Within the margin already: not read at all (mutation caught: the check
+    # before posting removed -> the blocks are read).
+    producer.hold("remote-soon", "tok2")
+    consumer.read("soon", producer, [5, 6], [3, 4], "tok2", expires_in=margin / 2)
+    assert consumer.until_read("soon") == {5, 6}
+    assert not any(t.any() for t in consumer.blocks([5, 6]))
+
+    # Posted in time, but seen done only past expiry - margin (the clock
+    # moved on): failed, though the bytes came (mutation caught: the check
+    # on completion removed -> reported as loaded).
+    producer.hold("remote-late", "tok3")
+    consumer.read("late", producer, [7, 8], [3, 4], "tok3")
+    (handle,) = consumer.worker._recving_transfers["late"]  # posted
+    deadline = time.monotonic() + 30
+    while consumer.worker.nixl_wrapper.check_xfer_state(handle) != "DONE":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    monkeypatch.setattr(nixl_worker, "_wall_time", lambda: time.time() + 300)
+    assert consumer.until_read("late") == {7, 8}
+    assert _same(consumer.blocks([7, 8]), producer.blocks([3, 4]))
+
+    # Still in progress when the expiry comes near: abandoned at once
+    # (mutation caught: only kv_read_timeout bounds it -> still waiting).
+    monkeypatch.undo()
+    producer.hold("remote-slow", "tok7")
+    consumer.read("slow", producer, [14, 15], [3, 4], "tok7")
+    assert "slow" in consumer.worker._recving_transfers  # posted
+    monkeypatch.setattr(consumer.worker.nixl_wrapper, "check_xfer_state", lambda h: "PROC")
+    monkeypatch.setattr(nixl_worker, "_wall_time", lambda: time.time() + 300)
+    _, recving = consumer.worker.get_finished()
+    assert "slow" in recving
+    assert consumer.worker.get_block_ids_with_load_errors() == {14, 15}
+
+
+@pytest.mark.timeout(300)
+def test_worker_abandons_a_read_stuck_in_progress(
+    sides: tuple[_Side, _Side, _Side], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A READ that stays PROC (a hung peer) is released after kv_read_timeout
+    and fails its request, so the scheduler gets its blocks back; a handle
+    NIXL will not release yet is kept and tried again, since its READ could
+    still write into them (mutation caught: no deadline -> never reported)."""
+    producer, _, consumer = sides
+    producer.hold("remote-hung", "tok4")
+    consumer.read("ok-first", producer, [9], [3], "tok-unused")  # the handshake, if not yet
+    consumer.until_read("ok-first")
+    consumer.read("hung", producer, [10, 11], [3, 4], "tok4")
+    assert "hung" in consumer.worker._recving_transfers  # posted
+    wrapper = consumer.worker.nixl_wrapper
+    real_release = wrapper.release_xfer_handle
+    released: list[Any] = []
+
+    def release_once_refused(handle: Any) -> None:
+        released.append(handle)
+        if len(released) == 1:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        real_release(handle)
+
+    monkeypatch.setattr(wrapper, "check_xfer_state", lambda handle: "PROC")
+    monkeypatch.setattr(wrapper, "release_xfer_handle", release_once_refused)
+    monkeypatch.setattr(consumer.worker, "kv_read_timeout", 0.5)
+    time.sleep(0.6)
+    _, recving = consumer.worker.get_finished()
+    # The release was refused: still waiting, nothing reported yet.
+    assert len(released) == 1 and "hung" not in recving
+    assert "hung" in consumer.worker._recving_transfers
+    _, recving = consumer.worker.get_finished()
+    assert len(released) == 2 and "hung" in recving
+    assert consumer.worker.get_block_ids_with_load_errors() == {10, 11}
+    assert "hung" not in consumer.worker._recving_transfers
+
+
+@pytest.mark.timeout(300)
+def test_remote_agents_are_keyed_by_address_not_engine_id(
+    sides: tuple[_Side, _Side, _Side],
+) -> None:
+    """A side channel that answers with another engine's id stands in for
+    it only at its own address: a later request naming the real producer's
+    address reads the real producer's blocks (mutation caught: agents keyed
+    by engine id alone -> the second read gets the impostor's bytes)."""
+    producer, impostor, consumer = sides
+    impostor.hold("remote-imp", "tok5")
+    consumer.read("imp", impostor, [12], [3], "tok5")
+    assert consumer.until_read("imp") == set()
+    assert _same(consumer.blocks([12]), impostor.blocks([3]))
+    producer.hold("remote-real", "tok6")
+    consumer.read("real", producer, [13], [3], "tok6")
+    assert consumer.until_read("real") == set()
+    assert _same(consumer.blocks([13]), producer.blocks([3]))
+    assert not _same(producer.blocks([3]), impostor.blocks([3]))
+
+
+@pytest.mark.timeout(120)
+def test_notifications_are_parsed_defensively_and_need_the_requests_token(
+    sides: tuple[_Side, _Side, _Side], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anyone who can reach the producer's agent can notify it: a malformed
+    notification is dropped (before: UnicodeDecodeError or ValueError inside
+    the step), and one without the request's token frees nothing (mutation
+    caught: the token not compared -> freed by a reader of another request)."""
+    producer, _, _ = sides
+    wrapper = producer.worker.nixl_wrapper
+    pending: list[list[bytes]] = []
+    monkeypatch.setattr(
+        wrapper, "get_new_notifs", lambda: {"someone": pending.pop(0)} if pending else {}
+    )
+    producer.hold("held", "good")
+    pending.append(
+        [b"\xff\xfe", b"no colon", b"held:1", b"held:bad:1", b"held:g\xc3\xa9:1", b"x:good:1"]
+    )
+    sending, _ = producer.worker.get_finished()
+    assert "held" not in sending and "held" in producer.worker._reqs_to_send
+    pending.append([b"held:good:1"])
+    sending, _ = producer.worker.get_finished()
+    assert "held" in sending and "held" not in producer.worker._reqs_to_send
+    # A notification before the producer's worker heard of the request is
+    # matched with its token too.
+    pending.append([b"early:bad:1", b"other:good:1"])
+    producer.worker.get_finished()
+    producer.hold("early", "good")
+    assert "early" in producer.worker._reqs_to_send
+    pending.append([b"early2:good:1"])
+    producer.worker.get_finished()
+    producer.hold("early2", "good")
+    assert "early2" not in producer.worker._reqs_to_send
+
+
+def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:
+    """kv_connector_extra_config['allowed_producers'] limits the addresses a
+    decode engine reads from (mutation caught: the check skipped); the
+    producer's expiry and token must come with the params."""
+    from tests.test_scheduler import make_request
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+        NixlConnectorScheduler,
+        get_allowed_producers,
+        remote_prefill_params_problem,
+    )
+
+    assert get_allowed_producers({}) is None
+    assert get_allowed_producers({"allowed_producers": ["10.0.0.2:5600", "::1:5601"]}) == {
+        ("10.0.0.2", 5600),
+        ("::1", 5601),
+    }
+    for bad in ("h:5600", ["h"], ["h:0"], ["h:x"], [":5600"], [5600]):
+        with pytest.raises(TypeError, match="allowed_producers"):
+            get_allowed_producers({"allowed_producers": bad})
+    for key, bad_seconds in (("kv_expiry_margin", "10"), ("kv_read_timeout", True)):
+        with pytest.raises(TypeError, match=key):
+            NixlConnectorScheduler(_worker_config("kv_consumer", **{key: bad_seconds}), "C")
+
+    prompt = list(range(10, 34))
+    good = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [1, 2, 3],
+        "remote_engine_id": "P",
+        "remote_request_id": "r",
+        "remote_host": "localhost",
+        "remote_port": 5600,
+        "remote_num_tokens": len(prompt),
+        "remote_expiration_time": time.time() + 300,
+        "remote_notif_token": "abc123",
+    }
+    assert remote_prefill_params_problem(good, len(prompt)) is None
+    for key, value in (
+        ("remote_expiration_time", None),
+        ("remote_expiration_time", "soon"),
+        ("remote_expiration_time", float("nan")),
+        ("remote_notif_token", ""),
+        ("remote_notif_token", "a:b"),
+        ("remote_notif_token", "gé"),
+        ("remote_notif_token", 7),
+    ):
+        assert remote_prefill_params_problem({**good, key: value}, len(prompt)), (key, value)
+
+    scheduler = NixlConnectorScheduler(
+        _worker_config("kv_consumer", allowed_producers=["localhost:5600"]), "C"
+    )
+    for port, expected in ((5600, (len(prompt), True)), (5601, (0, False))):
+        params = {**good, "remote_port": port}
+        request = make_request(f"r{port}", prompt, extra_args={"kv_transfer_params": params})
+        assert scheduler.get_num_new_matched_tokens(request, 0) == expected, port
+    assert request.kv_transfer_params is not None
+    assert request.kv_transfer_params["do_remote_prefill"] is False  # refused: computed here
+
+
+def test_worker_shutdown_shuts_the_processs_kv_connector_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a worker process only Worker.shutdown can shut the connector down
+    (vLLM's: ensure_kv_transfer_shutdown); before, it went with the process,
+    its NIXL agent and side channel never released."""
+    from tracevllm.distributed.kv_transfer import kv_transfer_state
+    from tracevllm.worker.worker import Worker
+
+    closed: list[str] = []
+
+    class Connector:
+        def shutdown(self) -> None:
+            closed.append("connector")
+
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", Connector())
+    worker = Worker.__new__(Worker)
+    worker.model_runner = None
+    worker.shutdown()
+    assert closed == ["connector"] and not kv_transfer_state.has_kv_transfer_group()
+
+
+def test_engine_core_shutdown_runs_every_step_when_the_executors_raises(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scheduler's and the worker's connectors are shut down even when the
+    executor's shutdown raises; its error is raised after (before: only
+    gc.unfreeze ran)."""
+    from types import SimpleNamespace
+
+    from tracevllm.distributed.kv_transfer import kv_transfer_state
+    from tracevllm.engine.core import EngineCore
+
+    done: list[str] = []
+
+    class Connector:
+        def shutdown(self) -> None:
+            done.append("worker connector")
+
+    def executor_shutdown() -> None:
+        raise RuntimeError("executor shutdown failed")
+
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", Connector())
+    core = EngineCore.__new__(EngineCore)
+    core.structured_output_manager = SimpleNamespace(clear_backend=lambda: None)  # type: ignore[assignment]
+    core.model_executor = SimpleNamespace(shutdown=executor_shutdown)  # type: ignore[assignment]
+    core.scheduler = SimpleNamespace(shutdown=lambda: done.append("scheduler"))  # type: ignore[assignment]
+    core.vllm_config = SimpleNamespace(kv_transfer_config=object())  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="executor shutdown failed"):
+        core.shutdown()
+    assert done == ["scheduler", "worker connector"]

@@ -451,20 +451,35 @@ class EngineCore:
         return {"total": total, "free": free, "used": total - free}
 
     def shutdown(self) -> None:
-        try:
-            self.structured_output_manager.clear_backend()
-            self.model_executor.shutdown()
-            self.scheduler.shutdown()
-            if self.vllm_config.kv_transfer_config is not None:
-                # vLLM's Worker.shutdown does this; here the engine does, so an
-                # in-process engine's worker-side connector goes with it (a
-                # worker process's goes with the process).
-                ensure_kv_transfer_shutdown()
-        finally:
-            # Undo freeze_gc_heap, so that an engine dropped in-process can be
-            # collected. Process-wide, as vLLM's: it unfreezes any other
-            # in-process engine's heap too (which then costs walks, not memory).
-            gc.unfreeze()
+        """Each step in its own try (tracevllm's; vLLM's stops at the first
+        that raises): the scheduler's and the worker's KV connectors are shut
+        down even when the executor's shutdown fails. The first error is
+        raised once all have run; later ones are logged."""
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("structured output backend", self.structured_output_manager.clear_backend),
+            ("executor", self.model_executor.shutdown),
+            ("scheduler", self.scheduler.shutdown),
+        ]
+        if self.vllm_config.kv_transfer_config is not None:
+            # The worker's Worker.shutdown does this too (vLLM's place, and
+            # the only one in a worker process); again here in case the
+            # executor's shutdown failed before it (a no-op otherwise).
+            steps.append(("KV connector", ensure_kv_transfer_shutdown))
+        # Undo freeze_gc_heap, so that an engine dropped in-process can be
+        # collected. Process-wide, as vLLM's: it unfreezes any other
+        # in-process engine's heap too (which then costs walks, not memory).
+        steps.append(("gc", gc.unfreeze))
+        first_error: BaseException | None = None
+        for what, step in steps:
+            try:
+                step()
+            except BaseException as e:  # a signal's SystemExit too: the rest still run
+                if first_error is None:
+                    first_error = e
+                else:
+                    logger.exception("EngineCore shutdown: the %s's shutdown failed too", what)
+        if first_error is not None:
+            raise first_error
 
 
 class EngineCoreProc(EngineCore):

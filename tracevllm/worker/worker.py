@@ -154,6 +154,14 @@ class Worker(WorkerBase):
         return
 
     def shutdown(self) -> None:
+        # vLLM's: the process's worker-side KV connector goes first (in a
+        # worker process nothing else would shut it down: its NIXL agent,
+        # side channel and registered memory).
+        from tracevllm.distributed.kv_transfer.kv_transfer_state import (
+            ensure_kv_transfer_shutdown,
+        )
+
+        ensure_kv_transfer_shutdown()
         self.model_runner = None
 
 

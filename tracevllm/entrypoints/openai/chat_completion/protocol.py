@@ -12,7 +12,8 @@ tracevllm does not have, so it is refused with vLLM's message (also when
 ``tools`` come without a ``tool_choice``: vLLM's default is then ``"auto"``).
 Left out, and refused when asked for: the deprecated ``functions`` and
 ``function_call``, audio output, reasoning, beam search, documents,
-``echo``, ``chat_template_kwargs``. A ``chat_template`` sent with a request is
+``echo``, ``chat_template_kwargs``, ``kv_transfer_params`` with ``n`` > 1
+(vLLM takes it; see engine/generate_request.py). A ``chat_template`` sent with a request is
 refused unless the server trusts it (``--trust-request-chat-template``,
 vLLM's rule).
 """
@@ -27,6 +28,7 @@ from pydantic import Field, model_validator
 from tracevllm.entrypoints.openai.engine.generate_request import (
     GenerateRequest,
     UnsupportedFields,
+    check_kv_transfer_params_single,
 )
 from tracevllm.entrypoints.openai.engine.protocol import (
     DeltaToolCall,
@@ -90,6 +92,11 @@ class ChatCompletionRequest(GenerateRequest):
     # vLLM's: the KV connector's parameters for a disaggregated request (a
     # decode server's, from the prefill server's response); to extra_args.
     kv_transfer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_kv_transfer_params(self) -> ChatCompletionRequest:
+        check_kv_transfer_params_single(self.kv_transfer_params, 1, self.num_choices)
+        return self
 
     # --8<-- [start:check_tool_usage]
     @model_validator(mode="after")

@@ -5,8 +5,9 @@ Mirrors vllm/entrypoints/openai/completion/protocol.py (``CompletionRequest``,
 The sampling fields live in ``GenerateRequest`` (engine/generate_request.py).
 Left out, and refused when asked for: ``suffix``, ``best_of`` above ``n``
 (OpenAI's; vLLM 0.22.0 dropped it unread), beam search, prompt logprobs,
-prompt embeddings. Structured outputs come through ``structured_outputs`` or
-``response_format``.
+prompt embeddings; ``kv_transfer_params`` with several prompts or ``n`` > 1
+(vLLM takes them; see engine/generate_request.py). Structured outputs come
+through ``structured_outputs`` or ``response_format``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import Field, model_validator
 from tracevllm.entrypoints.openai.engine.generate_request import (
     GenerateRequest,
     UnsupportedFields,
+    check_kv_transfer_params_single,
 )
 from tracevllm.entrypoints.openai.engine.protocol import (
     OpenAIBaseModel,
@@ -45,6 +47,15 @@ class CompletionRequest(GenerateRequest):
     # vLLM's: the KV connector's parameters for a disaggregated request (a
     # decode server's, from the prefill server's response); to extra_args.
     kv_transfer_params: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_kv_transfer_params(self) -> CompletionRequest:
+        prompt = self.prompt
+        single = isinstance(prompt, str) or not prompt or isinstance(prompt[0], int)
+        check_kv_transfer_params_single(
+            self.kv_transfer_params, 1 if single else len(prompt), self.num_choices
+        )
+        return self
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:

@@ -17,6 +17,12 @@ once. The checks, each so that a request is never served other than it asked:
   fields, gone before 0.22.0) drops them with a debug line.
 - ``logit_bias``'s keys must be token ids; SamplingParams checks the ids
   against the vocabulary and the values' range.
+- ``kv_transfer_params`` with several prompts or ``n`` > 1 is a 400 naming it
+  (``check_kv_transfer_params_single``). They name one prompt's blocks on one
+  prefill engine: a prefill server would hold every prompt's and completion's
+  blocks but return only the first's params, and a decode server would read
+  the same blocks into each. vLLM takes such a request (its disaggregation
+  proxy sends one prompt with ``n`` = 1).
 """
 
 from __future__ import annotations
@@ -35,6 +41,23 @@ from tracevllm.entrypoints.openai.engine.protocol import (
 )
 from tracevllm.exceptions import VLLMValidationError
 from tracevllm.sampling_params import StructuredOutputsParams
+
+
+def check_kv_transfer_params_single(
+    kv_transfer_params: dict[str, Any] | None, num_prompts: int, n: int
+) -> None:
+    """A request carrying ``kv_transfer_params`` has one prompt and ``n`` = 1."""
+    if not kv_transfer_params:
+        return
+    if num_prompts > 1 or n > 1:
+        what = f"{num_prompts} prompts" if num_prompts > 1 else f"n = {n}"
+        raise VLLMValidationError(
+            "kv_transfer_params serves one prompt and one completion (a disaggregated "
+            f"request is one prompt with n = 1), got {what}: send each prompt and "
+            "completion as its own request.",
+            parameter="kv_transfer_params",
+        )
+
 
 # vLLM's defaults when neither the request nor the model's generation config
 # sets one (``_DEFAULT_SAMPLING_PARAMS`` in its request classes).

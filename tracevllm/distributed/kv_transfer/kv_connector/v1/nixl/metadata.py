@@ -65,6 +65,11 @@ def compute_nixl_compatibility_hash(vllm_config: VllmConfig) -> str:
     return hashlib.sha256(repr(sorted(factors.items())).encode()).hexdigest()
 
 
+# A remote engine as the consumer knows it: its id and its side channel's
+# address (tracevllm's; vLLM keys remote agents by engine id alone).
+RemoteAgentKey = tuple[EngineId, str, int]
+
+
 @dataclass
 class RemoteMeta:
     block_ids: list[int]
@@ -72,6 +77,14 @@ class RemoteMeta:
     port: int
     engine_id: str
     request_id: str
+    # tracevllm's: when the producer frees the blocks unread (Unix time, its
+    # clock), and the token its notification must carry to free them.
+    expiration_time: float = float("inf")
+    notif_token: str = ""
+
+    @property
+    def agent_key(self) -> RemoteAgentKey:
+        return (self.engine_id, self.host, self.port)
 
 
 @dataclass
@@ -91,6 +104,8 @@ class SendMeta:
     num_tokens: int
     trace_headers: dict[str, str] | None = None
     start_ns: int = 0
+    # The token a reader's notification must carry to free these blocks.
+    notif_token: str = ""
 
 
 class NixlConnectorMetadata(KVConnectorMetadata):
@@ -118,6 +133,8 @@ class NixlConnectorMetadata(KVConnectorMetadata):
                 port=kv_transfer_params["remote_port"],
                 engine_id=kv_transfer_params["remote_engine_id"],
                 request_id=kv_transfer_params["remote_request_id"],
+                expiration_time=float(kv_transfer_params["remote_expiration_time"]),
+                notif_token=kv_transfer_params["remote_notif_token"],
             ),
             trace_headers=trace_headers,
             remote_trace_headers=remote_trace_headers,

@@ -17,15 +17,25 @@ frees them when the reader says it is done, or after
 
 Where tracevllm departs: the hold is vLLM's older fixed timeout
 (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s) rather than 0.22's 30-second
-lease renewed by the reader's heartbeats; the side channel is served by the
-worker (one per engine here) rather than by the scheduler. Left out: host
-buffers (the KV cache is in host memory already), bidirectional transfers,
-Mamba and sliding-window clipping, connector stats.
+lease renewed by the reader's heartbeats, and the returned
+``kv_transfer_params`` carry two fields vLLM's do not:
+``remote_expiration_time`` (when the blocks are freed unread, Unix time: the
+reader refuses a read that would end after it, see nixl/worker.py) and
+``remote_notif_token`` (the reader's notification must carry it to free the
+blocks). The side channel is served by the producer's worker (one per
+engine here) rather than by the scheduler. A client's ``kv_transfer_params``
+are checked before use (``remote_prefill_params_problem``), and with
+``kv_connector_extra_config["allowed_producers"]`` only the listed producer
+addresses are read from; vLLM checks only that they are a dict. Left out:
+host buffers (the KV cache is in host memory already), bidirectional
+transfers, Mamba and sliding-window clipping, connector stats.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import secrets
 import time
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -53,16 +63,23 @@ def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def remote_prefill_params_problem(params: dict[str, Any], num_prompt_tokens: int) -> str | None:
+def remote_prefill_params_problem(
+    params: dict[str, Any],
+    num_prompt_tokens: int,
+    allowed_producers: frozenset[tuple[str, int]] | None = None,
+) -> str | None:
     """What is wrong with a remote prefill's kv_transfer_params, or None.
 
     They arrive in the client's request (the proxy passes the prefill
     server's answer on), so everything is checked before the scheduler or
     the worker uses it: the types, a port in range, block ids that are
-    non-negative ints, and the producer's token count equal to this prompt's
-    (a longer remote prompt's blocks would fill this one's with other KV).
-    Whether the block ids exist on the producer is checked by the worker,
-    once the handshake has told it how many blocks the producer has."""
+    non-negative ints, the producer's token count equal to this prompt's
+    (a longer remote prompt's blocks would fill this one's with other KV),
+    the producer's expiry and notification token (tracevllm's), and, with
+    ``kv_connector_extra_config["allowed_producers"]``, a producer address
+    on that list. Whether the block ids exist on the producer is checked by
+    the worker, once the handshake has told it how many blocks the producer
+    has."""
     if params.get("do_remote_prefill") is not True:
         return "do_remote_prefill must be true or false"
     block_ids = params.get("remote_block_ids")
@@ -79,7 +96,55 @@ def remote_prefill_params_problem(params: dict[str, Any], num_prompt_tokens: int
     num_tokens = params.get("remote_num_tokens", num_prompt_tokens)
     if not _is_int(num_tokens) or num_tokens != num_prompt_tokens:
         return f"remote_num_tokens must equal the prompt's {num_prompt_tokens} tokens"
+    expiration_time = params.get("remote_expiration_time")
+    if not (
+        isinstance(expiration_time, (int, float))
+        and not isinstance(expiration_time, bool)
+        and math.isfinite(expiration_time)
+    ):
+        return "remote_expiration_time must be a number (the producer's Unix time)"
+    token = params.get("remote_notif_token")
+    if not isinstance(token, str) or not (token.isascii() and token.isalnum()):
+        return "remote_notif_token must be a non-empty ASCII alphanumeric string"
+    if allowed_producers is not None and (params["remote_host"], port) not in allowed_producers:
+        return f"{params['remote_host']}:{port} is not in allowed_producers"
     return None
+
+
+# tracevllm's kv_connector_extra_config keys in seconds, and their defaults
+# (used by the worker; checked by both sides, so a bad one fails at start-up).
+SECONDS_DEFAULTS = {"kv_expiry_margin": 10.0, "kv_read_timeout": 60.0}
+
+
+def get_seconds(extra_config: dict[str, Any], key: str) -> float:
+    value = extra_config.get(key, SECONDS_DEFAULTS[key])
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"kv_connector_extra_config[{key!r}] must be seconds, got {value!r}.")
+    if value < 0:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must not be negative, got {value}.")
+    return float(value)
+
+
+def get_allowed_producers(extra_config: dict[str, Any]) -> frozenset[tuple[str, int]] | None:
+    """``kv_connector_extra_config["allowed_producers"]`` (tracevllm's): the
+    side-channel addresses (``"host:port"``) a decode engine may read from;
+    None (the default) allows any, as vLLM does."""
+    value = extra_config.get("allowed_producers")
+    if value is None:
+        return None
+    message = (
+        "kv_connector_extra_config['allowed_producers'] must be a list of "
+        f"'host:port' strings, got {value!r}."
+    )
+    if not isinstance(value, list):
+        raise TypeError(message)
+    allowed = set()
+    for item in value:
+        host, sep, port = item.rpartition(":") if isinstance(item, str) else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise TypeError(message)
+        allowed.add((host, int(port)))
+    return frozenset(allowed)
 
 
 class NixlConnectorScheduler:
@@ -92,6 +157,12 @@ class NixlConnectorScheduler:
         self.side_channel_host = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_HOST
         self.side_channel_port = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_PORT
         self.abort_request_timeout = envs.TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT
+        kv_transfer_config = vllm_config.kv_transfer_config
+        assert kv_transfer_config is not None
+        extra_config = kv_transfer_config.kv_connector_extra_config
+        self.allowed_producers = get_allowed_producers(extra_config)
+        for key in SECONDS_DEFAULTS:
+            get_seconds(extra_config, key)
         # Consumer: requests to read, with their local blocks, until the next meta.
         self._reqs_need_recv: dict[ReqId, tuple[Request, list[int]]] = {}
         # Producer: finished requests holding blocks, with their expiry.
@@ -105,7 +176,9 @@ class NixlConnectorScheduler:
         asynchronously (between steps)."""
         params = request.kv_transfer_params
         if params is not None and params.get("do_remote_prefill"):
-            problem = remote_prefill_params_problem(params, len(request.prompt_token_ids))
+            problem = remote_prefill_params_problem(
+                params, len(request.prompt_token_ids), self.allowed_producers
+            )
             if problem is not None:
                 # kv_transfer_params come from the client: a bad one must not
                 # reach the worker (or make it read blocks that are not this
@@ -192,6 +265,12 @@ class NixlConnectorScheduler:
             return False, None
 
         delay_free_blocks = len(block_ids) > 0
+        # The hold's end, told to the reader too (tracevllm's): a read that
+        # would end after it could copy blocks this engine has since reused,
+        # so the reader refuses it (a failed load) rather than trust it.
+        expiration_time = time.time() + self.abort_request_timeout
+        # Only a reader given these params can free the blocks early.
+        notif_token = secrets.token_hex(16)
         if delay_free_blocks:
             self._reqs_need_send[request.request_id] = (
                 time.perf_counter() + self.abort_request_timeout
@@ -201,6 +280,7 @@ class NixlConnectorScheduler:
                 num_tokens=request.num_computed_tokens,
                 trace_headers=dict(request.trace_headers) if request.trace_headers else None,
                 start_ns=time.time_ns(),
+                notif_token=notif_token,
             )
         kv_transfer_params: dict[str, Any] = dict(
             do_remote_prefill=True,
@@ -212,6 +292,8 @@ class NixlConnectorScheduler:
             remote_port=self.side_channel_port,
             tp_size=self.vllm_config.parallel_config.tensor_parallel_size,
             remote_num_tokens=request.num_computed_tokens,
+            remote_expiration_time=expiration_time,
+            remote_notif_token=notif_token,
         )
         return delay_free_blocks, kv_transfer_tracing.add_trace_context(
             kv_transfer_params, request.trace_headers

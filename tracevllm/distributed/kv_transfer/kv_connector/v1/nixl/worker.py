@@ -19,6 +19,33 @@ invalid: the scheduler recomputes them or fails the request
 layers, milliseconds): the load on the decode side, the send (from the
 request's end to the reader's notification) on the prefill side.
 
+Where tracevllm departs from vLLM, and why:
+
+- Expiry instead of leases. The producer frees unread blocks at a fixed time
+  (vLLM 0.22 renews a lease with heartbeats), and says when in
+  ``kv_transfer_params["remote_expiration_time"]`` (Unix time). A READ that
+  would start, or is only seen to end, less than ``kv_expiry_margin``
+  seconds (``kv_connector_extra_config``, 10 s) before it is a failed load:
+  the producer may have reused the blocks, and the bytes read would be
+  another request's KV, cached under this prompt's hashes. The margin must
+  cover the two hosts' clock difference.
+- A READ still in progress after ``kv_read_timeout`` seconds (60 s) is
+  released (NIXL cancels it) and fails, so that a hung peer cannot keep a
+  request, and its blocks, for good (vLLM waits).
+- Remote agents are keyed by (engine id, side-channel host, port), not by
+  engine id alone: the address comes from the client, and a side channel
+  answering with a real producer's id must not stand in for it at another
+  address. ``kv_connector_extra_config["allowed_producers"]`` (a list of
+  ``"host:port"``) limits the addresses at all (checked by the scheduler).
+- Notifications are ``<request id>:<token>:<tp size>``; the token comes with
+  ``kv_transfer_params`` (``remote_notif_token``), so only a reader given a
+  request's params can free its blocks early. A malformed notification is
+  dropped, not raised in the engine's step.
+- Only a producer (``kv_producer``, ``kv_both``) serves the side channel,
+  which hands its agent metadata and memory layout to anyone who connects
+  (so keep ``TRACEVLLM_NIXL_SIDE_CHANNEL_HOST`` on a private address; it
+  defaults to localhost); vLLM's consumers serve it too.
+
 Left out: heterogeneous tensor parallelism, block sizes and layouts, host
 buffers, heartbeats, cross-layer blocks, transfer telemetry and stats.
 """
@@ -26,6 +53,7 @@ buffers, heartbeats, cross-layer blocks, transfer telemetry and stats.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import queue
 import threading
@@ -45,11 +73,13 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlAgentMetadata,
     NixlConnectorMetadata,
     NixlHandshakePayload,
+    RemoteAgentKey,
     ReqId,
     ReqMeta,
     SendMeta,
     compute_nixl_compatibility_hash,
 )
+from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import get_seconds
 from tracevllm.tracing import kv_transfer as kv_transfer_tracing
 
 if TYPE_CHECKING:
@@ -68,6 +98,31 @@ def make_zmq_path(scheme: str, host: str, port: int) -> str:
     return f"{scheme}://{host}:{port}"
 
 
+def _wall_time() -> float:
+    """Unix time, which the producer's ``remote_expiration_time`` is in."""
+    return time.time()
+
+
+def make_notif(request_id: str, notif_token: str) -> bytes:
+    """The reader's "done" for the producer: ``<its request id>:<token>:<tp size>``
+    (vLLM's is ``<request id>:<tp size>``; the token is tracevllm's)."""
+    return f"{request_id}:{notif_token}:1".encode()
+
+
+def parse_notif(notif: bytes) -> tuple[ReqId, str] | None:
+    """(request id, token) of a notification, or None for anything else: a
+    notification comes from whoever can reach this agent, so a malformed
+    one is dropped, never raised inside the engine's step."""
+    try:
+        msg = notif.decode("utf-8")
+    except (UnicodeDecodeError, AttributeError):
+        return None
+    parts = msg.rsplit(":", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1]:
+        return None
+    return parts[0], parts[1]
+
+
 class NixlConnectorWorker:
     """Implementation of Worker side methods"""
 
@@ -84,6 +139,15 @@ class NixlConnectorWorker:
         self.side_channel_host = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_HOST
         self.side_channel_port = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_PORT
         self.compat_hash = compute_nixl_compatibility_hash(vllm_config)
+        kv_transfer_config = vllm_config.kv_transfer_config
+        assert kv_transfer_config is not None
+        self.is_producer = kv_transfer_config.is_kv_producer
+        extra_config = kv_transfer_config.kv_connector_extra_config
+        # tracevllm's: a read must end this long before the producer's
+        # expiry (covers the two hosts' clock difference) ...
+        self.kv_expiry_margin = get_seconds(extra_config, "kv_expiry_margin")
+        # ... and a READ still in progress after this long is abandoned.
+        self.kv_read_timeout = get_seconds(extra_config, "kv_read_timeout")
         self.nixl_wrapper = nixl_agent(str(uuid.uuid4()), nixl_agent_config(backends=["UCX"]))
 
         # Set in register_kv_caches.
@@ -95,11 +159,14 @@ class NixlConnectorWorker:
         self.src_xfer_side_handle: Any = None
         self._handshake_payload = b""
 
-        # Remote engines: agent name, prepared block descriptors, block count.
-        self._remote_agents: dict[EngineId, str] = {}
-        self.dst_xfer_side_handles: dict[EngineId, Any] = {}
-        self.dst_num_blocks: dict[EngineId, int] = {}
-        self._handshake_futures: dict[EngineId, Future[str]] = {}
+        # Remote engines: agent name, prepared block descriptors, block count;
+        # keyed by engine id and side-channel address (vLLM: engine id alone),
+        # so that a side channel answering with another engine's id is only
+        # ever used for requests that name its own address.
+        self._remote_agents: dict[RemoteAgentKey, str] = {}
+        self.dst_xfer_side_handles: dict[RemoteAgentKey, Any] = {}
+        self.dst_num_blocks: dict[RemoteAgentKey, int] = {}
+        self._handshake_futures: dict[RemoteAgentKey, Future[str]] = {}
         self._handshake_lock = threading.RLock()
         self._handshake_initiation_executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="tracevllm-nixl-handshake"
@@ -113,12 +180,15 @@ class NixlConnectorWorker:
         self._recving_metadata: dict[ReqId, ReqMeta] = {}
         self._recving_transfers: dict[ReqId, list[Any]] = defaultdict(list)
         self._recv_start_ns: dict[ReqId, int] = {}
+        # When each request's READ was posted (time.monotonic), for kv_read_timeout.
+        self._recv_posted: dict[ReqId, float] = {}
         # Producer: requests whose blocks wait for a reader, with their
         # expiry (time.perf_counter), oldest first; notifications that came
-        # before the request did (tracevllm's), with their arrival time.
+        # before the request did (tracevllm's), by (request, token), with
+        # their arrival time.
         self._reqs_to_send: dict[ReqId, float] = {}
         self._send_meta: dict[ReqId, SendMeta] = {}
-        self._early_notifs: dict[ReqId, float] = {}
+        self._early_notifs: dict[tuple[ReqId, str], float] = {}
 
         self._stop_listener = threading.Event()
         self._nixl_handshake_listener_t: threading.Thread | None = None
@@ -126,7 +196,9 @@ class NixlConnectorWorker:
     # ------------------------------------------------------------ registration
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register each layer's KV tensor with NIXL, describe it block by
-        block, and start answering the side channel."""
+        block, and, on a producer, start answering the side channel (a
+        consumer's blocks are read by no one, so it serves no one: vLLM's
+        engines all serve it)."""
         caches = [kv_caches[name] for name in sorted(kv_caches)]
         self.num_layers = len(caches)
         self.num_blocks = caches[0].shape[0]
@@ -156,6 +228,8 @@ class NixlConnectorWorker:
                 agent_metadata_bytes=msgspec.msgpack.encode(agent_metadata),
             )
         )
+        if not self.is_producer:
+            return
         ready = threading.Event()
         self._nixl_handshake_listener_t = threading.Thread(
             target=self._nixl_handshake_listener,
@@ -250,11 +324,12 @@ class NixlConnectorWorker:
                 f"{self.block_lens[:1]}...: tracevllm reads only identical layouts."
             )
         agent_name = self.nixl_wrapper.add_remote_agent(meta.agent_metadata)
-        self.dst_xfer_side_handles[meta.engine_id] = self.nixl_wrapper.prep_xfer_dlist(
+        key = (meta.engine_id, host, port)
+        self.dst_xfer_side_handles[key] = self.nixl_wrapper.prep_xfer_dlist(
             agent_name, self._block_descs(meta.kv_caches_base_addr, meta.num_blocks), "DRAM"
         )
-        self.dst_num_blocks[meta.engine_id] = meta.num_blocks
-        self._remote_agents[meta.engine_id] = agent_name
+        self.dst_num_blocks[key] = meta.num_blocks
+        self._remote_agents[key] = agent_name
         return agent_name
 
     # --8<-- [end:nixl_handshake]
@@ -263,12 +338,12 @@ class NixlConnectorWorker:
         """Handshake in the background (once per remote engine); the request's
         read starts in the step after it completes."""
         remote = meta.remote
-        future = self._handshake_futures.get(remote.engine_id)
+        future = self._handshake_futures.get(remote.agent_key)
         if future is None:
             future = self._handshake_initiation_executor.submit(
                 self._nixl_handshake, remote.host, remote.port, remote.engine_id
             )
-            self._handshake_futures[remote.engine_id] = future
+            self._handshake_futures[remote.agent_key] = future
 
         def request_ready(f: Future[str], entry: tuple[ReqId, ReqMeta] = (req_id, meta)) -> None:
             try:
@@ -283,8 +358,8 @@ class NixlConnectorWorker:
                     e,
                 )
                 with self._handshake_lock:
-                    if self._handshake_futures.get(remote.engine_id) is f:
-                        del self._handshake_futures[remote.engine_id]  # the next one retries
+                    if self._handshake_futures.get(remote.agent_key) is f:
+                        del self._handshake_futures[remote.agent_key]  # the next one retries
                 self._handle_failed_transfer(req_id, None)
                 return
             self._ready_requests.put(entry)
@@ -301,8 +376,10 @@ class NixlConnectorWorker:
                 # hit, or a request aborted before it ran) only notifies.
                 self._recving_metadata[req_id] = meta
                 self._recv_start_ns[req_id] = time.time_ns()
+                if self._is_expired(req_id, meta):
+                    continue  # no handshake for blocks the producer is freeing
             with self._handshake_lock:
-                if meta.remote.engine_id not in self._remote_agents:
+                if meta.remote.agent_key not in self._remote_agents:
                     self._background_nixl_handshake(req_id, meta)
                     continue
             self._read_blocks_for_req(req_id, meta)
@@ -310,22 +387,43 @@ class NixlConnectorWorker:
             self._read_blocks_for_req(*self._ready_requests.get_nowait())
 
         for req_id, expiration_time in metadata.reqs_to_send.items():
-            self._send_meta[req_id] = metadata.send_meta[req_id]
-            if self._early_notifs.pop(req_id, None) is not None:
+            send = metadata.send_meta[req_id]
+            self._send_meta[req_id] = send
+            if self._early_notifs.pop((req_id, send.notif_token), None) is not None:
                 self._finish_send(req_id, None)  # already read
             else:
                 self._reqs_to_send[req_id] = expiration_time
 
+    def _is_expired(self, req_id: ReqId, meta: ReqMeta) -> bool:
+        """Whether the producer may free (and reuse) the request's blocks
+        before now plus ``kv_expiry_margin``; if so, the load fails (tracevllm's:
+        vLLM's reader renews a lease instead). Reported as a failed load."""
+        if _wall_time() < meta.remote.expiration_time - self.kv_expiry_margin:
+            return False
+        logger.error(
+            "NixlConnector: request %s's remote blocks expire at %.1f (now %.1f, margin "
+            "%.1f s): the producer may reuse them, so the load fails and its blocks "
+            "are marked invalid",
+            req_id,
+            meta.remote.expiration_time,
+            _wall_time(),
+            self.kv_expiry_margin,
+        )
+        self._handle_failed_transfer(req_id, None)
+        return True
+
     # --8<-- [start:read_blocks]
     def _read_blocks_for_req(self, req_id: ReqId, meta: ReqMeta) -> None:
         remote = meta.remote
-        agent_name = self._remote_agents[remote.engine_id]
-        # The producer counts readers per request: "<its request id>:<tp size>".
-        notif_id = f"{remote.request_id}:1".encode()
+        agent_name = self._remote_agents[remote.agent_key]
+        # The producer frees the request's blocks on it (token checked).
+        notif_id = make_notif(remote.request_id, remote.notif_token)
         local_block_ids = meta.local_block_ids
         if not local_block_ids:
             # Nothing to read (a full local hit, or aborted): free the producer's blocks.
             self.nixl_wrapper.send_notif(agent_name, notif_msg=notif_id)
+            return
+        if self._is_expired(req_id, meta):  # the handshake took too long
             return
         # A local prefix hit covers the first blocks: read only the rest.
         remote_block_ids = remote.block_ids[-len(local_block_ids) :]
@@ -338,7 +436,7 @@ class NixlConnectorWorker:
             )
             self._handle_failed_transfer(req_id, None)
             return
-        remote_num_blocks = self.dst_num_blocks[remote.engine_id]
+        remote_num_blocks = self.dst_num_blocks[remote.agent_key]
         if any(b >= remote_num_blocks for b in remote_block_ids):
             # The ids came with the request: one past the producer's pool
             # would read another layer's block.
@@ -363,7 +461,7 @@ class NixlConnectorWorker:
                 "READ",
                 self.src_xfer_side_handle,
                 local_ids,
-                self.dst_xfer_side_handles[remote.engine_id],
+                self.dst_xfer_side_handles[remote.agent_key],
                 remote_ids,
                 notif_msg=notif_id,
             )
@@ -375,6 +473,7 @@ class NixlConnectorWorker:
             self._handle_failed_transfer(req_id, handle)
             return
         self._recving_transfers[req_id].append(handle)
+        self._recv_posted[req_id] = time.monotonic()
 
     # --8<-- [end:read_blocks]
 
@@ -388,8 +487,9 @@ class NixlConnectorWorker:
                 self.nixl_wrapper.release_xfer_handle(handle)
 
     def _pop_done_transfers(self) -> set[ReqId]:
-        """Requests whose every READ is DONE (or failed)."""
+        """Requests whose every READ is DONE (or failed, or abandoned)."""
         done_req_ids: set[ReqId] = set()
+        now = time.monotonic()
         for req_id, handles in list(self._recving_transfers.items()):
             in_progress = []
             failed = False
@@ -411,14 +511,57 @@ class NixlConnectorWorker:
                     )
                     self._handle_failed_transfer(req_id, handle)
                     failed = True
+            meta = self._recving_metadata.get(req_id)
+            if in_progress and not failed:
+                # A READ that hangs (a peer that stopped answering) would keep
+                # its request waiting, and its blocks held, for good.
+                posted = self._recv_posted.get(req_id, now)
+                if now - posted > self.kv_read_timeout or (
+                    meta is not None
+                    and _wall_time() >= meta.remote.expiration_time - self.kv_expiry_margin
+                ):
+                    in_progress = self._abandon_transfers(req_id, in_progress, now - posted)
+                    if not in_progress:
+                        failed = True
+            elif not in_progress and not failed and meta is not None:
+                # Done, but maybe only after the producer freed the blocks:
+                # this step cannot tell when the READ ended, so it must have
+                # been seen to end before the producer's expiry.
+                failed = self._is_expired(req_id, meta)
             if failed:
                 del self._recving_transfers[req_id]  # reported as failed
+                self._recv_posted.pop(req_id, None)
             elif not in_progress:
                 done_req_ids.add(req_id)
                 del self._recving_transfers[req_id]
+                self._recv_posted.pop(req_id, None)
             else:
                 self._recving_transfers[req_id] = in_progress
         return done_req_ids
+
+    def _abandon_transfers(self, req_id: ReqId, handles: list[Any], waited: float) -> list[Any]:
+        """Release READs still in progress (NIXL cancels them) and fail the
+        request. A handle NIXL will not release is kept and retried next
+        step: its READ could still write into the request's blocks, which must
+        not go to another request before it stops. Returns the handles kept."""
+        kept = []
+        for handle in handles:
+            try:
+                self.nixl_wrapper.release_xfer_handle(handle)
+            except Exception as e:
+                logger.warning("NixlConnector: cannot release request %s's READ yet: %s", req_id, e)
+                kept.append(handle)
+        if not kept:
+            logger.error(
+                "NixlConnector: request %s's READ still in progress after %.1f s "
+                "(kv_read_timeout %.1f s, or the producer's expiry near): abandoned, "
+                "marking its blocks invalid",
+                req_id,
+                waited,
+                self.kv_read_timeout,
+            )
+            self._handle_failed_transfer(req_id, None)
+        return kept
 
     # -------------------------------------------------------------- finished
     def get_finished(self) -> tuple[set[str], set[str]]:
@@ -450,9 +593,9 @@ class NixlConnectorWorker:
             self._finish_send(req_id, "expired: no remote worker read the blocks")
             done_sending.add(req_id)
         timeout = envs.TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT
-        for req_id, arrived in list(self._early_notifs.items()):
+        for key, arrived in list(self._early_notifs.items()):
             if now - arrived > timeout:
-                del self._early_notifs[req_id]
+                del self._early_notifs[key]
         return done_sending, done_recving
 
     def _get_new_notifs(self) -> set[str]:
@@ -460,15 +603,31 @@ class NixlConnectorWorker:
         notified_req_ids: set[str] = set()
         for notifs in self.nixl_wrapper.get_new_notifs().values():
             for notif in notifs:
-                req_id, _tp_size = notif.decode("utf-8").rsplit(":", 1)
+                parsed = parse_notif(notif)
+                if parsed is None:
+                    logger.warning("NixlConnector: dropped a malformed notification %.80r", notif)
+                    continue
+                req_id, token = parsed
                 if req_id in self._reqs_to_send:
+                    send = self._send_meta.get(req_id)
+                    if send is None or not hmac.compare_digest(
+                        token.encode(), send.notif_token.encode()
+                    ):
+                        # Not from a reader given this request's params: it
+                        # must not free blocks another reader may be reading.
+                        logger.warning(
+                            "NixlConnector: notification for request %s with the wrong "
+                            "token: its blocks stay held",
+                            req_id,
+                        )
+                        continue
                     del self._reqs_to_send[req_id]
                     self._finish_send(req_id, None)
                     notified_req_ids.add(req_id)
                 else:
                     # Read before this worker heard the request finished (or
                     # after it expired): matched in start_load_kv, if it comes.
-                    self._early_notifs[req_id] = time.perf_counter()
+                    self._early_notifs[(req_id, token)] = time.perf_counter()
         return notified_req_ids
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -526,12 +685,15 @@ class NixlConnectorWorker:
         if self._nixl_handshake_listener_t is not None:
             self._nixl_handshake_listener_t.join(timeout=5)
             self._nixl_handshake_listener_t = None
-        self._handshake_initiation_executor.shutdown(wait=False, cancel_futures=True)
+        # Waits for a handshake in flight (bounded by HANDSHAKE_TIMEOUT_MS), so
+        # that it cannot add a remote agent after they are removed below.
+        self._handshake_initiation_executor.shutdown(wait=True, cancel_futures=True)
         for handles in self._recving_transfers.values():
             for handle in handles:
                 with contextlib.suppress(Exception):
                     self.nixl_wrapper.release_xfer_handle(handle)
         self._recving_transfers.clear()
+        self._recv_posted.clear()
         for handle in [self.src_xfer_side_handle, *self.dst_xfer_side_handles.values()]:
             if handle is not None:
                 with contextlib.suppress(Exception):
