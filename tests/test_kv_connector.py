@@ -379,7 +379,8 @@ class _FakeMetadata(KVConnectorMetadata):
 
 class AsyncFakeConnector(KVConnectorBase_V1):
     """A scheduler-side connector shaped as vLLM's NixlConnector's: a request
-    with ``do_remote_prefill`` loads its whole prompt asynchronously; one with
+    with ``do_remote_prefill`` loads its whole prompt asynchronously (or its
+    first ``num_remote_tokens``; synchronously with ``load_async`` False); one with
     ``do_remote_decode`` leaves its blocks held for a remote reader. The tests
     play the workers (``KVConnectorOutput``)."""
 
@@ -388,9 +389,11 @@ class AsyncFakeConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill"):
-            count = len(request.prompt_token_ids) - num_computed_tokens
+            # The prompt's first num_remote_tokens (all of it by default).
+            num_remote = params.get("num_remote_tokens", len(request.prompt_token_ids))
+            count = num_remote - num_computed_tokens
             if count > 0:
-                return count, True
+                return count, params.get("load_async", True)
         return 0, False
 
     def update_state_after_alloc(
@@ -574,3 +577,103 @@ def test_a_producer_holds_its_blocks_until_they_are_sent() -> None:
     assert _num_free(sched) == free0 - 3
     _report(sched, sched.schedule(), finished_sending={"p"})
     assert _num_free(sched) == free0 and not sched.has_requests()
+
+
+@pytest.mark.timeout(60)  # bounded below; a hang elsewhere still fails
+def test_loaded_requests_holding_every_free_block_give_one_back() -> None:
+    """Six 56-token prompts (14 blocks of 4) in a 63-block pool, each loading
+    part of its prompt asynchronously: a 1 block, b to e 13 blocks each (b
+    to d loaded in the first step, e later), f 1 block. Once loaded they
+    wait holding their blocks; a, at the head, needs 13 more and 10 are
+    free. Nothing runs, so vLLM's waiting pass would break every step from
+    then on. Here the youngest loaded request (d; e is still loading and
+    keeps its blocks) gives its blocks back, a runs, and all six finish."""
+    sched = _async_scheduler()
+    free0 = _num_free(sched)
+    loads = {"a": 4, "b": 52, "c": 52, "d": 52, "e": 52, "f": 4}
+    for i, (req_id, num_remote) in enumerate(loads.items()):
+        prompt = list(range(100 * i + 1, 100 * i + 57))
+        params = {"do_remote_prefill": True, "num_remote_tokens": num_remote}
+        sched.add_request(
+            make_request(
+                req_id,
+                prompt,
+                max_tokens=4,
+                arrival_time=float(i),
+                extra_args={"kv_transfer_params": params},
+            )
+        )
+    so = sched.schedule()
+    # f's whole sequence would not fit besides the others' loads: not
+    # admitted (vLLM's full_sequence_must_fit gate; mutation caught: no gate).
+    assert {r.request_id for r in sched.skipped_waiting} == set("abcde")
+    assert sched.requests["f"].status == RequestStatus.WAITING
+    assert _held_blocks(sched, "f") == [] and _num_free(sched) == 10
+    e_blocks = _held_blocks(sched, "e")
+    _report(sched, so, finished_recving=set("abcd"))
+
+    # a cannot get its 13 blocks: d gives back its 13 (cached, not lost).
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {}
+    assert _held_blocks(sched, "d") == [] and sched.requests["d"].num_computed_tokens == 0
+    assert _held_blocks(sched, "e") == e_blocks
+    _report(sched, so)
+    so = sched.schedule()
+    assert so.num_scheduled_tokens["a"] == 52  # a runs
+    _report(sched, so)
+
+    # Bounded: a wedged scheduler steps without end (mutation caught: no
+    # request gives its blocks back -> 200 steps, nothing scheduled).
+    for num_steps in range(200):
+        if not sched.has_requests():
+            break
+        so = sched.schedule()
+        e = sched.requests.get("e")
+        if e is not None and e.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            assert _held_blocks(sched, "e") == e_blocks  # still loading: never freed
+        # Each load ends with the step that starts it (e's, late, at step 5).
+        loading = {
+            r.request_id
+            for r in sched.skipped_waiting
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and r.request_id not in sched.finished_recving_kv_req_ids
+        }
+        if num_steps < 5:
+            loading.discard("e")
+        _report(sched, so, finished_recving=loading)
+    assert not sched.has_requests(), {
+        r.request_id: (r.status, r.num_computed_tokens) for r in sched.requests.values()
+    }
+    assert _num_free(sched) == free0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_blocks_that_failed_a_sync_load_leave_the_prefix_cache(policy: str) -> None:
+    """A synchronous load of 8 tokens (2 blocks, cached as they are
+    allocated) whose second block fails: under both policies that block
+    leaves the prefix cache, so a request with the same prompt arriving
+    before the owner has recomputed it hits only the first block (vLLM
+    evicts under "fail" only; mutation caught: the same here)."""
+    sched = _async_scheduler(policy)
+    sched.add_request(
+        _remote("a", PROMPT10, do_remote_prefill=True, num_remote_tokens=8, load_async=False)
+    )
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 2}  # 8 tokens loaded with the step
+    blocks = _held_blocks(sched, "a")
+    pool = sched.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].block_hash is not None for b in blocks[:2])
+    _report(sched, so, invalid_block_ids={blocks[1]})
+    assert pool.blocks[blocks[0]].block_hash is not None
+    assert pool.blocks[blocks[1]].block_hash is None
+    sched.add_request(make_request("b", PROMPT10, max_tokens=4))
+    so = sched.schedule()
+    assert so.num_scheduled_tokens["b"] == 6  # hit: the first block only
+    if policy == "recompute":
+        assert so.num_scheduled_tokens["a"] == 6  # from its bad block on
+    else:
+        assert "a" not in sched.requests
+    _report(sched, so)
+    while sched.has_requests():
+        _report(sched, sched.schedule())
+    assert _num_free(sched) == sched.kv_cache_manager.block_pool.get_num_usable_blocks()

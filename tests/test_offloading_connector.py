@@ -162,30 +162,68 @@ def test_offloading_flags_are_checked_and_become_the_connectors_config(model_dir
         _llm(model_dir, kv_transfer_config=_offload_config(8, async_load=1))
 
 
-@pytest.mark.timeout(300)  # a wedged scheduler would loop without end
-def test_preempted_requests_come_back_through_the_tier(model_dir: str) -> None:
+def _generate_bounded(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, max_steps: int
+) -> list[Any]:
+    """llm.generate, step by step, for at most ``max_steps`` engine steps: an
+    engine that stops making progress fails here instead of stepping forever."""
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"b{i}", {"prompt_token_ids": prompt}, params)
+    finished: dict[str, Any] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert not engine.has_unfinished_requests(), f"unfinished after {max_steps} engine steps"
+    return [finished[f"b{i}"] for i in range(len(prompts))]
+
+
+PREEMPT_PREFIX_LEN = 40
+
+
+@pytest.fixture(scope="module")
+def preempting_baseline(model_dir: str) -> tuple[list[list[int]], SamplingParams, list[list[int]]]:
+    """Four prompts sharing a 40-token prefix, greedy 48 tokens, and their
+    tokens (twice over) from an engine without the tier, which preempts."""
+    gen = torch.Generator().manual_seed(3)
+    prefix = _tokens(PREEMPT_PREFIX_LEN, gen)
+    prompts = [prefix + _tokens(10 + i, gen) for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with _llm(model_dir) as llm:
+        outputs = _generate_bounded(llm, prompts, params, max_steps=2000)
+        assert llm.llm_engine.num_preemptions > 0
+        outputs += _generate_bounded(llm, prompts, params, max_steps=2000)
+    return prompts, params, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync-load", "async-load"])
+def test_preempted_requests_come_back_through_the_tier(
+    model_dir: str,
+    preempting_baseline: tuple[list[list[int]], SamplingParams, list[list[int]]],
+    async_load: bool,
+) -> None:
     """Four requests sharing a prefix, 48 tokens each, in a pool that cannot
     hold them all: they preempt one another, and each comes back by loading
-    its blocks from the tier (synchronously: admitted with its next chunk,
-    so the pool never wedges), with the tokens of the engine without the tier."""
-    gen = torch.Generator().manual_seed(3)
-    prefix = _tokens(40, gen)
-    prompts = [{"prompt_token_ids": prefix + _tokens(10 + i, gen)} for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    results = []
-    for kwargs in ({}, {"kv_offloading_size": _gib(200)}):
-        with _llm(model_dir, **kwargs) as llm:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            assert llm.llm_engine.num_preemptions > 0
-            # Again: now the prompts and their outputs come from the tier.
-            outputs += llm.generate(prompts, params, use_tqdm=False)
-            results.append([list(o.outputs[0].token_ids) for o in outputs])
-            if kwargs:
-                stats = _scheduler_connector(llm).get_kv_connector_stats()
-                # Beyond the first prefix hit: the preempted requests' own blocks.
-                assert stats["offload"]["loaded"] > len(prefix) // BLOCK_SIZE
-            _assert_pool_free(llm)
-    assert results[0] == results[1]
+    its blocks from the tier, with the tokens of the engine without the
+    tier. Synchronous loads are admitted with their next chunk; with vLLM's
+    asynchronous loads, requests that have loaded wait holding their blocks
+    and once held every free block while nothing ran (the engine stepped
+    without end: the bound below fails then; mutation caught: the
+    scheduler's _free_loaded_waiting_request a no-op)."""
+    prompts, params, expected = preempting_baseline
+    config = _offload_config(200, async_load=async_load)
+    with _llm(model_dir, kv_transfer_config=config) as llm:
+        outputs = _generate_bounded(llm, prompts, params, max_steps=2000)
+        assert llm.llm_engine.num_preemptions > 0
+        # Again: now the prompts and their outputs come from the tier.
+        outputs += _generate_bounded(llm, prompts, params, max_steps=2000)
+        stats = _scheduler_connector(llm).get_kv_connector_stats()
+        # Beyond the first prefix hit: the preempted requests' own blocks.
+        assert stats["offload"]["loaded"] > PREEMPT_PREFIX_LEN // BLOCK_SIZE
+        _assert_pool_free(llm)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
 
 
 # ------------------------------------------------- hits after device eviction
@@ -234,6 +272,44 @@ def test_an_evicted_prefix_is_loaded_back_from_the_tier_with_unchanged_output(
     full_blocks = [(len(p) + NUM_TOKENS - 1) // BLOCK_SIZE for r in workload for p in r]
     shared = PREFIX_LEN // BLOCK_SIZE
     assert offload["stored"] == sum(full_blocks) - 2 * shared
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_async_load_is_discarded_from_the_tier_and_recomputed(
+    model_dir: str,
+    workload: list[list[list[int]]],
+    baseline: list[tuple[list[int], int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every load from the tier fails (policy "recompute", asynchronous
+    loads): the request that found the evicted prefix there recomputes it,
+    and its tokens are the engine's without the tier. Its failed blocks
+    leave the tier: before, with no local hit, the request looked the tier
+    up again, loaded again and failed again, without end (the bound fails
+    then; mutation caught: discard a no-op)."""
+    from tracevllm.distributed.kv_transfer import get_kv_transfer_group
+
+    config = _offload_config(64, async_load=True)
+    config["kv_load_failure_policy"] = "recompute"
+    with _llm(model_dir, kv_transfer_config=config) as llm:
+        worker = get_kv_transfer_group().connector_worker.worker
+        transfer_async = worker.transfer_async
+
+        def fail_loads(job_id: int, spec: Any) -> bool:
+            if spec[0].medium() == "CPU":  # from the tier: a load
+                return False
+            return bool(transfer_async(job_id, spec))
+
+        monkeypatch.setattr(worker, "transfer_async", fail_loads)
+        tokens = []
+        for prompts in workload:
+            outputs = _generate_bounded(llm, prompts, _greedy(), max_steps=300)
+            tokens += [list(o.outputs[0].token_ids) for o in outputs]
+        offload = _scheduler_connector(llm).get_kv_connector_stats()["offload"]
+        _assert_pool_free(llm)
+    assert tokens == [t for t, _ in baseline]
+    # One load of the prefix's 8 blocks, failed and discarded, never retried.
+    assert offload["loaded"] == offload["discarded"] == PREFIX_LEN // BLOCK_SIZE
 
 
 @pytest.mark.timeout(300)  # a load never reported would hang its request

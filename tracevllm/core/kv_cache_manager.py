@@ -11,10 +11,13 @@ has one group. A KV connector's tokens (``num_external_computed_tokens``)
 get fresh blocks after the local hit; an asynchronous load's blocks are
 cached only once loaded (``delay_cache_blocks``; the scheduler calls
 ``cache_blocks`` then), and blocks that failed to load leave the prefix
-cache (``evict_blocks``). Left out: encoder tokens, ``full_sequence_must_fit``, eagle, KV cache
-events and metrics, context parallelism, and ``take_new_block_ids``
-(blocks to zero, for Mamba). Added, for views: ``get_num_cached_free_blocks``
-and ``get_num_skipped_blocks_freed``.
+cache (``evict_blocks``). vLLM's ``full_sequence_must_fit`` gate (an
+argument of its ``allocate_slots``) is a method of its own here
+(``full_sequence_fits``), so that ``allocate_slots`` keeps lab 02's
+signature. Left out: encoder tokens, eagle, KV cache events and metrics,
+context parallelism, and ``take_new_block_ids`` (blocks to zero, for
+Mamba). Added, for views: ``get_num_cached_free_blocks`` and
+``get_num_skipped_blocks_freed``.
 """
 
 from __future__ import annotations
@@ -215,6 +218,38 @@ class KVCacheManager:
         return self.create_kv_cache_blocks(new_blocks)
 
     # --8<-- [end:allocate_slots]
+
+    def full_sequence_fits(
+        self,
+        request: Request,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_external_computed_tokens: int = 0,
+    ) -> bool:
+        """Whether the free blocks could hold the request's whole sequence,
+        its prefix hits counted: vLLM's ``allocate_slots(...,
+        full_sequence_must_fit=True)`` check, made before anything is
+        allocated. vLLM gates every admission with it by default
+        (``scheduler_reserve_full_isl``); the scheduler here gates only an
+        asynchronous load with it (core/sched/scheduler.py)."""
+        if new_computed_blocks is not None:
+            new_computed_block_list = new_computed_blocks.blocks
+        else:
+            new_computed_block_list = self.empty_kv_cache_blocks.blocks
+        total_computed_tokens = min(
+            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens,
+            self.max_model_len,
+        )
+        full_num_tokens = min(request.num_tokens, self.max_model_len)
+        num_blocks_to_allocate = self.coordinator.get_num_blocks_to_allocate(
+            request_id=request.request_id,
+            num_tokens=full_num_tokens,
+            new_computed_blocks=new_computed_block_list,
+            num_encoder_tokens=0,
+            total_computed_tokens=total_computed_tokens,
+            num_tokens_main_model=full_num_tokens,
+        )
+        return num_blocks_to_allocate <= self.block_pool.get_num_free_blocks()
 
     # --8<-- [start:free]
     def free(self, request: Request) -> None:

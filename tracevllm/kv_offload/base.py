@@ -7,7 +7,8 @@ appended, as vLLM's); the scheduler-side ``OffloadingManager`` answers
 (``prepare_load`` ... ``complete_load``, protected from eviction in between),
 marks blocks recently used (``touch``) and finds room for new ones
 (``prepare_store``, evicting by its policy, ... ``complete_store``, after
-which they can be read). A ``LoadStoreSpec`` tells a worker where blocks
+which they can be read); tracevllm adds ``discard``, for blocks a load
+failed to read. A ``LoadStoreSpec`` tells a worker where blocks
 are: ``GPULoadStoreSpec`` in the engine's paged KV cache (vLLM's name; here
 the engine's cache is on whatever device the engine runs on), a tier's own
 (``CPULoadStoreSpec``) in the tier. ``OffloadingSpec`` builds the manager
@@ -123,6 +124,13 @@ class OffloadingManager(ABC):
     ) -> None:
         """The blocks prepared for a store are written (readable from now on),
         or, ``success`` False, dropped."""
+        return
+
+    def discard(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Forget these blocks: a load from them failed, so what they hold is
+        suspect, and a request that found them again would load (and fail)
+        again. A block a load still holds goes once that load completes.
+        tracevllm's: vLLM's transfers never fail (its worker asserts so)."""
         return
 
     def take_events(self) -> Iterable[OffloadingEvent]:

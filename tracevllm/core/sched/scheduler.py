@@ -376,20 +376,38 @@ class Scheduler:
                 # The connector's tokens get fresh blocks after the local hit;
                 # an asynchronous load's are entered in the prefix cache only
                 # once loaded (_update_waiting_for_remote_kv), so that no other
-                # request hits blocks that hold nothing yet.
-                new_blocks = self.kv_cache_manager.allocate_slots(
+                # request hits blocks that hold nothing yet. An asynchronous
+                # load takes blocks for the loaded tokens only: it is admitted
+                # only if the request's whole sequence fits besides (vLLM's
+                # full_sequence_must_fit gate, which vLLM puts on every
+                # admission), so that once loaded it can usually run.
+                new_blocks = None
+                if not load_kv_async or self.kv_cache_manager.full_sequence_fits(
                     request,
-                    num_new_tokens,
-                    num_new_computed_tokens=num_new_local_computed_tokens,
-                    new_computed_blocks=new_computed_blocks,
-                    # vLLM passes 0 for a request with no computed tokens (a
-                    # P/D edge case); here the draft model writes its drafts
-                    # right after the prefill, so they need their slots now.
-                    num_lookahead_tokens=0 if load_kv_async else self.num_lookahead_tokens,
-                    num_external_computed_tokens=num_external_computed_tokens,
-                    delay_cache_blocks=load_kv_async,
-                )
+                    num_new_local_computed_tokens,
+                    new_computed_blocks,
+                    num_external_computed_tokens,
+                ):
+                    new_blocks = self.kv_cache_manager.allocate_slots(
+                        request,
+                        num_new_tokens,
+                        num_new_computed_tokens=num_new_local_computed_tokens,
+                        new_computed_blocks=new_computed_blocks,
+                        # vLLM passes 0 for a request with no computed tokens (a
+                        # P/D edge case); here the draft model writes its drafts
+                        # right after the prefill, so they need their slots now.
+                        num_lookahead_tokens=0 if load_kv_async else self.num_lookahead_tokens,
+                        num_external_computed_tokens=num_external_computed_tokens,
+                        delay_cache_blocks=load_kv_async,
+                    )
                 if new_blocks is None:
+                    # tracevllm departs from vLLM here: vLLM 0.22 just breaks.
+                    # With nothing running and nothing scheduled, no step
+                    # would ever free a block: waiting requests whose
+                    # asynchronous load has finished hold them, and only
+                    # running requests are preempted. One of them lets go.
+                    if not self.running and not num_scheduled_tokens:
+                        self._free_loaded_waiting_request(request)
                     break
 
                 # --8<-- [start:connector_alloc]
@@ -500,6 +518,58 @@ class Scheduler:
         self.waiting.prepend_request(request)
 
     # --8<-- [end:preempt_request]
+
+    def _free_loaded_waiting_request(self, head: Request) -> Request | None:
+        """Free the blocks of the youngest waiting request (``head`` aside)
+        whose asynchronous load has finished; returns it, or None if there is
+        none. The scheduler calls it when ``head`` cannot get its blocks while
+        nothing runs and nothing was scheduled this step.
+
+        A request whose load has finished keeps its blocks while it waits
+        (vLLM's way: it runs from past its loaded tokens). If such requests
+        hold every free block, the waiting pass cannot admit anything, no
+        running request is there to preempt, and vLLM 0.22 steps without end
+        (its waiting pass breaks at the same place). Here one of them lets go:
+        its loaded blocks are in the prefix cache already
+        (``_update_waiting_for_remote_kv``), so when it is admitted again it
+        finds them there (those not evicted meanwhile) and computes only the
+        rest. A request still loading (``WAITING_FOR_REMOTE_KVS``) keeps its
+        blocks: the load is writing into them.
+        """
+
+        def has_loaded(r: Request) -> bool:
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                return r.request_id in self.finished_recving_kv_req_ids
+            return (
+                r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                and r.num_computed_tokens > 0
+            )
+
+        candidates = [
+            r for r in (*self.skipped_waiting, *self.waiting) if r is not head and has_loaded(r)
+        ]
+        if not candidates:
+            return None
+        # The lowest priority (priority policy), then the latest arrival, then
+        # the last in queue order.
+        use_priority = self.policy == SchedulingPolicy.PRIORITY
+        _, victim = max(
+            enumerate(candidates),
+            key=lambda ir: (ir[1].priority if use_priority else 0, ir[1].arrival_time, ir[0]),
+        )
+        if victim.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # Loaded, not yet picked up: its blocks enter the prefix cache first.
+            self._try_promote_blocked_waiting_request(victim)
+        if victim.num_computed_tokens > 0:  # (a load that failed has let go already)
+            self.kv_cache_manager.free(victim)
+            victim.num_computed_tokens = 0
+        logger.debug(
+            "Request %s gives back its loaded blocks: request %s cannot get blocks and "
+            "nothing runs",
+            victim.request_id,
+            head.request_id,
+        )
+        return victim
 
     # --8<-- [start:update_after_schedule]
     def _update_after_schedule(self, scheduler_output: SchedulerOutput) -> None:
@@ -968,8 +1038,13 @@ class Scheduler:
         """Requests that hold blocks which failed to load. Policy "recompute":
         each goes back to its first bad block and recomputes from there (the
         running ones are returned, so this step's sample is dropped). Policy
-        "fail": all are returned, to be finished with an error, and the bad
-        blocks leave the prefix cache so no later request hits them."""
+        "fail": all are returned, to be finished with an error. Under both,
+        the bad blocks (and those after them) leave the prefix cache, so no
+        later request hits them; vLLM evicts them under "fail" only, and under
+        "recompute" a request admitted before the owner has recomputed them
+        (a chunked recompute, or one not scheduled in that step) reads bad
+        KV. The cost here: the recomputed blocks are not cached again by
+        their owner, so the next request with that prefix computes it too."""
         # Asynchronous loads: their blocks are not cached yet, nothing to evict.
         async_load_reqs = [
             r for r in self.skipped_waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -982,8 +1057,10 @@ class Scheduler:
         )
         if not async_failed and not sync_failed:
             return set()
+        # Under both policies (vLLM evicts under "fail" only): a request
+        # admitted before the owner has recomputed them would hit bad KV.
+        self.kv_cache_manager.evict_blocks(blocks_to_evict)
         if not self.recompute_kv_load_failures:
-            self.kv_cache_manager.evict_blocks(blocks_to_evict)
             logger.error(
                 "Failing %d request(s) after a KV load failure (kv_load_failure_policy=fail): %s",
                 len(async_failed | sync_failed),

@@ -10,8 +10,10 @@ are not among the blocks being stored; if that is not enough it stores
 nothing (None). A block is readable once its store completes (``ref_cnt``
 -1 until then: ``lookup`` answers None, "in flight").
 
-tracevllm adds counters (``stats``): blocks stored, evicted, and loaded, and
-lookups that hit, for the engine's stats and the tests. Left out: vLLM's ARC
+tracevllm adds counters (``stats``): blocks stored, evicted, loaded and
+discarded, and lookups that hit, for the engine's stats and the tests; and
+``discard``: a block a load failed to read leaves the tier (once no other
+load holds it; until then ``lookup`` misses it). Left out: vLLM's ARC
 policy and the ``store_threshold`` filter (a block stored only after it was
 looked up that many times).
 """
@@ -110,6 +112,8 @@ class CPUOffloadingStats:
     stored: int = 0
     evicted: int = 0
     loaded: int = 0
+    # Dropped after a load from them failed (discard).
+    discarded: int = 0
     # lookup() calls answered True / made.
     lookup_hits: int = 0
     lookups: int = 0
@@ -130,6 +134,8 @@ class CPUOffloadingManager(OffloadingManager):
                 f"Unknown cache policy: {cache_policy!r}. Supported: {list(_CACHE_POLICIES)}"
             )
         self._policy = policy_cls(cache_capacity=num_blocks)
+        # Discarded while a load held them: they go when it completes.
+        self._to_discard: set[OffloadKey] = set()
         self.stats = CPUOffloadingStats()
 
     @property
@@ -163,7 +169,7 @@ class CPUOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> bool | None:
         self.stats.lookups += 1
         block = self._policy.get(key)
-        if block is None:
+        if block is None or key in self._to_discard:
             return False
         if not block.is_ready:
             return None  # its write is in flight: ask again
@@ -192,6 +198,8 @@ class CPUOffloadingManager(OffloadingManager):
             assert block is not None, f"Block {key!r} not found"
             assert block.ref_cnt > 0, f"Block {key!r} ref_cnt is already 0"
             block.ref_cnt -= 1
+        if self._to_discard:
+            self.discard([k for k in keys if k in self._to_discard], req_context)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -243,7 +251,27 @@ class CPUOffloadingManager(OffloadingManager):
         if stored_keys and self.events is not None:
             self.events.append(OffloadingEvent(keys=stored_keys, medium=self.medium, removed=False))
 
+    def discard(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        discarded: list[OffloadKey] = []
+        for key in keys:
+            block = self._policy.get(key)
+            # Gone already, or evicted and being written again since.
+            if block is None or not block.is_ready:
+                self._to_discard.discard(key)
+                continue
+            if block.ref_cnt > 0:
+                self._to_discard.add(key)  # another load reads it: when it is done
+                continue
+            self._to_discard.discard(key)
+            self._policy.remove(key)
+            self._free_block(block)
+            discarded.append(key)
+        self.stats.discarded += len(discarded)
+        if discarded and self.events is not None:
+            self.events.append(OffloadingEvent(keys=discarded, medium=self.medium, removed=True))
+
     def reset_cache(self) -> None:
+        self._to_discard.clear()
         self._policy.clear()
         self._free_list.clear()
         self._num_allocated_blocks = 0

@@ -180,7 +180,9 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.connector_scheduler is not None
-        self.connector_scheduler.update_connector_output(connector_output.finished_recving)
+        self.connector_scheduler.update_connector_output(
+            connector_output.finished_recving, connector_output.invalid_block_ids
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]
