@@ -70,6 +70,34 @@ def test_bad_thread_settings_name_the_variable(
         cpu.engine_num_threads()
 
 
+@pytest.mark.parametrize(
+    ("env", "world", "expected"),
+    [
+        ({}, 1, True),  # nothing set: the count adapts
+        ({"TRACEVLLM_NUM_THREADS": "2"}, 1, False),  # the user's count
+        ({"TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, 1, False),  # set, even to 0
+        ({"TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, 1, False),
+        ({"TRACEVLLM_CPU_ADAPTIVE_THREADS": "0"}, 1, False),  # turned off
+        ({"TRACEVLLM_CPU_ADAPTIVE_THREADS": "1"}, 1, True),
+        ({}, 2, False),  # several ranks keep their equal shares
+    ],
+)
+def test_adaptive_threads_only_when_nothing_fixes_the_count(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], world: int, expected: bool
+) -> None:
+    """Mutation caught: the TRACEVLLM_CPU_NUM_OF_RESERVED_CPU clause dropped
+    from adaptive_threads (a reserved CPU would adapt anyway)."""
+    for name in (
+        "TRACEVLLM_NUM_THREADS",
+        "TRACEVLLM_CPU_NUM_OF_RESERVED_CPU",
+        "TRACEVLLM_CPU_ADAPTIVE_THREADS",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cpu.adaptive_threads(world) is expected
+
+
 _MMAPPED = textwrap.dedent(
     """
     import ctypes, sys

@@ -78,6 +78,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # frontend (vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU, whose default is 1; see
     # platforms/cpu.py for why tracevllm's is 0). TRACEVLLM_NUM_THREADS wins.
     "TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": _count("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+    # With neither of the two above set and one rank on the machine, the
+    # engine adapts its thread count while it runs (worker/cpu_threads.py);
+    # 0 keeps torch's default count fixed instead. tracevllm's own.
+    "TRACEVLLM_CPU_ADAPTIVE_THREADS": _bool("TRACEVLLM_CPU_ADAPTIVE_THREADS", "1"),
     # The most memory xgrammar's compiler keeps compiled grammars in, in MiB
     # (vLLM's VLLM_XGRAMMAR_CACHE_MB; least recently used dropped first). A
     # whole number >= 0: vLLM passes a negative one on, which xgrammar reads
@@ -116,6 +120,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_LOGGING_LEVEL: str
     TRACEVLLM_NUM_THREADS: int
     TRACEVLLM_CPU_NUM_OF_RESERVED_CPU: int
+    TRACEVLLM_CPU_ADAPTIVE_THREADS: bool
     TRACEVLLM_CPU_ONEDNN_GEMM: bool
     TRACEVLLM_XGRAMMAR_CACHE_MB: int
     TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE: int
@@ -129,6 +134,13 @@ if TYPE_CHECKING:  # the names above, as module attributes
 def __getattr__(name: str) -> Any:
     if name in environment_variables:
         return environment_variables[name]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_set(name: str) -> bool:
+    """Whether the variable is set in the environment, not just defaulted (vLLM's)."""
+    if name in environment_variables:
+        return name in os.environ
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -6,14 +6,19 @@ two things vLLM's CPU backend does before its worker runs a step.
 - vllm/utils/ompmultiprocessing.py (``OMPProcessManager.reserve_cpu_num``):
   vLLM's worker leaves one CPU to the frontend process and gives its
   OpenMP threads the rest (``VLLM_CPU_NUM_OF_RESERVED_CPU``, default 1).
-  tracevllm reads ``TRACEVLLM_CPU_NUM_OF_RESERVED_CPU`` the same way but
-  reserves none by default, and then leaves torch's own thread count alone
-  (one per physical core, or ``OMP_NUM_THREADS``): in an offline run the
-  frontend sleeps while a step runs, and on a 2-core machine the engine did
-  162-170 tok/s with both cores against 109-133 with one (``make bench``'s
-  workload, same hour). A busy server frontend is the case for reserving
-  one. vLLM also pins each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``);
-  tracevllm leaves placement to the OS.
+  tracevllm reads ``TRACEVLLM_CPU_NUM_OF_RESERVED_CPU`` the same way, and
+  ``TRACEVLLM_NUM_THREADS`` as a count; either one, set, fixes the count.
+  Set neither and, with one rank, the count adapts while the engine runs
+  (``adaptive_threads``; tracevllm/worker/cpu_threads.py), starting from
+  torch's own (one per physical core, or ``OMP_NUM_THREADS``). Measured on
+  a 2-core machine, ``make bench``'s workload: every core to OpenMP did
+  169 tok/s quiet but 52 beside one busy process (a descheduled thread
+  stalls every parallel region at its barrier), one core reserved did 116
+  and 128: neither fixed count wins both, so the default times steps at
+  its count and one fewer now and then and keeps the faster
+  (``make bench-threads`` measures the three side by side). vLLM also pins
+  each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
+  placement to the OS.
 - vllm/v1/worker/cpu_worker.py (``init_device``) warns when tcmalloc is not
   in ``LD_PRELOAD``, and vLLM's CPU install guide preloads it. A decode step
   allocates and frees hundreds of tensors of hundreds of KB to a few MB;
@@ -94,6 +99,25 @@ def engine_num_threads(local_world_size: int = 1) -> int | None:
             f"torch would use {available}. Reserve fewer, or set TRACEVLLM_NUM_THREADS."
         )
     return max(1, (available - reserved) // local_world_size)
+
+
+def adaptive_threads(local_world_size: int = 1) -> bool:
+    """Whether the engine adapts its thread count while it runs (the default).
+
+    Only with one rank on this machine and no count the user fixed: neither
+    ``TRACEVLLM_NUM_THREADS`` nor ``TRACEVLLM_CPU_NUM_OF_RESERVED_CPU`` set
+    (``0`` set counts: it fixes torch's own count), and
+    ``TRACEVLLM_CPU_ADAPTIVE_THREADS`` not ``0``. Several ranks keep their
+    fixed equal shares: each would probe on its own while the others wait for
+    it at every collective, which has not been measured.
+    See tracevllm/worker/cpu_threads.py for the policy and what was measured.
+    """
+    return (
+        local_world_size == 1
+        and envs.TRACEVLLM_CPU_ADAPTIVE_THREADS
+        and not envs.is_set("TRACEVLLM_NUM_THREADS")
+        and not envs.is_set("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU")
+    )
 
 
 # --8<-- [start:inductor_compile_config]

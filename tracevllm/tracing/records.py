@@ -163,9 +163,19 @@ def step(span: Span, result: Any, engine_core: Any) -> None:
             req_span_context = trace.get_current_span(context).get_span_context()
             span.add_link(req_span_context, {SpanAttributes.GEN_AI_REQUEST_ID: req_id})
     span.set_attribute(SpanAttributes.REQUEST_IDS, served)
+    _record_num_threads(span, engine_core)
 
 
 # --8<-- [end:step_span]
+
+
+def _record_num_threads(span: Span, engine_core: Any) -> None:
+    """The torch threads the step's forward ran with (worker/cpu_threads.py
+    may change them between steps), where the worker shares this process."""
+    if getattr(engine_core.model_executor, "driver_worker", None) is not None:
+        import torch  # the engine's process has it; tracing itself does not need it
+
+        span.set_attribute("tracevllm.num_threads", torch.get_num_threads())
 
 
 def step_with_batch_queue(span: Span, result: Any, engine_core: Any) -> None:
@@ -189,6 +199,7 @@ def step_with_batch_queue(span: Span, result: Any, engine_core: Any) -> None:
             req_span_context = trace.get_current_span(context).get_span_context()
             span.add_link(req_span_context, {SpanAttributes.GEN_AI_REQUEST_ID: req_id})
     span.set_attribute(SpanAttributes.REQUEST_IDS, served)
+    _record_num_threads(span, engine_core)
 
 
 def update_from_output(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tracevllm.worker.cpu_threads import AdaptiveThreadPolicy, log_change, run_step
 from tracevllm.worker.worker_base import WorkerBase
 
 if TYPE_CHECKING:
@@ -41,13 +42,16 @@ class Worker(WorkerBase):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        # The CPU thread count's policy when it adapts (worker/cpu_threads.py).
+        self.thread_policy: AdaptiveThreadPolicy | None = None
 
     # --8<-- [start:init_device]
     def init_device(self) -> None:
         """The device, this rank's threads, the process groups, the seed, the runner.
 
         On CPU the ranks share the machine's cores: each takes its share
-        (vLLM's OMPProcessManager), and at least one thread.
+        (vLLM's OMPProcessManager), and at least one thread. One rank with no
+        count set adapts its count between steps (worker/cpu_threads.py).
         """
         from tracevllm.distributed.parallel_state import init_worker_distributed_environment
         from tracevllm.platforms import cpu
@@ -62,6 +66,9 @@ class Worker(WorkerBase):
         threads = cpu.engine_num_threads(self.parallel_config.world_size)
         if threads is not None:
             torch.set_num_threads(threads)
+        elif self.device.type == "cpu" and cpu.adaptive_threads(self.parallel_config.world_size):
+            # Nothing fixed the count: it follows the machine's load, step by step.
+            self.thread_policy = AdaptiveThreadPolicy(torch.get_num_threads(), on_change=log_change)
         # Even a world of one: the model's layers always ask the groups.
         init_worker_distributed_environment(
             self.vllm_config, self.rank, self.distributed_init_method, self.local_rank
@@ -124,7 +131,14 @@ class Worker(WorkerBase):
             tensor_dict = pp_group.recv_tensor_dict()
             assert tensor_dict is not None
             intermediate_tensors = IntermediateTensors(tensor_dict)
-        output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
+        if self.thread_policy is not None and forward_pass:
+            # At the thread count the policy picks, timed for it.
+            output = run_step(
+                self.thread_policy, self.model_runner.execute_model, scheduler_output,
+                intermediate_tensors,
+            )  # fmt: skip
+        else:
+            output = self.model_runner.execute_model(scheduler_output, intermediate_tensors)
         if not isinstance(output, IntermediateTensors):
             return output
         assert not pp_group.is_last_rank

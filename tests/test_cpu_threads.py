@@ -1,0 +1,194 @@
+"""The adaptive CPU thread count: the policy's decisions on made-up step
+timings, and the engine running with it (the count on each step span)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from tracevllm.worker.cpu_threads import AdaptiveThreadPolicy, StepShape
+
+DECODE = StepShape(num_reqs=8, num_tokens=8)
+
+
+def drive(
+    policy: AdaptiveThreadPolicy,
+    seconds: Callable[[int, StepShape], float],
+    steps: int,
+    shape: Callable[[int], StepShape] = lambda i: DECODE,
+) -> list[int]:
+    """Run ``steps`` steps, each timed by ``seconds(threads, shape)``; the
+    counts the policy asked for, step by step."""
+    asked = []
+    for i in range(steps):
+        s = shape(i)
+        threads = policy.threads_for_step(s)
+        asked.append(threads)
+        policy.record_step(seconds(threads, s))
+    return asked
+
+
+def per_thread(table: dict[int, float]) -> Callable[[int, StepShape], float]:
+    return lambda threads, shape: table[threads]
+
+
+def test_takes_one_fewer_when_faster_by_more_than_the_hysteresis() -> None:
+    """Mutation caught: the decision `ratio < 1 - hysteresis` turned into
+    `ratio > 1 + hysteresis` (the count then stays at 2)."""
+    changes: list[tuple[int, int, float]] = []
+    policy = AdaptiveThreadPolicy(2, on_change=lambda *c: changes.append(c))
+    assert policy.threads == 2
+    drive(policy, per_thread({2: 1.0, 1: 0.4}), 40)  # one busy core: 2 threads stall
+    assert policy.threads == 1
+    assert changes and changes[0][:2] == (2, 1) and changes[0][2] == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("one_thread", [1.45, 0.97, 1.0])
+def test_keeps_the_count_unless_the_other_is_faster_beyond_the_hysteresis(
+    one_thread: float,
+) -> None:
+    """Slower, or faster by less than the hysteresis (3 % < 5 %): kept.
+    Mutation caught: the hysteresis dropped (`ratio < 1`), then 0.97 switches."""
+    policy = AdaptiveThreadPolicy(2, hysteresis=0.05)
+    asked = drive(policy, per_thread({2: 1.0, 1: one_thread}), 300)
+    assert policy.threads == 2
+    assert policy.probes >= 2  # it did look
+    assert 1 in asked
+
+
+def test_reprobes_and_follows_the_load_back() -> None:
+    """Under load it moves to 1; when the load is gone, a later probe moves it
+    back to 2. Mutation caught: no re-probe after a probe ends
+    (`steps_to_probe = self.interval` replaced by a huge number)."""
+    policy = AdaptiveThreadPolicy(2)
+    drive(policy, per_thread({2: 1.0, 1: 0.4}), 60)
+    assert policy.threads == 1
+    drive(policy, per_thread({2: 0.7, 1: 1.0}), 200)  # quiet again
+    assert policy.threads == 2
+
+
+def test_probes_less_often_while_nothing_changes() -> None:
+    """Each probe that keeps the count doubles the wait, up to max_interval.
+    Mutation caught: the interval not doubled (probes stay every 32 steps)."""
+    policy = AdaptiveThreadPolicy(2, min_interval=32, max_interval=128)
+    drive(policy, per_thread({2: 1.0, 1: 1.5}), 1000)
+    # Probes start at 8, 8+32+4, then every 64, then every 128 (plus their own steps).
+    assert 7 <= policy.probes <= 10
+    assert policy.interval == 128
+
+
+@pytest.mark.parametrize("faster", ["fewer", "more"])
+def test_never_below_one_nor_above_the_maximum(faster: str) -> None:
+    """However the timings pull, every count asked for is in [1, max].
+    Mutation caught: `down_open = self.threads > 1` turned into `>= 1`
+    (a probe at 0 threads), or `up_open` into `<=` (a probe at max + 1)."""
+
+    def seconds(threads: int, shape: StepShape) -> float:
+        assert 1 <= threads <= 4, threads
+        return float(threads) if faster == "fewer" else 1.0 / threads
+
+    policy = AdaptiveThreadPolicy(4, min_interval=8)
+    asked = drive(policy, seconds, 600)
+    assert min(asked) >= 1 and max(asked) <= 4
+    assert policy.threads == (1 if faster == "fewer" else 4)
+    assert (1 if faster == "fewer" else 4) in asked
+
+
+def test_only_steps_of_the_same_shape_are_compared() -> None:
+    """Shapes alternate step by step, so no pair is like; the small step's
+    time must not count for the other count. Mutation caught: the shape
+    check dropped (`like = first_threads != threads`): 1 thread would look
+    ten times faster and be taken."""
+    small, big = StepShape(1, 1), StepShape(64, 64)
+
+    def seconds(threads: int, shape: StepShape) -> float:
+        return (0.1 if shape == small else 1.0) * (1.0 if threads == 2 else 1.1)
+
+    changes: list[Any] = []
+    policy = AdaptiveThreadPolicy(2, on_change=lambda *c: changes.append(c))
+    drive(policy, seconds, 400, shape=lambda i: small if i % 2 else big)
+    assert policy.threads == 2 and changes == []
+
+
+def test_a_much_slower_probe_stops_early() -> None:
+    """Two pairs 2.5x slower end the probe: two steps at the other count, not
+    the five of a full probe. Mutation caught: the early stop removed."""
+    policy = AdaptiveThreadPolicy(2, first_probe=0)
+    asked = drive(policy, per_thread({2: 1.0, 1: 2.5}), 20)
+    assert asked.count(1) == 2
+    assert policy.threads == 2 and policy.candidate is None
+
+
+def test_noise_within_the_hysteresis_does_not_flap() -> None:
+    """Equal counts with +-3 % noise: over many probes the count never moves.
+    Mutation caught: the median replaced by the minimum of the ratios."""
+    rng = random.Random(0)
+    changes: list[Any] = []
+    policy = AdaptiveThreadPolicy(
+        2, min_interval=8, max_interval=8, on_change=lambda *c: changes.append(c)
+    )
+    drive(policy, lambda t, s: 1.0 + rng.uniform(-0.03, 0.03), 2000)
+    assert policy.probes > 50
+    assert changes == []
+
+
+def test_a_step_that_never_reported_is_forgotten() -> None:
+    """A step that raised (no record_step) leaves no half pair behind."""
+    policy = AdaptiveThreadPolicy(2, first_probe=0)
+    policy.threads_for_step(DECODE)  # raised: never recorded
+    drive(policy, per_thread({2: 1.0, 1: 0.5}), 30)
+    assert policy.threads == 1
+
+
+def test_one_thread_never_probes() -> None:
+    policy = AdaptiveThreadPolicy(1)
+    assert set(drive(policy, per_thread({1: 1.0}), 100)) == {1}
+    assert policy.probes == 0
+    with pytest.raises(ValueError, match="max_threads must be at least 1"):
+        AdaptiveThreadPolicy(0)
+
+
+# --- the engine -----------------------------------------------------------------
+def _step_threads(tiny_model_dir: str) -> tuple[list[int | None], Any]:
+    from tracevllm import LLM, SamplingParams
+
+    exporter = InMemorySpanExporter()
+    with LLM(model=tiny_model_dir, enable_multiprocessing=False, trace_detail="request") as llm:
+        provider = llm.llm_engine.tracer_provider
+        assert provider is not None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate(["Hello there, how", "The capital of"], params, use_tqdm=False)
+        worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+        policy = worker.thread_policy
+    steps = [s for s in exporter.get_finished_spans() if s.name == "EngineCore.step"]
+    assert steps
+    return [(s.attributes or {}).get("tracevllm.num_threads") for s in steps], policy
+
+
+def test_engine_step_spans_carry_the_thread_count(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default the count adapts (a policy, its count on every step span);
+    TRACEVLLM_NUM_THREADS fixes it (no policy, that count on every span).
+    Mutation caught: `_record_num_threads` not called from records.step."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("TRACEVLLM_NUM_THREADS", raising=False)
+    monkeypatch.delenv("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    monkeypatch.delenv("TRACEVLLM_CPU_ADAPTIVE_THREADS", raising=False)
+    try:
+        counts, policy = _step_threads(tiny_model_dir)
+        assert policy is not None
+        assert all(isinstance(c, int) and 1 <= c <= policy.max_threads for c in counts), counts
+        monkeypatch.setenv("TRACEVLLM_NUM_THREADS", "1")
+        counts, policy = _step_threads(tiny_model_dir)
+        assert policy is None
+        assert set(counts) == {1}
+    finally:
+        torch.set_num_threads(before)

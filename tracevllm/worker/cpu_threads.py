@@ -1,0 +1,226 @@
+"""The engine's torch thread count on a shared CPU, adapted while it runs.
+
+tracevllm's own: vLLM's CPU worker fixes its OpenMP threads once at start
+(vllm/utils/ompmultiprocessing.py, one CPU left to the frontend), and so does
+tracevllm when ``TRACEVLLM_NUM_THREADS`` or
+``TRACEVLLM_CPU_NUM_OF_RESERVED_CPU`` is set. Otherwise, with one rank on the
+machine, ``AdaptiveThreadPolicy`` picks the count between steps
+(``TRACEVLLM_CPU_ADAPTIVE_THREADS=0`` turns it off).
+
+Why: an OpenMP parallel region ends at a barrier, so it lasts as long as its
+slowest thread. With every core given to OpenMP and one other busy process on
+the machine, the kernel deschedules one of the engine's threads for a time
+slice at a time and every region waits for it: on a 2-core machine make
+bench's workload fell from 169 to 52 tok/s, where one thread did 116 quiet
+and 128 beside the busy process. No fixed count wins both.
+
+How: now and then the policy runs a *probe*: it alternates steps between the
+current count and one neighbour (one fewer; one more when already below the
+maximum), pairs each step at one count with the step next to it at the other,
+and keeps a pair only when both steps have the same shape (requests and
+scheduled tokens: in a decode-heavy run most neighbouring steps do). The
+median of the pairs' time ratios decides: the neighbour is taken only when
+it is faster by more than the hysteresis, so noise does not make the count
+flap. A probe whose first pairs are all much slower stops early, so a bad
+neighbour costs a couple of steps. After a probe that kept the count the next
+one comes twice as late (up to ``max_interval`` steps); after a change, soon,
+which both confirms it and follows a load that keeps changing.
+
+Why step times rather than the run queue (``/proc/loadavg``'s running
+count, ``/proc/stat``'s ``procs_running``): those count the engine's own
+OpenMP threads too, which spin a while between regions, and a runnable
+neighbour says nothing about whether one thread fewer is faster for this
+model and batch; the step times measure exactly the trade that decides, at
+the cost of the probe's steps. ``make bench-threads`` prints the run queue
+beside each run's throughput for comparison.
+
+The count applies to eager kernels, oneDNN's matmuls and compiled code
+alike: all three ask OpenMP for the thread count when a region starts
+(Inductor's C++ is generated with ``cpp.dynamic_threads``, a bare
+``#pragma omp parallel``, see platforms/cpu.py), and ``torch.set_num_threads``
+sets that count for the calling thread, the one that runs the steps. A
+matmul splits its sums by thread count, so when the count changes depends on
+timing, and so do a run's last bits (on a near-tie, a greedy token): set
+``TRACEVLLM_NUM_THREADS`` where runs must repeat bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+import torch
+
+if TYPE_CHECKING:
+    from tracevllm.core.sched.output import SchedulerOutput
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+
+class StepShape(NamedTuple):
+    """What makes two steps comparable: requests and tokens scheduled."""
+
+    num_reqs: int
+    num_tokens: int
+
+
+class AdaptiveThreadPolicy:
+    """Pick the thread count for each step from how long recent steps took.
+
+    Call ``threads_for_step(shape)`` before a step, run the step with that
+    many threads, then ``record_step(seconds)``. Pure bookkeeping: it never
+    touches torch (``on_change`` is told of each decided change), so a test
+    can drive it with made-up timings.
+    """
+
+    def __init__(
+        self,
+        max_threads: int,
+        *,
+        pairs: int = 5,
+        hysteresis: float = 0.05,
+        first_probe: int = 8,
+        min_interval: int = 32,
+        max_interval: int = 1024,
+        abort_ratio: float = 1.25,
+        abort_pairs: int = 2,
+        on_change: Callable[[int, int, float], None] | None = None,
+    ) -> None:
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be at least 1, got {max_threads}")
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.pairs = pairs
+        self.hysteresis = hysteresis
+        self.min_interval = min_interval
+        self.max_interval = max_interval
+        self.abort_ratio = abort_ratio
+        self.abort_pairs = abort_pairs
+        self.on_change = on_change
+        self.interval = min_interval
+        self.steps_to_probe = first_probe
+        self.probes = 0
+        self._go_up = False  # the direction of the next probe when both are open
+        # The probe in progress: its other count, the pairs' ratios, the
+        # half-finished pair, and how many steps it has taken.
+        self.candidate: int | None = None
+        self._ratios: list[float] = []
+        self._first: tuple[StepShape, int, float] | None = None
+        self._probe_steps = 0
+        self._pending: tuple[StepShape, int] | None = None
+
+    # --- the per-step calls ---------------------------------------------------
+    def threads_for_step(self, shape: StepShape) -> int:
+        """The count to run the next step with."""
+        self._pending = None  # a step that never reported (it raised) is forgotten
+        if self.candidate is None:
+            if self.steps_to_probe > 0 or self.max_threads == 1:
+                self.steps_to_probe -= 1
+                self._pending = (shape, self.threads)
+                return self.threads
+            self._start_probe()
+        assert self.candidate is not None
+        # Pair i runs (current, candidate) when i is even, the other way when
+        # odd, so whatever the first step of a pair pays cancels out.
+        pair_index, second = divmod(self._probe_steps, 2)
+        on_candidate = (second == 1) != (pair_index % 2 == 1)
+        threads = self.candidate if on_candidate else self.threads
+        self._pending = (shape, threads)
+        return threads
+
+    def record_step(self, seconds: float) -> None:
+        """How long the step just run took (its forward pass)."""
+        if self._pending is None:
+            return
+        shape, threads = self._pending
+        self._pending = None
+        if self.candidate is None:
+            return
+        self._probe_steps += 1
+        if self._first is None:
+            self._first = (shape, threads, seconds)
+        else:
+            first_shape, first_threads, first_seconds = self._first
+            self._first = None
+            like = first_shape == shape and first_threads != threads
+            if like and min(seconds, first_seconds) > 0:
+                on_candidate, on_current = (
+                    (seconds, first_seconds)
+                    if threads == self.candidate
+                    else (first_seconds, seconds)
+                )
+                self._ratios.append(on_candidate / on_current)
+        self._maybe_decide()
+
+    # --- the probe --------------------------------------------------------------
+    def _start_probe(self) -> None:
+        down_open = self.threads > 1
+        up_open = self.threads < self.max_threads
+        go_up = up_open and (self._go_up or not down_open)
+        self.candidate = self.threads + 1 if go_up else self.threads - 1
+        self._go_up = not go_up
+        self._ratios = []
+        self._first = None
+        self._probe_steps = 0
+        self.probes += 1
+
+    def _maybe_decide(self) -> None:
+        assert self.candidate is not None
+        ratios = self._ratios
+        if len(ratios) >= self.abort_pairs and min(ratios) > self.abort_ratio:
+            self._end_probe(None)  # clearly slower: stop paying for it
+        elif len(ratios) >= self.pairs:
+            ratio = statistics.median(ratios)
+            self._end_probe(ratio if ratio < 1 - self.hysteresis else None)
+        elif self._probe_steps >= 4 * self.pairs * 2 and self._first is None:
+            self._end_probe(None)  # too few like-shaped pairs: try again later
+
+    def _end_probe(self, faster_ratio: float | None) -> None:
+        assert self.candidate is not None
+        candidate, self.candidate = self.candidate, None
+        self._first = None
+        if faster_ratio is None:
+            self.interval = min(self.interval * 2, self.max_interval)
+        else:
+            old, self.threads = self.threads, candidate
+            self.interval = self.min_interval
+            if self.on_change is not None:
+                self.on_change(old, candidate, faster_ratio)
+        self.steps_to_probe = self.interval
+
+
+def run_step(
+    policy: AdaptiveThreadPolicy,
+    execute_model: Callable[..., T],
+    scheduler_output: SchedulerOutput,
+    *args: Any,
+) -> T:
+    """``execute_model(scheduler_output, *args)`` with the thread count the
+    policy picks for a step of its shape, its time then told to the policy."""
+    shape = StepShape(
+        len(scheduler_output.num_scheduled_tokens), scheduler_output.total_num_scheduled_tokens
+    )
+    threads = policy.threads_for_step(shape)
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    start = time.perf_counter()
+    output = execute_model(scheduler_output, *args)
+    policy.record_step(time.perf_counter() - start)
+    return output
+
+
+def log_change(old: int, new: int, ratio: float) -> None:
+    logger.info(
+        "CPU threads: %d -> %d (steps at %d took %.0f%% of those at %d; "
+        "TRACEVLLM_CPU_ADAPTIVE_THREADS=0 or TRACEVLLM_NUM_THREADS fixes the count)",
+        old,
+        new,
+        new,
+        ratio * 100,
+        old,
+    )
