@@ -132,3 +132,59 @@ def test_chat_carries_kv_transfer_params_both_ways(servers: tuple[Server, Server
         decode.client().completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"kv_transfer_params": [1]}
         )
+
+
+def test_kv_transfer_params_with_several_prompts_or_n_is_refused(
+    servers: tuple[Server, Server],
+) -> None:
+    """kv_transfer_params name one prompt's blocks: with several prompts or
+    n > 1 the request is a 400 naming the field, before any engine sees it
+    (before: a prefill server held every prompt's blocks and returned the
+    first's params; a decode server read the same blocks into each)."""
+    prefill, decode = servers
+    params = {"do_remote_decode": True}
+    for server in (prefill, decode):
+        for kwargs in (
+            {"prompt": [PROMPT, PROMPT[:20]]},
+            {"prompt": ["one", "two"]},
+            {"prompt": PROMPT, "n": 2},
+        ):
+            with pytest.raises(openai.BadRequestError) as e:
+                server.client().completions.create(
+                    model=MODEL, max_tokens=1, extra_body={"kv_transfer_params": params}, **kwargs
+                )
+            assert e.value.body["param"] == "kv_transfer_params", e.value.body  # type: ignore[index]
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client().chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                max_tokens=1,
+                n=2,
+                extra_body={"kv_transfer_params": params},
+            )
+        assert e.value.body["param"] == "kv_transfer_params", e.value.body  # type: ignore[index]
+    # One prompt (a list of one too) and n = 1 are served.
+    first = prefill.client().completions.create(
+        model=MODEL, prompt=[PROMPT], max_tokens=1, extra_body={"kv_transfer_params": params}
+    )
+    assert (first.model_extra or {})["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+def test_the_request_models_refuse_kv_transfer_params_with_several_prompts_or_n() -> None:
+    """The check itself, each prompt form (no server needed)."""
+    from pydantic import ValidationError
+
+    from tracevllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from tracevllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    params = {"do_remote_prefill": True}
+    for prompt in ("text", [1, 2, 3], ["text"], [[1, 2, 3]]):
+        CompletionRequest(model=MODEL, prompt=prompt, kv_transfer_params=params)
+    CompletionRequest(model=MODEL, prompt=["a", "b"], n=2)  # without params: served
+    for prompt, n in ((["a", "b"], 1), ([[1], [2]], 1), ("text", 2), ([1, 2], 3)):
+        with pytest.raises(ValidationError, match="kv_transfer_params serves one prompt"):
+            CompletionRequest(model=MODEL, prompt=prompt, n=n, kv_transfer_params=params)
+    ChatCompletionRequest(model=MODEL, messages=MESSAGES, kv_transfer_params=params)
+    ChatCompletionRequest(model=MODEL, messages=MESSAGES, n=2)
+    with pytest.raises(ValidationError, match="got n = 2"):
+        ChatCompletionRequest(model=MODEL, messages=MESSAGES, n=2, kv_transfer_params=params)
