@@ -133,14 +133,80 @@ def draw() -> dict[str, Any]:
     }
 
 
+def _offload_facts(result: dict[str, Any]) -> dict[str, Any]:
+    """benchmarks/results/offload.json's figures, rounded as the chapter quotes them."""
+    rows = {}
+    for row, key in zip(result["rows"], ("no_tier", "tier"), strict=True):
+        rows[key] = {
+            "config": row["config"],
+            "hit_rate_pct": round(100 * row["prefix_hit_rate"], 1),
+            "tier_hit_rate_pct": round(100 * row["tier_hit_rate"], 1),
+            "ttft_mean_ms": round(row["ttft_mean_ms"]),
+            "ttft_p50_ms": round(row["ttft_p50_ms"]),
+            "ttft_p90_ms": round(row["ttft_p90_ms"]),
+            "tier_blocks": row["tier"],
+        }
+    args = result["args"]
+    return {
+        "args": {k: args[k] for k in ("groups", "prefix_len", "suffix_len", "rounds",
+                                      "block_size", "num_gpu_blocks", "async_load")},
+        "requests": args["groups"] * args["rounds"],
+        "prefix_blocks_needed": args["groups"]
+        * -(-(args["prefix_len"] + args["suffix_len"]) // args["block_size"]),
+        "same_first_tokens": result["same_first_tokens"],
+        "load_average": [round(x, 1) for x in result["load_average"]],
+        **rows,
+    }  # fmt: skip
+
+
+def _disagg_facts(result: dict[str, Any]) -> dict[str, Any]:
+    """benchmarks/results/disagg.json's figures (its per-request rows left out)."""
+    metrics = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "max_itl_ms")
+    configs = {}
+    for config in result["configs"]:
+        key = {"one engine": "one_engine", "P/D split": "pd_split"}[config["config"]]
+        decode = config["decode_server_metrics"]
+        configs[key] = {
+            **{kind: {m: round(config[kind][m]) for m in metrics} for kind in ("short", "long")},
+            "completed": sum(config[kind]["completed"] for kind in ("short", "long")),
+            "failed": sum(config[kind]["failed"] for kind in ("short", "long")),
+            "long_arrivals_during_short_decode": config["long_arrivals_during_short_decode"],
+            "load_before": round(config["load_average"]["before"][0], 1),
+            "load_after": round(config["load_average"]["after"][0], 1),
+            "loaded_prompt_tokens": round(
+                decode.get("vllm:prompt_tokens_by_source_total[external_kv_transfer]", 0)
+            ),
+        }
+    prediction = {}
+    for model, key in zip(result["prediction"]["models"], ("this", "llama3_8b"), strict=True):
+        prediction[key] = {
+            "decode_step_ms": round(model["decode_step_ms"], 2),
+            "prefill_ms": round(model["prefill_ms"], 1),
+            "one_gpu_worst_itl_ms": round(model["one_gpu_worst_itl_ms"], 1),
+            "split_worst_itl_ms": round(model["split_worst_itl_ms"], 2),
+        }
+    return {
+        "command": result["command"],
+        "date": result["date"],
+        "model": result["model"],
+        "workload": result["workload"],
+        "cpus": result["machine"]["cpus"],
+        **configs,
+        "prediction": prediction,
+    }
+
+
 def measured() -> dict[str, Any]:
-    """The connectors' benchmark results, from benchmarks/results/ (each only if there)."""
+    """The connectors' benchmark figures, from benchmarks/results/ (each only if there)."""
     facts: dict[str, Any] = {}
-    for key, name in (("bench_offload", "offload.json"), ("bench_disagg", "disagg.json")):
+    for key, name, extract in (
+        ("bench_offload", "offload.json", _offload_facts),
+        ("bench_disagg", "disagg.json", _disagg_facts),
+    ):
         path = os.path.join(RESULTS, name)
         if os.path.exists(path):
             with open(path) as f:
-                facts[key] = json.load(f)
+                facts[key] = extract(json.load(f))
     return facts
 
 
