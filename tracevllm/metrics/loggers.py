@@ -6,11 +6,15 @@ Mirrors vllm/v1/metrics/loggers.py (``StatLoggerBase``,
 logger turns them into vLLM's metrics, under vLLM's names (``vllm:*``) and
 labels (``model_name``, ``engine``), so a dashboard made for vLLM reads a
 tracevllm server; with speculative decoding, vLLM's spec-decode counters
-(vllm/v1/spec_decode/metrics.py, ``SpecDecodingProm``). Every family is
-vLLM's, with its type, buckets and labels. Left out: the periodic log line
-(``LoggingStatLogger``), and the families tracevllm has nothing to feed:
-KV-connector, external prefix cache, LoRA, multimodal cache, KV-block
-lifetime, sleep state, corrupted requests, waiting-by-reason, config info.
+(vllm/v1/spec_decode/metrics.py, ``SpecDecodingProm``). With a KV connector,
+vLLM's external prefix-cache counters (``vllm:external_prefix_cache_queries``
+and ``_hits``: prompt tokens asked of the connector after the local hit, and
+those it had). Every family is vLLM's, with its type, buckets and labels.
+Left out: the periodic log line (``LoggingStatLogger``), and the families
+tracevllm has nothing to feed: the connectors' own (``KVConnectorPrometheus``:
+``kv_connector_stats`` reach the logger, unread), LoRA, multimodal cache,
+KV-block lifetime, sleep state, corrupted requests, waiting-by-reason,
+config info.
 Each logger has its own registry (vLLM uses the global one), so that several
 can live in one process. Departure: ``finished_reason="abort"`` counts the
 requests whose client hung up (vLLM 0.22.0 never counts them, see
@@ -111,6 +115,16 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         self.counter_prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.counter_connector_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        )
+        self.counter_connector_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
         )
         self.counter_num_preempted_reqs = counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine."
@@ -252,6 +266,9 @@ class PrometheusStatLogger(StatLoggerBase):
             self.gauge_kv_cache_usage.set(scheduler_stats.kv_cache_usage)
             self.counter_prefix_cache_queries.inc(scheduler_stats.prefix_cache_stats.queries)
             self.counter_prefix_cache_hits.inc(scheduler_stats.prefix_cache_stats.hits)
+            if (connector_stats := scheduler_stats.connector_prefix_cache_stats) is not None:
+                self.counter_connector_prefix_cache_queries.inc(connector_stats.queries)
+                self.counter_connector_prefix_cache_hits.inc(connector_stats.hits)
             if (spec := scheduler_stats.spec_decoding_stats) and self.spec_decoding_enabled:
                 for field, spec_counter in self.counters_spec_decode.items():
                     spec_counter.inc(getattr(spec, field))

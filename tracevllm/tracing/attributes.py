@@ -59,6 +59,8 @@ class SpanAttributes:
     STEP_ID = "tracevllm.step_id"
     REQUEST_IDS = "tracevllm.request_ids"
     NUM_CACHED_TOKENS = "tracevllm.num_cached_tokens"
+    # The engine's KV connector's class name (on each Scheduler.schedule span).
+    KV_CONNECTOR = "tracevllm.kv_connector.name"
     COMPLETION_TEXT = "tracevllm.completion.text"
     INTER_TOKEN_MS = "tracevllm.latency.inter_token_ms"
     # A span whose record function raised: the error, in place of what it records.

@@ -14,7 +14,11 @@ list per group; a sliding window's freed blocks show as the null block (id 0).
 ``Scheduler.get_grammar_bitmask``'s span adds, for each structured request,
 how many tokens its mask allowed (``tracevllm.view.grammar``);
 ``Scheduler.update_from_output``'s, what became of each request's drafts
-(``tracevllm.view.spec``); the view draws them together.
+(``tracevllm.view.spec``); the view draws them together. With a KV
+connector, each new request says how much of its prompt the local prefix
+cache held and how much the connector brought (vLLM's ``PrefillStats``
+names), the view names the connector (``kv_connector``), and the span
+carries its name and the step's connector tokens beside the local hits.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
     freed_by_window = kv.get_num_skipped_blocks_freed()
     new_ids = {r.req_id for r in so.scheduled_new_reqs}
     resumed = so.scheduled_cached_reqs.resumed_req_ids
+    connector = getattr(scheduler, "connector", None)
     requests: list[dict[str, Any]] = []
     for req_id, n in so.num_scheduled_tokens.items():
         req = scheduler.requests[req_id]
@@ -51,6 +56,7 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
         block_ids = kv.get_block_ids(req_id)
         requests.append(
             {
+                **_token_origin(req, req.num_computed_tokens - n if kind == "new" else None),
                 "req_id": req_id,
                 "kind": kind,
                 # num_computed_tokens was already advanced past this step.
@@ -104,7 +110,10 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
             ],
         },
         "prefix_cache": {"queries": prefix.queries, "hits": prefix.hits} if prefix else {},
+        # The KV connector (ExampleConnector, NixlConnector, OffloadingConnector), if any.
+        "kv_connector": type(connector).__name__ if connector is not None else None,
     }
+    origins = [r for r in requests if "num_local_cached_tokens" in r]
     span.set_attributes(
         {
             SpanAttributes.STEP_ID: so.step_id,
@@ -115,15 +124,39 @@ def record_schedule(span: Span, so: Any, scheduler: Any) -> None:
             "tracevllm.scheduled_new_reqs": sorted(new_ids),
             "tracevllm.scheduled_cached_reqs": list(so.scheduled_cached_reqs.req_ids),
             "tracevllm.preempted_req_ids": sorted(so.preempted_req_ids or ()),
-            "tracevllm.prefix_cache.hit_tokens": sum(r["num_cached_tokens"] for r in requests),
+            # Local prefix-cache hits (a connector's tokens are counted apart).
+            "tracevllm.prefix_cache.hit_tokens": sum(
+                r.get("num_local_cached_tokens", r["num_cached_tokens"]) for r in requests
+            ),
+            "tracevllm.kv_connector.hit_tokens": sum(
+                r["num_external_cached_tokens"] for r in origins
+            ),
             "tracevllm.kv.blocks_total": total,
             "tracevllm.kv.blocks_free": free,
             "tracevllm.kv.blocks_used": total - free,
             "tracevllm.kv.blocks_cached_free": cached_free,
             "tracevllm.kv.blocks_freed_by_window": sum(freed_by_window),
             SpanAttributes.STEP_VIEW: json.dumps(view),
+            **({SpanAttributes.KV_CONNECTOR: view["kv_connector"]} if connector else {}),
         }
     )
+
+
+def _token_origin(request: Any, num_cached: int | None) -> dict[str, int]:
+    """Where a new request's prompt KV came from, as vLLM's ``PrefillStats``
+    splits it (``num_local_cached_tokens``: the local prefix cache;
+    ``num_external_cached_tokens``: the KV connector, loaded from another
+    engine or the offload tier), by what the step starts from
+    (``num_cached``): a connector's load whose last token is computed again
+    (a full remote prompt) counts that token as computed, and a failed load
+    recomputed only what it kept. Nothing for a running request, or for one
+    resumed after a preemption (its first prefill's stats are not this
+    admission's, and its prefix is not told apart)."""
+    stats = getattr(request, "prefill_stats", None)
+    if num_cached is None or stats is None or not stats.num_prompt_tokens:
+        return {}
+    local = min(stats.num_local_cached_tokens, num_cached)
+    return {"num_local_cached_tokens": local, "num_external_cached_tokens": num_cached - local}
 
 
 def _structured_kind(request: Any) -> str | None:

@@ -1,4 +1,5 @@
-"""One engine step: SchedulerOutput, block tables, KV pool."""
+"""One engine step: SchedulerOutput, block tables (with a KV connector, where
+each new prompt's blocks came from: views/block_origin.py), KV pool."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+
+from tracevllm.views.block_origin import render_block_origin
 
 
 def _phase(req: dict[str, Any]) -> str:
@@ -260,8 +263,11 @@ def render_kv_pool(view: dict[str, Any], width: int = 48) -> RenderableType:
 
 def render_step(view: dict[str, Any], pid: int | None = None) -> RenderableType:
     where = f" · engine_core pid {pid}" if pid else ""
+    parts = [render_scheduler_output(view), render_block_tables(view)]
+    if (origin := render_block_origin(view)) is not None:
+        parts.append(origin)
     return Panel(
-        Group(render_scheduler_output(view), render_block_tables(view), render_kv_pool(view)),
+        Group(*parts, render_kv_pool(view)),
         title=f"EngineCore.step {view['step']}{where}",
         title_align="left",
         border_style="blue",
