@@ -17,8 +17,9 @@ the engine's prefix cache and the tier together), the tier's share of it,
 TTFT mean and p50/p90 over the requests after each group's first (those
 are the ones a tier can help), the first token of each request against the
 run without the tier, and the machine's load average (a busy machine
-slows both runs alike, the ratio is what to read). ``--async-load`` loads
-as vLLM does, the request waiting a step in ``WAITING_FOR_REMOTE_KVS``.
+slows both runs alike, the ratio is what to read). The tier loads as vLLM
+does, the request waiting a step in ``WAITING_FOR_REMOTE_KVS``;
+``--sync-load`` copies the blocks in with the request's first chunk.
 
 Run: ``make bench-offload`` or ``python benchmarks/bench_offload.py [--groups 8 ...]``.
 About 20 minutes on 2 busy CPUs with the defaults.
@@ -51,9 +52,9 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
 
 def run(args: argparse.Namespace, prompts: list[list[int]], tier_gib: float | None) -> dict:
     kwargs: dict[str, Any] = {}
-    if tier_gib is not None and args.async_load:
-        # vLLM's asynchronous loads: the connector's config spelled out.
-        extra = {"cpu_bytes_to_use": tier_gib * (1 << 30), "async_load": True}
+    if tier_gib is not None and args.sync_load:
+        # Synchronous loads: the connector's config spelled out.
+        extra = {"cpu_bytes_to_use": tier_gib * (1 << 30), "async_load": False}
         kwargs["kv_transfer_config"] = {
             "kv_connector": "OffloadingConnector",
             "kv_role": "kv_both",
@@ -113,10 +114,13 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GiB")
     parser.add_argument(
-        "--async-load", action="store_true", help="vLLM's asynchronous loads (async_load)"
+        "--sync-load",
+        action="store_true",
+        help="synchronous loads (async_load false; default: vLLM's asynchronous loads)",
     )
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args()
+    args.async_load = not args.sync_load  # as recorded (docs/record_disagg.py reads it)
 
     from tracevllm.engine.arg_utils import EngineArgs
 

@@ -246,14 +246,15 @@ def test_an_evicted_prefix_is_loaded_back_from_the_tier_with_unchanged_output(
     """The device pool evicts the shared prefix (without the tier the next
     request with it computes all of it); with a tier big enough, it loads
     the prefix's 8 blocks back and computes only the rest, and every request
-    gives the tokens of the engine without the tier. Synchronous loads
-    (``--kv-offloading-size``) and vLLM's asynchronous ones (``async_load``)."""
+    gives the tokens of the engine without the tier. vLLM's asynchronous
+    loads (``--kv-offloading-size``, the default) and synchronous ones
+    (``async_load`` false)."""
     # The setup holds: without the tier, the prefix is gone from the pool.
     assert [cached for _, cached in baseline] == [0, 0, 0, 0, PREFIX_LEN]
     if async_load:
-        kwargs: dict[str, Any] = {"kv_transfer_config": _offload_config(64, async_load=True)}
+        kwargs: dict[str, Any] = {"kv_offloading_size": _gib(64)}  # the default
     else:
-        kwargs = {"kv_offloading_size": _gib(64)}
+        kwargs = {"kv_transfer_config": _offload_config(64, async_load=False)}
     with _llm(model_dir, **kwargs) as llm:
         results = _run(llm, workload)
         stats = _scheduler_connector(llm).get_kv_connector_stats()

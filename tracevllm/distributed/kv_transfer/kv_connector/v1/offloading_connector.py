@@ -13,14 +13,14 @@ Every block an engine fills is stored in the tier too (write-through), so
 when the engine's prefix cache evicts a prompt's blocks, a later request
 with that prefix still finds them: its scheduler-side lookup continues
 past the local hit into the tier, the blocks are copied back into fresh
-engine blocks (``start_load_kv``) before the forward that computes the rest
-of the prompt (or, with ``kv_connector_extra_config["async_load"]``, vLLM's
-way, in a step of their own while the request waits in
-``WAITING_FOR_REMOTE_KVS``). Each request's load and store in a step is one span
-(``OffloadingConnector.wait_for_layer_load`` / ``.save_kv_layer``).
+engine blocks (``start_load_kv``) in a step of their own while the request
+waits in ``WAITING_FOR_REMOTE_KVS``, as vLLM's (or, with
+``kv_connector_extra_config["async_load"]: false``, before the forward that
+computes the rest of the prompt). Each request's load and store in a step is
+one span (``OffloadingConnector.wait_for_layer_load`` / ``.save_kv_layer``).
 
-tracevllm departs from vLLM in the roles' docstrings (synchronous loads by
-default, copies done within their step) and refuses what it does not run: tensor or
+tracevllm departs from vLLM in the roles' docstrings (synchronous loads as
+an option, copies done within their step) and refuses what it does not run: tensor or
 pipeline parallelism, a model with a sliding window, and prefix caching off
 (the tier is keyed by the prefix cache's block hashes, which tracevllm
 computes only with prefix caching on). Left out: vLLM's cross-layer KV

@@ -7,10 +7,9 @@ hashes, the prefix cache's). Each step:
 - ``get_num_new_matched_tokens``: past the engine's own prefix-cache hit,
   the longest run of the request's next blocks the tier holds
   (``lookup``), as tokens to load; the request's blocks are ``touch``\\ ed.
-  With ``kv_connector_extra_config["async_load"]`` (vLLM's way) the load is
-  asynchronous (``(n, True)``), and a request whose hit includes blocks
-  another request is loading right now waits a step (None), then finds
-  them in the engine's prefix cache;
+  As vLLM's, the load is asynchronous (``(n, True)``), and a request whose
+  hit includes blocks another request is loading right now waits a step
+  (None), then finds them in the engine's prefix cache;
 - ``update_state_after_alloc``: those tokens' blocks (allocated by the
   scheduler right after the local hit) become a load job, the tier's slots
   reserved (``prepare_load``); an asynchronous load's request waits in
@@ -27,17 +26,15 @@ hashes, the prefix cache's). Each step:
 
 Where tracevllm departs from vLLM's, and why:
 
-- Loads are synchronous by default (``(n, False)``): the request is admitted
-  with its load and its first chunk together, the worker copies the blocks
-  in before that step's forward, and the hit stops one token short (the
-  full blocks before the last token, as the prefix cache's). vLLM's
-  asynchronous loads (``async_load``) admit a request with only its loaded
-  blocks; with a pool so small that the requests waiting in
-  ``WAITING_FOR_REMOTE_KVS`` (or loaded, not yet running) hold every free
-  block while nothing runs, the scheduler's waiting pass cannot allocate
-  the head request's next block and preempts no one: the engine stops
-  making progress (seen with a 20-block pool and preempted requests, each
-  resumed through a load). Synchronous admission cannot wedge that way.
+- ``kv_connector_extra_config["async_load"]: false`` loads synchronously
+  instead (``(n, False)``, tracevllm's): the request is admitted with its
+  load and its first chunk together, the worker copies the blocks in before
+  that step's forward, and the hit stops one token short (the full blocks
+  before the last token, as the prefix cache's); no step is spent waiting.
+  An asynchronous load admits a request with only its loaded blocks; with a
+  pool so small that loaded requests hold every free block while nothing
+  runs, vLLM's scheduler steps without end, tracevllm's makes one of them
+  give its blocks back (``Scheduler._free_loaded_waiting_request``).
 - Every job is done within the step whose metadata carries it (loads
   before the forward, stores after it, one worker, in order), so stores
   are completed (``complete_store``) as the metadata is built (a
@@ -120,8 +117,8 @@ class OffloadingSchedulerStats:
 
 def get_async_load(extra_config: dict[str, Any]) -> bool:
     """``kv_connector_extra_config["async_load"]``: vLLM's asynchronous loads
-    (default False: synchronous, see the module docstring)."""
-    value = extra_config.get("async_load", False)
+    (default True; False: synchronous, see the module docstring)."""
+    value = extra_config.get("async_load", True)
     if not isinstance(value, bool):
         raise TypeError(f"kv_connector_extra_config['async_load'] must be a bool, got {value!r}.")
     return value

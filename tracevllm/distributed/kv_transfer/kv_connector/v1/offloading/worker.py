@@ -3,9 +3,9 @@
 Mirrors vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py.
 ``register_kv_caches`` builds the tier's handlers over the engine's KV cache
 tensors (the spec allocates the tier's region here, in the worker);
-``start_kv_transfers`` runs the step's loads before the forward (of the
-requests it runs, or, with ``async_load``, of requests waiting in
-``WAITING_FOR_REMOTE_KVS``); ``get_finished`` runs the
+``start_kv_transfers`` runs the step's loads before the forward (of
+requests waiting in ``WAITING_FOR_REMOTE_KVS``, or, with ``async_load``
+false, of the requests it runs); ``get_finished`` runs the
 step's stores after it (vLLM queues them for the start of the next step, so
 that they overlap the next forward on their CUDA streams; a synchronous
 copy gains nothing by waiting), reports asynchronously loaded requests
