@@ -25,8 +25,7 @@ workers (``build_connector_meta``); a finished request may leave its blocks
 to the connector (``request_finished``: freed on ``finished_sending``) and
 returns its ``kv_transfer_params``. Blocks that failed to load are
 recomputed or fail their requests (``kv_load_failure_policy``). Left out:
-encoder inputs, LoRA, streaming input, pause states, connector stats and
-KV events. With pipeline parallelism
+encoder inputs, LoRA, streaming input, pause states and KV events. With pipeline parallelism
 each step carries the tokens it runs (``new_token_ids``), as vLLM's sync path.
 """
 
@@ -1086,7 +1085,11 @@ class Scheduler:
         invalid block. Returns the affected ids and the blocks to evict (the
         bad ones and every block after them). A bad block shared by two
         requests is recomputed by the first; the second counts only the
-        tokens it had before this step."""
+        tokens it had before this step. Only a request's first bad block is
+        marked (as recomputed by it); vLLM marks every bad block the request
+        holds, since it recomputes them all. Where two requests share two bad
+        blocks, vLLM's second keeps its tokens, and here it goes back to the
+        second of them: more recomputation, never less."""
         affected: set[str] = set()
         blocks_to_evict: set[int] = set()
         marked: set[int] = set()
