@@ -391,3 +391,27 @@ def test_the_tiers_bound_holds_and_its_lru_evicts_the_oldest(model_dir: str, tmp
         assert oldest == (expected[0][0], 0)
         assert manager.get_num_stored_blocks() <= num_tier_blocks
         _assert_pool_free(llm)
+
+
+def test_a_discarded_block_goes_once_no_load_holds_it() -> None:
+    """The tier drops the blocks behind a failed load (``discard``), but a
+    block another load still reads goes only when that load completes; in
+    between no lookup finds it, and the freed slots are reused, not leaked."""
+    from tracevllm.kv_offload.base import ReqContext, make_offload_key
+    from tracevllm.kv_offload.cpu.manager import CPUOffloadingManager
+
+    manager, ctx = CPUOffloadingManager(num_blocks=4), ReqContext("r")
+    keys = [make_offload_key(bytes([i]) * 32, 0) for i in range(7)]
+    assert manager.prepare_store(keys[:3], ctx) is not None
+    manager.complete_store(keys[:3], ctx)
+    manager.prepare_load(keys[:1], ctx)  # a load reads block 0
+    manager.discard(keys[:2], ctx)
+    # Mutation caught: lookup ignoring a deferred discard (block 0 found).
+    assert [manager.lookup(k, ctx) for k in keys[:3]] == [False, False, True]
+    assert manager.get_num_stored_blocks() == 2 and manager.stats.discarded == 1
+    manager.complete_load(keys[:1], ctx)
+    assert manager.get_num_stored_blocks() == 1 and manager.stats.discarded == 2
+    # Three slots free again: four new blocks evict only the one left.
+    assert manager.prepare_store(keys[3:], ctx) is not None
+    manager.complete_store(keys[3:], ctx)
+    assert manager.stats.evicted == 1 and manager.get_num_stored_blocks() == 4
