@@ -17,7 +17,9 @@ before the worker's forward of the step before it ends; with it off, no
 ``Scheduler.schedule`` starts during a forward.
 
 The engine cores run in this process (the tests read their scheduler and KV
-pool); the ``mp`` backend's workers run in their own processes.
+pool), but for the span test's (its own process, as served); the ``mp``
+backend's workers run in their own processes. A killed worker is a scenario
+in a child process (tests/async_scheduling_scenarios.py).
 """
 
 from __future__ import annotations
@@ -409,18 +411,25 @@ OUTPUT_STEP_ID = "tracevllm.batch_queue.output_step_id"
 def test_spans_show_the_next_step_scheduled_during_the_forward(
     tiny_model_dir: str, tmp_path: Any, mode: str
 ) -> None:
+    from tests.executor_scenarios import make_llm
     from tracevllm.tracing.attributes import SpanAttributes
     from tracevllm.tracing.exporters import read_spans_jsonl
 
-    (out,) = run_json_lines(
-        "tests.async_scheduling_scenarios",
-        "trace",
+    # EngineCore in its own process, its worker in another (the mp backend);
+    # this process is the frontend (a child's would import torch once more).
+    llm = make_llm(
         tiny_model_dir,
-        mode,
-        str(tmp_path),
-        timeout=180,
+        1,
+        async_scheduling=mode == "on",
+        trace_detail="request",
+        trace_dir=str(tmp_path),
     )
-    assert len(out["tokens"]) == 12
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        [out] = llm.generate(["The capital of France"], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert len(out.outputs[0].token_ids) == 12
     spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
     by_id = {s.span_id: s for s in spans}
     step_name = "EngineCore.step_with_batch_queue" if mode == "on" else "EngineCore.step"
