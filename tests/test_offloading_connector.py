@@ -275,6 +275,21 @@ def test_an_evicted_prefix_is_loaded_back_from_the_tier_with_unchanged_output(
     assert offload["stored"] == sum(full_blocks) - 2 * shared
 
 
+def _fail_every_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-process engine's tier worker: every load from the tier fails."""
+    from tracevllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker = get_kv_transfer_group().connector_worker.worker
+    transfer_async = worker.transfer_async
+
+    def fail_loads(job_id: int, spec: Any) -> bool:
+        if spec[0].medium() == "CPU":  # from the tier: a load
+            return False
+        return bool(transfer_async(job_id, spec))
+
+    monkeypatch.setattr(worker, "transfer_async", fail_loads)
+
+
 @pytest.mark.timeout(300)
 def test_a_failed_async_load_is_discarded_from_the_tier_and_recomputed(
     model_dir: str,
@@ -288,20 +303,10 @@ def test_a_failed_async_load_is_discarded_from_the_tier_and_recomputed(
     leave the tier: before, with no local hit, the request looked the tier
     up again, loaded again and failed again, without end (the bound fails
     then; mutation caught: discard a no-op)."""
-    from tracevllm.distributed.kv_transfer import get_kv_transfer_group
-
     config = _offload_config(64, async_load=True)
     config["kv_load_failure_policy"] = "recompute"
     with _llm(model_dir, kv_transfer_config=config) as llm:
-        worker = get_kv_transfer_group().connector_worker.worker
-        transfer_async = worker.transfer_async
-
-        def fail_loads(job_id: int, spec: Any) -> bool:
-            if spec[0].medium() == "CPU":  # from the tier: a load
-                return False
-            return bool(transfer_async(job_id, spec))
-
-        monkeypatch.setattr(worker, "transfer_async", fail_loads)
+        _fail_every_load(monkeypatch)
         tokens = []
         for prompts in workload:
             outputs = _generate_bounded(llm, prompts, _greedy(), max_steps=300)
@@ -310,6 +315,35 @@ def test_a_failed_async_load_is_discarded_from_the_tier_and_recomputed(
         _assert_pool_free(llm)
     assert tokens == [t for t, _ in baseline]
     # One load of the prefix's 8 blocks, failed and discarded, never retried.
+    assert offload["loaded"] == offload["discarded"] == PREFIX_LEN // BLOCK_SIZE
+
+
+@pytest.mark.timeout(300)
+def test_after_a_failed_sync_load_the_prefix_is_computed_not_failed_again(
+    model_dir: str,
+    workload: list[list[list[int]]],
+    baseline: list[tuple[list[int], int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Policy "fail" (vLLM's default), synchronous loads, every load from the
+    tier failing: the request that loads the evicted prefix fails, and its
+    blocks leave the tier, so the same prompt asked again is computed, with
+    the engine's tokens without the tier (mutation caught: discard a no-op
+    -> it loads and fails again)."""
+    with _llm(model_dir, kv_transfer_config=_offload_config(64, async_load=False)) as llm:
+        _fail_every_load(monkeypatch)
+        tokens = []
+        for prompts in workload[:3]:
+            outputs = _generate_bounded(llm, prompts, _greedy(), max_steps=300)
+            tokens += [list(o.outputs[0].token_ids) for o in outputs]
+        assert tokens == [t for t, _ in baseline[:3]]
+        failed = _generate_bounded(llm, workload[3][:1], _greedy(), max_steps=300)[0]
+        assert failed.outputs[0].finish_reason == "error"
+        again = _generate_bounded(llm, workload[3][:1], _greedy(), max_steps=300)[0]
+        assert again.outputs[0].finish_reason == "length"
+        assert list(again.outputs[0].token_ids) == baseline[3][0]
+        offload = _scheduler_connector(llm).get_kv_connector_stats()["offload"]
+        _assert_pool_free(llm)
     assert offload["loaded"] == offload["discarded"] == PREFIX_LEN // BLOCK_SIZE
 
 
