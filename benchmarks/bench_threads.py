@@ -31,22 +31,32 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
 BUSY_LOOP = "while True: pass"
+LOG_THREADS_DIR = os.path.join(tempfile.gettempdir(), "tracevllm-bench-threads")
+SITECUSTOMIZE = """import logging, sys
+_log = logging.getLogger("tracevllm.worker.cpu_threads")
+_log.setLevel(logging.INFO)
+_log.addHandler(logging.StreamHandler(sys.stderr))
+"""
 
 
-def settings(cores: int) -> dict[str, dict[str, str]]:
+def settings(cores: int) -> dict[str, tuple[str, dict[str, str]]]:
+    """``--settings`` key -> (the row's name, the environment it runs with)."""
     return {
-        f"fixed {cores} threads (TRACEVLLM_NUM_THREADS={cores})": {
-            "TRACEVLLM_NUM_THREADS": str(cores)
-        },
-        "reserve 1 CPU (TRACEVLLM_CPU_NUM_OF_RESERVED_CPU=1)": {
-            "TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": "1"
-        },
-        "adaptive (default)": {},
+        "all": (
+            f"fixed {cores} threads (TRACEVLLM_NUM_THREADS={cores})",
+            {"TRACEVLLM_NUM_THREADS": str(cores)},
+        ),
+        "reserve1": (
+            "reserve 1 CPU (TRACEVLLM_CPU_NUM_OF_RESERVED_CPU=1)",
+            {"TRACEVLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        ),
+        "adaptive": ("adaptive (default)", {}),
     }
 
 
@@ -100,7 +110,11 @@ def measure(env_overrides: dict[str, str], busy: bool, args: argparse.Namespace)
             "TRACEVLLM_CPU_ADAPTIVE_THREADS",
         )
     }
-    env |= env_overrides | {"TRACEVLLM_LOGGING_LEVEL": "INFO"}
+    # The engine process's "CPU threads: a -> b" lines are INFO, which nothing
+    # prints unless logging is configured: a sitecustomize on the child's path
+    # gives that one logger a handler (the engine process inherits the path).
+    env |= env_overrides | {"PYTHONPATH": os.pathsep.join(filter(None, [
+        LOG_THREADS_DIR, env.get("PYTHONPATH")]))}  # fmt: skip
     cmd = [sys.executable, os.path.abspath(__file__), "--child"]
     cmd += ["--num-prompts", str(args.num_prompts), "--num-warmups", str(args.num_warmups)]
     busy_proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if busy else None
@@ -145,11 +159,18 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--num-warmups", type=int, default=2, help="untimed requests first")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--settings", default="all,reserve1,adaptive", help="which settings, in this order"
+    )
+    parser.add_argument("--conditions", default="quiet,busy", help="quiet, busy or both")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.num_prompts, args.num_warmups)
         return
+    os.makedirs(LOG_THREADS_DIR, exist_ok=True)
+    with open(os.path.join(LOG_THREADS_DIR, "sitecustomize.py"), "w") as f:
+        f.write(SITECUSTOMIZE)
     if args.num_prompts < 1 or args.rounds < 1:
         parser.error("--num-prompts and --rounds must be at least 1")
     import torch
@@ -157,20 +178,31 @@ def main() -> None:
     from rich.table import Table
 
     cores = torch.get_num_threads()
-    configs = settings(cores)
+    known = settings(cores)
+    keys = args.settings.split(",")
+    conditions = [c == "busy" for c in args.conditions.split(",")]
+    if not set(keys) <= set(known) or "adaptive" not in keys:
+        parser.error(
+            f"--settings: a comma-separated choice of {', '.join(known)}, adaptive included"
+        )
+    if not set(args.conditions.split(",")) <= {"quiet", "busy"}:
+        parser.error("--conditions: quiet, busy or quiet,busy")
+    configs = {known[k][0]: known[k][1] for k in keys}
+    adaptive_name = known["adaptive"][0]
     console = Console()
     console.print(
         f"workload: make bench's, {args.num_prompts} chat prompts, max_tokens 16-128 (seed 0), "
         f"greedy, ignore_eos, fp32, {args.num_warmups} warm-up requests; torch's default: "
-        f"{cores} threads; {args.rounds} round(s), each setting quiet and beside one busy loop.\n"
+        f"{cores} threads; {args.rounds} round(s) of {args.settings} x {args.conditions} "
+        "(busy: one busy-loop process beside the engine).\n"
         "'quiet' is only as quiet as this machine is now (other work on it shows in the "
         "load average and run queue): compare rows within this run."
     )
     names = list(configs)
-    runs: dict[tuple[str, bool], list[Run]] = {(n, b): [] for n in names for b in (False, True)}
+    runs: dict[tuple[str, bool], list[Run]] = {(n, b): [] for n in names for b in conditions}
     for round_ in range(args.rounds):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
-        for busy in (False, True) if round_ % 2 == 0 else (True, False):
+        for busy in conditions if round_ % 2 == 0 else conditions[::-1]:
             for name in order:
                 run = measure(configs[name], busy, args)
                 runs[name, busy].append(run)
@@ -180,13 +212,13 @@ def main() -> None:
                     f"run queue {run.runqueue:.2f}"
                     + (f", threads {', '.join(run.changes)}" if run.changes else "")
                 )
-    adaptive = {b: statistics.mean(r.tok_s for r in runs[names[-1], b]) for b in (False, True)}
+    adaptive = {b: statistics.mean(r.tok_s for r in runs[adaptive_name, b]) for b in conditions}
     table = Table(title="Offline throughput (output tok/s) by thread setting")
     for col in ("setting", "condition", "tok/s (mean)", "runs", "load avg start->end",
                 "run queue", "adaptive / this", "thread changes"):  # fmt: skip
         table.add_column(col, justify="left" if col in ("setting", "condition") else "right")
     for name in names:
-        for busy in (False, True):
+        for busy in conditions:
             rs = runs[name, busy]
             mean = statistics.mean(r.tok_s for r in rs)
             table.add_row(
@@ -197,7 +229,9 @@ def main() -> None:
                 " ".join(f"{r.load_start:.2f}->{r.load_end:.2f}" for r in rs),
                 " ".join(f"{r.runqueue:.2f}" for r in rs),
                 f"{adaptive[busy] / mean:.2f}x",
-                " | ".join(", ".join(r.changes) or "-" for r in rs) if name == names[-1] else "",
+                " | ".join(", ".join(r.changes) or "-" for r in rs)
+                if name == adaptive_name
+                else "",
             )
     console.print(table)
 

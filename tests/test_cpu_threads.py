@@ -116,13 +116,29 @@ def test_only_steps_of_the_same_shape_are_compared() -> None:
     assert policy.threads == 2 and changes == []
 
 
-def test_a_much_slower_probe_stops_early() -> None:
-    """Two pairs 2.5x slower end the probe: two steps at the other count, not
-    the five of a full probe. Mutation caught: the early stop removed."""
+def test_a_much_slower_probe_stops_at_its_first_pair() -> None:
+    """A neighbour 2.5x slower costs one step, not the five of a full probe.
+    Mutation caught: the early stop removed."""
     policy = AdaptiveThreadPolicy(2, first_probe=0)
     asked = drive(policy, per_thread({2: 1.0, 1: 2.5}), 20)
-    assert asked.count(1) == 2
+    assert asked.count(1) == 1
     assert policy.threads == 2 and policy.candidate is None
+
+
+def test_a_much_faster_neighbour_is_taken_after_two_pairs() -> None:
+    """Twice more than 1.25x faster: taken after four steps, not ten.
+    Mutation caught: the early switch removed (the fifth pair decides)."""
+    policy = AdaptiveThreadPolicy(2, first_probe=0)
+    asked = drive(policy, per_thread({2: 1.0, 1: 0.1}), 4)
+    assert policy.threads == 1 and asked == [2, 1, 1, 2]
+
+
+def test_a_costly_probe_waits_longer() -> None:
+    """A neighbour 10x slower cost 9 steps' worth: the next probe waits
+    9 / 3% = 300 steps, not 64. Mutation caught: the cost term dropped."""
+    policy = AdaptiveThreadPolicy(2, first_probe=0, min_interval=32)
+    drive(policy, per_thread({2: 1.0, 1: 10.0}), 2)
+    assert policy.candidate is None and policy.interval == 300
 
 
 def test_noise_within_the_hysteresis_does_not_flap() -> None:

@@ -21,10 +21,12 @@ and keeps a pair only when both steps have the same shape (requests and
 scheduled tokens: in a decode-heavy run most neighbouring steps do). The
 median of the pairs' time ratios decides: the neighbour is taken only when
 it is faster by more than the hysteresis, so noise does not make the count
-flap. A probe whose first pairs are all much slower stops early, so a bad
-neighbour costs a couple of steps. After a probe that kept the count the next
-one comes twice as late (up to ``max_interval`` steps); after a change, soon,
-which both confirms it and follows a load that keeps changing.
+flap. A probe stops at its first pair when the neighbour is more than 1.25x
+slower (so a bad neighbour costs one step), and after two pairs when it is
+more than 1.25x faster both times. After a probe that kept the count the
+next one comes twice as late, or later still when the probe's slow steps
+cost more than 3% of the steps until the next one (up to ``max_interval``
+steps); after a change, soon, which follows a load that keeps changing.
 
 Why step times rather than the run queue (``/proc/loadavg``'s running
 count, ``/proc/stat``'s ``procs_running``): those count the engine's own
@@ -47,6 +49,7 @@ timing, and so do a run's last bits (on a near-tie, a greedy token): set
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -84,11 +87,11 @@ class AdaptiveThreadPolicy:
         *,
         pairs: int = 5,
         hysteresis: float = 0.05,
-        first_probe: int = 8,
+        first_probe: int = 2,
         min_interval: int = 32,
         max_interval: int = 1024,
         abort_ratio: float = 1.25,
-        abort_pairs: int = 2,
+        probe_budget: float = 0.03,
         on_change: Callable[[int, int, float], None] | None = None,
     ) -> None:
         if max_threads < 1:
@@ -100,7 +103,7 @@ class AdaptiveThreadPolicy:
         self.min_interval = min_interval
         self.max_interval = max_interval
         self.abort_ratio = abort_ratio
-        self.abort_pairs = abort_pairs
+        self.probe_budget = probe_budget
         self.on_change = on_change
         self.interval = min_interval
         self.steps_to_probe = first_probe
@@ -172,8 +175,10 @@ class AdaptiveThreadPolicy:
     def _maybe_decide(self) -> None:
         assert self.candidate is not None
         ratios = self._ratios
-        if len(ratios) >= self.abort_pairs and min(ratios) > self.abort_ratio:
-            self._end_probe(None)  # clearly slower: stop paying for it
+        if ratios and min(ratios) > self.abort_ratio:
+            self._end_probe(None)  # clearly slower: stop paying for it at once
+        elif len(ratios) >= 2 and max(ratios) < 1 / self.abort_ratio:
+            self._end_probe(statistics.median(ratios))  # clearly faster, twice
         elif len(ratios) >= self.pairs:
             ratio = statistics.median(ratios)
             self._end_probe(ratio if ratio < 1 - self.hysteresis else None)
@@ -185,7 +190,11 @@ class AdaptiveThreadPolicy:
         candidate, self.candidate = self.candidate, None
         self._first = None
         if faster_ratio is None:
-            self.interval = min(self.interval * 2, self.max_interval)
+            # What the probe's slower steps cost, in steps at the kept count:
+            # the wait grows so that probing stays within the budget.
+            cost = sum(max(r - 1, 0.0) for r in self._ratios)
+            wait = max(self.interval * 2, math.ceil(cost / self.probe_budget))
+            self.interval = min(wait, self.max_interval)
         else:
             old, self.threads = self.threads, candidate
             self.interval = self.min_interval
