@@ -70,6 +70,9 @@ from tracevllm.utils.gc_utils import freeze_gc_heap
 logger = logging.getLogger(__name__)
 # How often an idle engine core wakes to let a signal's handler run (seconds).
 IDLE_WAKEUP_S = 0.2
+# How often a core with only KV transfers pending polls the connector
+# (seconds): a transfer's end is seen at most this much later.
+KV_TRANSFER_POLL_S = 0.01
 
 # Sent on the output socket when the engine dies of an error (vLLM's name).
 ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
@@ -417,12 +420,25 @@ class EngineCore:
             # tracevllm: nothing can run before a grammar compiles, so wait
             # for one (50 ms at most: new requests are read between waits)
             # instead of spinning through empty steps, as vLLM does.
-            self.structured_output_manager.wait_for_grammars(
+            compiling = self.structured_output_manager.wait_for_grammars(
                 self.scheduler.skipped_waiting, timeout=0.05
             )
+            if not compiling and self.scheduler.connector is not None:
+                # Only KV transfers are left: loads in WAITING_FOR_REMOTE_KVS,
+                # or finished requests whose blocks a remote reader still
+                # holds (up to TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT). A step
+                # only polls the connector's get_finished then: poll every
+                # KV_TRANSFER_POLL_S instead of spinning a core and writing a
+                # step span each turn, as vLLM's loop does (tracevllm's).
+                self._pause_for_transfers()
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
         return self.step()
+
+    def _pause_for_transfers(self) -> None:
+        """Between two polls of pending KV transfers; EngineCoreProc's skips
+        the pause when a client request is waiting to be read."""
+        time.sleep(KV_TRANSFER_POLL_S)
 
     def has_work(self) -> bool:
         """Whether the engine should be stepped: requests, or steps in flight."""
@@ -609,6 +625,10 @@ class EngineCoreProc(EngineCore):
                 engine_core.shutdown()
             tracing.shutdown_tracer()
             _remove_socket_dir(kwargs["input_address"])
+
+    def _pause_for_transfers(self) -> None:
+        if self.input_queue.empty():  # a new request goes in without delay
+            time.sleep(KV_TRANSFER_POLL_S)
 
     # --8<-- [start:run_busy_loop]
     def run_busy_loop(self) -> None:

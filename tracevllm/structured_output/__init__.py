@@ -198,9 +198,10 @@ class StructuredOutputManager:
             "the request ended there."
         )
 
-    def wait_for_grammars(self, requests: Iterable[Request], timeout: float) -> None:
+    def wait_for_grammars(self, requests: Iterable[Request], timeout: float) -> bool:
         """Block until one of these requests' grammars is compiled, or ``timeout``
-        seconds pass (tracevllm's: vLLM's busy loop spins meanwhile)."""
+        seconds pass (tracevllm's: vLLM's busy loop spins meanwhile). Returns
+        whether any grammar was still compiling."""
         pending = [
             grammar
             for r in requests
@@ -209,6 +210,7 @@ class StructuredOutputManager:
         ]
         if pending:
             wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        return bool(pending)
 
     def should_advance(self, request: Request) -> bool:
         """Does a token sampled for this request move its matcher? (Always,
