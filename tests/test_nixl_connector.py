@@ -804,12 +804,23 @@ def test_worker_shutdown_shuts_the_processs_kv_connector_down(
     closed: list[str] = []
 
     class Connector:
+        def __init__(self, vllm_config: object) -> None:
+            self._vllm_config = vllm_config
+
         def shutdown(self) -> None:
             closed.append("connector")
 
-    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", Connector())
+    # Another in-process engine's connector (not made from this worker's
+    # config) stays up: the worker shuts down only its own. (Mutation
+    # caught: the config check dropped -> the other engine's closed.)
+    others = Connector(object())
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", others)
     worker = Worker.__new__(Worker)
     worker.model_runner = None
+    worker.vllm_config = object()  # type: ignore[assignment]
+    worker.shutdown()
+    assert closed == [] and kv_transfer_state.get_kv_transfer_group() is others
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", Connector(worker.vllm_config))
     worker.shutdown()
     assert closed == ["connector"] and not kv_transfer_state.has_kv_transfer_group()
 
@@ -828,18 +839,21 @@ def test_engine_core_shutdown_runs_every_step_when_the_executors_raises(
     done: list[str] = []
 
     class Connector:
+        def __init__(self, vllm_config: object) -> None:
+            self._vllm_config = vllm_config
+
         def shutdown(self) -> None:
             done.append("worker connector")
 
     def executor_shutdown() -> None:
         raise RuntimeError("executor shutdown failed")
 
-    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", Connector())
     core = EngineCore.__new__(EngineCore)
     core.structured_output_manager = SimpleNamespace(clear_backend=lambda: None)  # type: ignore[assignment]
     core.model_executor = SimpleNamespace(shutdown=executor_shutdown)  # type: ignore[assignment]
     core.scheduler = SimpleNamespace(shutdown=lambda: done.append("scheduler"))  # type: ignore[assignment]
     core.vllm_config = SimpleNamespace(kv_transfer_config=object())  # type: ignore[assignment]
+    monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", Connector(core.vllm_config))
     with pytest.raises(RuntimeError, match="executor shutdown failed"):
         core.shutdown()
     assert done == ["scheduler", "worker connector"]

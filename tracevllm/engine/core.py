@@ -480,7 +480,7 @@ class EngineCore:
             # The worker's Worker.shutdown does this too (vLLM's place, and
             # the only one in a worker process); again here in case the
             # executor's shutdown failed before it (a no-op otherwise).
-            steps.append(("KV connector", ensure_kv_transfer_shutdown))
+            steps.append(("KV connector", lambda: ensure_kv_transfer_shutdown(self.vllm_config)))
         # Undo freeze_gc_heap, so that an engine dropped in-process can be
         # collected. Process-wide, as vLLM's: it unfreezes any other
         # in-process engine's heap too (which then costs walks, not memory).

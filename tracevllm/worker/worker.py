@@ -175,7 +175,7 @@ class Worker(WorkerBase):
             ensure_kv_transfer_shutdown,
         )
 
-        ensure_kv_transfer_shutdown()
+        ensure_kv_transfer_shutdown(self.vllm_config)
         self.model_runner = None
 
 

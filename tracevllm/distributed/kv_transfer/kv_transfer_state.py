@@ -61,8 +61,16 @@ def ensure_kv_transfer_initialized(vllm_config: VllmConfig, kv_cache_config: KVC
     )
 
 
-def ensure_kv_transfer_shutdown() -> None:
+def ensure_kv_transfer_shutdown(vllm_config: VllmConfig | None = None) -> None:
+    """Shut this process's worker-side connector down. With ``vllm_config``
+    (tracevllm's), only if that engine's config created it: an in-process
+    engine without a connector, or one refused because another's runs, must
+    not shut down the live engine's connector as it shuts down itself."""
     global _KV_CONNECTOR_AGENT
+    if vllm_config is not None and (
+        _KV_CONNECTOR_AGENT is None or _KV_CONNECTOR_AGENT._vllm_config is not vllm_config
+    ):
+        return
     if _KV_CONNECTOR_AGENT is not None:
         _KV_CONNECTOR_AGENT.shutdown()
         _KV_CONNECTOR_AGENT = None
