@@ -71,11 +71,14 @@ def render_block_origin(view: dict[str, Any]) -> RenderableType | None:
     if connector is None or not rows:
         return None
     table = Table(
-        title=f"Prompt KV by origin · {connector}", title_justify="left", show_header=True
+        title=f"Prompt KV by origin · {connector}",
+        title_justify="left",
+        caption="one letter a block: H prefix hit · O offload tier · R remote · C computed",
+        caption_justify="left",
     )
     table.add_column("request")
-    table.add_column("blocks (H prefix hit · O offload tier · R remote · C computed)")
-    table.add_column("tokens", justify="right")
+    table.add_column("blocks")
+    table.add_column("tokens")
     for req, origins in rows:
         strip = Text()
         for origin in block_letters(origins, view["block_size"]):
