@@ -189,7 +189,7 @@ def main() -> None:
         parser.error("--conditions: quiet, busy or quiet,busy")
     configs = {known[k][0]: known[k][1] for k in keys}
     adaptive_name = known["adaptive"][0]
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(
         f"workload: make bench's, {args.num_prompts} chat prompts, max_tokens 16-128 (seed 0), "
         f"greedy, ignore_eos, fp32, {args.num_warmups} warm-up requests; torch's default: "
