@@ -1,9 +1,10 @@
 """Lossless speculative decoding on the real default model: greedy output with
 drafts equals greedy output without, token for token (or differs first at a
 true near-tie, which is reported), 8 chat prompts x 64 tokens, for n-gram
-drafts (k = 2, 4) and a draft model (the default model drafting for itself
-keeps every draft; a tiny random-weight one keeps almost none), and with
-chunked prefill, prefix-cache hits and a forced preemption in the same run."""
+drafts (k = 2, 4) and a draft model (on every other prompt: the default model
+drafting for itself keeps every draft; a tiny random-weight one keeps almost
+none), and with chunked prefill, prefix-cache hits and a forced preemption in
+the same run."""
 
 from __future__ import annotations
 
@@ -61,7 +62,13 @@ def references(prompt_ids: list[list[int]]) -> list[GreedyReference]:
     return refs
 
 
+# A draft model costs a forward per draft token: its tests run every other
+# prompt (four, in one batch), with their references.
+DRAFT_MODEL_PROMPTS = slice(0, None, 2)
+
+
 def _run(prompt_ids: list[list[int]], refs: list[GreedyReference], what: str, **kw: Any):
+    assert len(prompt_ids) == len(refs)
     with LLM(enable_multiprocessing=False, **kw) as llm:
         checker = StepChecker(llm.llm_engine.engine_core.engine_core)
         outputs = llm.generate(
@@ -83,7 +90,8 @@ def test_the_model_drafting_for_itself_keeps_every_draft(
     default_model_dir: str, prompt_ids: Any, references: Any
 ) -> None:
     spec = {"method": "draft_model", "model": default_model_dir, "num_speculative_tokens": 3}
-    _, checker, _ = _run(prompt_ids, references, "self-draft", speculative_config=spec)
+    some = DRAFT_MODEL_PROMPTS
+    _, checker, _ = _run(prompt_ids[some], references[some], "self-draft", speculative_config=spec)
     assert checker.drafted > 0 and checker.acceptance_rate == 1.0
 
 
@@ -91,7 +99,8 @@ def test_a_random_draft_model_keeps_almost_nothing(
     tiny_model_dir: str, prompt_ids: Any, references: Any
 ) -> None:
     spec = {"method": "draft_model", "model": tiny_model_dir, "num_speculative_tokens": 2}
-    _, checker, _ = _run(prompt_ids, references, "tiny draft", speculative_config=spec)
+    some = DRAFT_MODEL_PROMPTS
+    _, checker, _ = _run(prompt_ids[some], references[some], "tiny draft", speculative_config=spec)
     assert checker.drafted > 0 and checker.acceptance_rate < 0.05
 
 
@@ -114,43 +123,63 @@ def test_lossless_with_chunks_prefix_hits_and_preemption(prompt_ids: Any, refere
     assert checker.accepted > 0
 
 
+# The structured-output case: a JSON schema beside a plain request. The
+# schema is in the prompt, so n-gram drafts find the keys there.
+STRUCTURED_SUBJECTS = 4
+
+
+def _structured_workload() -> tuple[list[Any], list[SamplingParams]]:
+    import json
+
+    from tests.structured_cases import FLAT, SUBJECTS
+    from tracevllm.sampling_params import StructuredOutputsParams
+
+    messages = [
+        [{"role": "user", "content": f"Describe a person who lives in {s} as JSON with the "
+                                     f"schema {json.dumps(FLAT)}."}]
+        for s in SUBJECTS[:STRUCTURED_SUBJECTS]
+    ] + [[{"role": "user", "content": "Why is the sky blue?"}]]  # fmt: skip
+    structured = SamplingParams(
+        temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=FLAT)
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return messages, [structured] * STRUCTURED_SUBJECTS + [plain]
+
+
+@pytest.fixture(scope="module")
+def structured_without_drafts() -> list[Any]:
+    """The structured workload without drafts: what both drafting runs must give."""
+    messages, params = _structured_workload()
+    with LLM(enable_multiprocessing=False) as llm:
+        return llm.chat(messages, params, use_tqdm=False)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_structured_outputs_with_drafts(default_model_dir: str, method: str) -> None:
+def test_structured_outputs_with_drafts(
+    default_model_dir: str, structured_without_drafts: list[Any], method: str
+) -> None:
     """A JSON schema beside a plain request: with drafts, each draft position
     is masked by the grammar as it would stand after the drafts before it
     (the bitmask has a row per position), drafts the grammar refuses are
     dropped before they are scheduled, and the output is the same valid
-    JSON as without drafts."""
+    JSON as without drafts (that run shared by both methods)."""
     import json
 
     import jsonschema
 
-    from tests.structured_cases import FLAT, SUBJECTS
-    from tracevllm.sampling_params import StructuredOutputsParams
+    from tests.structured_cases import FLAT
 
     spec = (
         ngram(4)
         if method == "ngram"
         else {"method": "draft_model", "model": default_model_dir, "num_speculative_tokens": 3}
     )
-    # The schema in the prompt: n-gram drafts find the keys there.
-    messages = [
-        [{"role": "user", "content": f"Describe a person who lives in {s} as JSON with the "
-                                     f"schema {json.dumps(FLAT)}."}]
-        for s in SUBJECTS[:4]
-    ] + [[{"role": "user", "content": "Why is the sky blue?"}]]  # fmt: skip
-    structured = SamplingParams(
-        temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=FLAT)
-    )
-    params = [structured] * 4 + [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
-    results = []
-    for config in (None, spec):
-        with LLM(enable_multiprocessing=False, speculative_config=config) as llm:
-            checker = StepChecker(llm.llm_engine.engine_core.engine_core)
-            results.append(llm.chat(messages, params, use_tqdm=False))
-    plain, drafted = results
+    messages, params = _structured_workload()
+    with LLM(enable_multiprocessing=False, speculative_config=spec) as llm:
+        checker = StepChecker(llm.llm_engine.engine_core.engine_core)
+        drafted = llm.chat(messages, params, use_tqdm=False)
     assert checker.accepted > 0
-    for a, b in zip(plain, drafted):
+    for a, b in zip(structured_without_drafts, drafted, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-    for out in drafted[:4]:
+    for out in drafted[:STRUCTURED_SUBJECTS]:
         jsonschema.validate(json.loads(out.outputs[0].text), FLAT)
