@@ -1,8 +1,9 @@
 """Pipeline parallelism and EngineCore's batch queue, on a tiny 4-layer Llama.
 
-Each engine runs in a child process (``python -m tests.test_pipeline_parallel
-pp ...``) under a timeout, with the ``mp`` executor's real worker processes,
-and prints one JSON line: a crash or a hang fails the test instead of pytest.
+The engines run one after another in one child process (``python -m
+tests.test_pipeline_parallel run_several ...``) under a timeout, with the ``mp``
+executor's real worker processes, each printing one JSON line: a crash or a
+hang fails the tests instead of pytest.
 The engines run the family check's workload (tests/family_check.py): 8
 prompts x 32 greedy tokens, pages of 4 tokens, 16-token chunked prefill, a
 shared prefix that must hit the cache and a pool small enough that requests
@@ -37,6 +38,10 @@ from tests.family_check import (
 )
 from tests.utils import run_json_lines
 from tracevllm.executor.multiproc_executor import MultiprocExecutor
+
+# The module's engines run in one child process, one after another (the
+# ``runs`` fixture): minutes on a loaded machine, for the first test that asks.
+pytestmark = pytest.mark.timeout(1800)
 
 NUM_LAYERS = 4
 STRUCTURED_REGEX = "[0-9]{3}-[a-z]{2}"
@@ -173,8 +178,22 @@ def abort_in_flight(llm: Any, core: Any, prompts: list[list[int]], params: Any) 
     }
 
 
-def _run(*args: str, timeout: float = 400) -> dict[str, Any]:
-    return run_json_lines("tests.test_pipeline_parallel", "run_pp", *args, timeout=timeout)[-1]
+def run_several(model: str, *runs: str) -> None:
+    """``run_pp`` for each run, one after another in this process: each run
+    is ``TP,PP,BATCH_QUEUE,TRACE_DIR,MODE``. One Python process for all of
+    them, so torch and the model's code are imported once."""
+    for run in runs:
+        run_pp(model, *run.split(","))
+
+
+# (T, P, batch queue, trace directory or "-", mode): each engine the tests read.
+RUNS = {
+    "pp1": ("1", "1", "1", "-", "inproc"),
+    "pp2_queue": ("1", "2", "1", "{queue_dir}", "inproc"),
+    "pp2_no_queue": ("1", "2", "0", "{sync_dir}", "inproc"),
+    "tp2_pp2": ("2", "2", "1", "-", "inproc"),
+    "pp2_proc": ("1", "2", "1", "-", "proc"),
+}
 
 
 # --- the tests --------------------------------------------------------------------
@@ -192,8 +211,24 @@ def llama4(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pp1(llama4: tuple[str, Any]) -> dict[str, Any]:
-    return _run(llama4[0], "1", "1", "1", "-")
+def runs(llama4: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every engine of this module, in one child process (under a timeout):
+    name -> what ``run_pp`` printed; the two P = 2 traces' directories."""
+    dirs = {
+        "queue_dir": str(tmp_path_factory.mktemp("pp2-batch-queue")),
+        "sync_dir": str(tmp_path_factory.mktemp("pp2-no-batch-queue")),
+    }
+    specs = [",".join(arg.format(**dirs) for arg in run) for run in RUNS.values()]
+    lines = run_json_lines(
+        "tests.test_pipeline_parallel", "run_several", llama4[0], *specs, timeout=1500
+    )
+    assert len(lines) == len(RUNS), lines
+    return {**dict(zip(RUNS, lines, strict=True)), **dirs}
+
+
+@pytest.fixture(scope="module")
+def pp1(runs: dict[str, Any]) -> dict[str, Any]:
+    return runs["pp1"]
 
 
 def _check_hf(out: dict[str, Any], hf: list[tuple[list[int], list[float]]]) -> None:
@@ -260,12 +295,8 @@ def _steps_overlapping(trace_dir: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def pp2_runs(llama4: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
-    queue_dir = str(tmp_path_factory.mktemp("pp2-batch-queue"))
-    sync_dir = str(tmp_path_factory.mktemp("pp2-no-batch-queue"))
-    with_queue = _run(llama4[0], "1", "2", "1", queue_dir)
-    without = _run(llama4[0], "1", "2", "0", sync_dir)
-    return with_queue, queue_dir, without, sync_dir
+def pp2_runs(runs: dict[str, Any]) -> Any:
+    return runs["pp2_queue"], runs["queue_dir"], runs["pp2_no_queue"], runs["sync_dir"]
 
 
 def test_pp2_matches_hf_and_each_stage_holds_its_layers(
@@ -318,19 +349,21 @@ def test_the_batch_queue_keeps_two_steps_in_flight(pp2_runs: Any) -> None:
 
 
 def test_tp2_pp2_matches_hf_and_each_rank_holds_a_quarter(
-    llama4: tuple[str, Any], pp1: dict[str, Any]
+    llama4: tuple[str, Any], pp1: dict[str, Any], runs: dict[str, Any]
 ) -> None:
-    out = _run(llama4[0], "2", "2", "1", "-", timeout=600)
+    out = runs["tp2_pp2"]
     _check_hf(out, llama4[1])
     assert out["tokens"] == pp1["tokens"]
     _check_kv(out, pp1, tp=2, pp=2)
     assert out["max_batches_in_flight"] == 2
 
 
-def test_pp2_in_the_engine_core_process(llama4: tuple[str, Any], pp1: dict[str, Any]) -> None:
+def test_pp2_in_the_engine_core_process(
+    llama4: tuple[str, Any], pp1: dict[str, Any], runs: dict[str, Any]
+) -> None:
     """EngineCoreProc's busy loop steps while steps are in flight (has_work),
     and structured outputs hold at P = 2."""
-    out = _run(llama4[0], "1", "2", "1", "-", "proc")
+    out = runs["pp2_proc"]
     _check_hf(out, llama4[1])
     assert out["tokens"] == pp1["tokens"]
     for text in out["structured"]:
