@@ -8,17 +8,15 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_docs_assets_keeps_the_tuning_recording(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Stale views go; the tuning chapter's charts and facts stay. (Mutation
-    caught: clear_out_dir removing the whole folder, as it did.)"""
+def _record_assets(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """docs/record_assets.py, imported with docs/ on the path (as its scripts run)."""
     monkeypatch.syspath_prepend(str(ROOT / "docs"))
     spec = importlib.util.spec_from_file_location(
         "docs_record_assets", ROOT / "docs" / "record_assets.py"
@@ -27,6 +25,15 @@ def test_docs_assets_keeps_the_tuning_recording(
     ra = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "docs_record_assets", ra)
     spec.loader.exec_module(ra)
+    return ra
+
+
+def test_docs_assets_keeps_the_tuning_recording(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stale views go; the tuning chapter's charts and facts stay. (Mutation
+    caught: clear_out_dir removing the whole folder, as it did.)"""
+    ra = _record_assets(monkeypatch)
     out = tmp_path / "recorded"
     out.mkdir()
     kept = ["facts.tuning.json", "tuning-max-num-seqs.svg", "tuning-block-size.svg"]
@@ -58,14 +65,7 @@ def test_docs_assets_keeps_every_standalone_recording(
     clear_out_dir's list.)"""
     import fnmatch
 
-    monkeypatch.syspath_prepend(str(ROOT / "docs"))
-    spec = importlib.util.spec_from_file_location(
-        "docs_record_assets_all", ROOT / "docs" / "record_assets.py"
-    )
-    assert spec is not None and spec.loader is not None
-    ra = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "docs_record_assets_all", ra)
-    spec.loader.exec_module(ra)
+    ra = _record_assets(monkeypatch)
     out = tmp_path / "recorded"
     out.mkdir()
     names = []
