@@ -70,6 +70,30 @@ def _clean(text: str) -> str:
     return text.replace(sys.prefix, "<venv>")
 
 
+WIDTH = 84  # the book's code column at 1280 px, in characters (docs/check_site.py)
+
+
+def _fold(text: str, comment: str) -> str:
+    """Break generated lines longer than WIDTH so the book's code blocks do
+    not scroll sideways: comments at spaces (each continuation a comment),
+    code after a ``, ``, ``; `` or ``(``, continued eight columns in. For reading,
+    not for running: the call's first line unpacks a tuple across the break."""
+    out: list[str] = []
+    for line in text.splitlines():
+        indent = line[: len(line) - len(line.lstrip())]
+        is_comment = line.lstrip().startswith(comment)
+        cont = indent + (comment + "   " if is_comment else "        ")
+        while len(line) > WIDTH:
+            seps = (" ",) if is_comment else (", ", "; ", "(")
+            cut = max(line.rfind(sep, len(cont) + 1, WIDTH) + len(sep) for sep in seps)
+            if cut <= len(cont) + 1:
+                break  # no place to break: leave it long
+            out.append(line[:cut].rstrip())
+            line = cont + line[cut:].lstrip()
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 def _pieces(graph_py: str) -> list[dict[str, Any]]:
     """Each ``class submod_N`` of computation_graph.py: is it a splitting
     piece, and the source functions (``# File: path:line in fn``) they came from."""
@@ -111,9 +135,12 @@ def _call(wrapper: str) -> str:
 
 
 def _kernel(wrapper: str) -> str:
+    """The kernel's C++, each ``static_cast<int64_t>(x)`` shown as ``(x)``,
+    or ``x`` for a plain name or literal (Inductor casts every index)."""
     m = re.search(KERNEL + r"_\d+ = async_compile\.cpp_pybinding\(.*?r'''\n(.*?)'''", wrapper, re.S)
     assert m, f"{KERNEL} not found"
-    return m.group(1)
+    cpp = re.sub(r"static_cast<int64_t>\(([\w.]+)\)", r"\1", m.group(1))
+    return re.sub(r"static_cast<int64_t>\(([^()]*)\)", r"(\1)", cpp)
 
 
 def draw() -> dict[str, Any]:
@@ -138,8 +165,8 @@ def draw() -> dict[str, Any]:
         rows.append(f"| `{p['name']}` | {kind} | {count} | {' → '.join(p['sources'])} |")
     assets.write_text("compile-pieces.md", "\n".join(rows) + "\n")
     generated = _middle_wrapper(CACHE)
-    assets.write_text("compile-call.txt", _clean(_call(generated)))
-    assets.write_text("compile-kernel.cpp", _clean(_kernel(generated)))
+    assets.write_text("compile-call.txt", _fold(_clean(_call(generated)), "#"))
+    assets.write_text("compile-kernel.cpp", _fold(_clean(_kernel(generated)), "//"))
 
     per_piece: dict[str, dict[str, float]] = {}
     for s in compiles:
