@@ -755,7 +755,9 @@ def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:
             get_allowed_producers({"allowed_producers": bad})
     for key, bad_seconds in (("kv_expiry_margin", "10"), ("kv_read_timeout", True)):
         with pytest.raises(TypeError, match=key):
-            NixlConnectorScheduler(_worker_config("kv_consumer", **{key: bad_seconds}), "C")
+            NixlConnectorScheduler(
+                _worker_config("kv_consumer", **{key: bad_seconds}), "C", _kv_cache_config()
+            )
 
     prompt = list(range(10, 34))
     good = {
@@ -782,7 +784,9 @@ def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:
         assert remote_prefill_params_problem({**good, key: value}, len(prompt)), (key, value)
 
     scheduler = NixlConnectorScheduler(
-        _worker_config("kv_consumer", allowed_producers=["localhost:5600"]), "C"
+        _worker_config("kv_consumer", allowed_producers=["localhost:5600"]),
+        "C",
+        _kv_cache_config(),
     )
     for port, expected in ((5600, (len(prompt), True)), (5601, (0, False))):
         params = {**good, "remote_port": port}
@@ -790,6 +794,64 @@ def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:
         assert scheduler.get_num_new_matched_tokens(request, 0) == expected, port
     assert request.kv_transfer_params is not None
     assert request.kv_transfer_params["do_remote_prefill"] is False  # refused: computed here
+
+
+def _kv_cache_config(num_blocks: int = WORKER_BLOCKS) -> Any:
+    """A pool of num_blocks for a scheduler-side connector (no tensors)."""
+    from tracevllm.kv_cache_interface import KVCacheConfig
+
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[])
+
+
+def _finish_for_remote_decode(scheduler: Any, req_id: str, block_ids: list[int]) -> Any:
+    """A producer's request sent with do_remote_decode, finished: request_finished's answer."""
+    from tests.test_scheduler import make_request
+    from tracevllm.request import RequestStatus
+
+    prompt = list(range(10, 10 + BLOCK_SIZE * len(block_ids)))
+    request = make_request(
+        req_id, prompt, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+    )
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    request.num_computed_tokens = len(prompt)
+    return scheduler.request_finished(request, block_ids)
+
+
+def test_a_producer_holds_at_most_max_held_fraction_of_its_pool(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Any client can ask a producer to hold a finished request's blocks (for
+    480 s, unless its reader notifies): past max_held_fraction of the pool
+    (tracevllm's; vLLM has no cap) a request's blocks are freed at once and
+    it gets no kv_transfer_params, and blocks read (or expired) make room
+    again (mutation caught: the cap check removed -> a third request held,
+    12 of 16 blocks pinned)."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+        NixlConnectorScheduler,
+        get_max_held_fraction,
+    )
+    from tracevllm.outputs import KVConnectorOutput
+
+    assert get_max_held_fraction({}) == 0.5
+    for bad in (-0.1, 1.5, "0.5", True, float("nan")):
+        with pytest.raises(TypeError, match="max_held_fraction"):
+            get_max_held_fraction({"max_held_fraction": bad})
+    scheduler = NixlConnectorScheduler(_worker_config("kv_producer"), "P", _kv_cache_config(16))
+    assert scheduler.max_held_blocks == 8
+    assert _finish_for_remote_decode(scheduler, "a", [1, 2, 3, 4])[0] is True
+    held, params = _finish_for_remote_decode(scheduler, "b", [5, 6, 7, 8])
+    assert held is True and params is not None  # 8 of 16: at the cap, not past it
+    with caplog.at_level("WARNING"):
+        assert _finish_for_remote_decode(scheduler, "c", [9, 10, 11, 12]) == (False, None)
+    assert "max_held_fraction" in caplog.text
+    # The reader of "a" is done (or its hold expired): room for "c" again.
+    scheduler.update_connector_output(KVConnectorOutput(finished_sending={"a"}))
+    assert _finish_for_remote_decode(scheduler, "c", [9, 10, 11, 12])[0] is True
+    # 0 holds nothing: every request computes its prompt on its reader.
+    none_held = NixlConnectorScheduler(
+        _worker_config("kv_producer", max_held_fraction=0), "P", _kv_cache_config(16)
+    )
+    assert _finish_for_remote_decode(none_held, "d", [1]) == (False, None)
 
 
 def test_worker_shutdown_shuts_the_processs_kv_connector_down(

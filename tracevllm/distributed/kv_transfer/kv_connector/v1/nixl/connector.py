@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     )
     from tracevllm.forward_context import ForwardContext
     from tracevllm.kv_cache_interface import KVCacheConfig
+    from tracevllm.outputs import KVConnectorOutput
     from tracevllm.request import Request
 
 
@@ -81,7 +82,9 @@ class NixlConnector(KVConnectorBase_V1):
         self.connector_scheduler: NixlConnectorScheduler | None = None
         self.connector_worker: NixlConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlConnectorScheduler(vllm_config, engine_id)
+            self.connector_scheduler = NixlConnectorScheduler(
+                vllm_config, engine_id, kv_cache_config
+            )
         else:
             # Imported here: the scheduler's side needs neither NIXL nor torch.
             from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
@@ -106,6 +109,10 @@ class NixlConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.connector_scheduler is not None
         return self.connector_scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

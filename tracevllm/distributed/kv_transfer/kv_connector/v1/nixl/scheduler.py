@@ -26,7 +26,11 @@ blocks). The side channel is served by the producer's worker (one per
 engine here) rather than by the scheduler. A client's ``kv_transfer_params``
 are checked before use (``remote_prefill_params_problem``), and with
 ``kv_connector_extra_config["allowed_producers"]`` only the listed producer
-addresses are read from; vLLM checks only that they are a dict. Left out:
+addresses are read from; vLLM checks only that they are a dict. A producer
+holds at most ``kv_connector_extra_config["max_held_fraction"]`` (0.5) of
+its pool for readers: past it, a finished request's blocks are freed at once
+and it returns no params, so clients that never read cannot pin the whole
+pool for the timeout (vLLM has no cap). Left out:
 host buffers (the KV cache is in host memory already), bidirectional
 transfers, Mamba and sliding-window clipping, connector stats.
 """
@@ -51,6 +55,8 @@ if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
     from tracevllm.core.kv_cache_manager import KVCacheBlocks
     from tracevllm.core.sched.output import SchedulerOutput
+    from tracevllm.kv_cache_interface import KVCacheConfig
+    from tracevllm.outputs import KVConnectorOutput
     from tracevllm.request import Request
 
 logger = logging.getLogger(__name__)
@@ -125,6 +131,19 @@ def get_seconds(extra_config: dict[str, Any], key: str) -> float:
     return float(value)
 
 
+def get_max_held_fraction(extra_config: dict[str, Any]) -> float:
+    """``kv_connector_extra_config["max_held_fraction"]`` (tracevllm's; vLLM
+    has no cap): the share of a producer's KV cache that finished requests may
+    hold for remote readers, 0.5 by default."""
+    value = extra_config.get("max_held_fraction", 0.5)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise TypeError(
+            "kv_connector_extra_config['max_held_fraction'] must be a number from 0 to 1, "
+            f"got {value!r}."
+        )
+    return float(value)
+
+
 def get_allowed_producers(extra_config: dict[str, Any]) -> frozenset[tuple[str, int]] | None:
     """``kv_connector_extra_config["allowed_producers"]`` (tracevllm's): the
     side-channel addresses (``"host:port"``) a decode engine may read from;
@@ -150,10 +169,13 @@ def get_allowed_producers(extra_config: dict[str, Any]) -> frozenset[tuple[str, 
 class NixlConnectorScheduler:
     """Implementation of Scheduler side methods"""
 
-    def __init__(self, vllm_config: VllmConfig, engine_id: str) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
         self.vllm_config = vllm_config
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = engine_id
+        self.kv_cache_config = kv_cache_config
         self.side_channel_host = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_HOST
         self.side_channel_port = envs.TRACEVLLM_NIXL_SIDE_CHANNEL_PORT
         self.abort_request_timeout = envs.TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT
@@ -163,6 +185,12 @@ class NixlConnectorScheduler:
         self.allowed_producers = get_allowed_producers(extra_config)
         for key in SECONDS_DEFAULTS:
             get_seconds(extra_config, key)
+        # Producer (tracevllm's): at most this many blocks held for readers at
+        # once, so that clients who never read cannot pin the whole pool for
+        # the abort timeout.
+        self.max_held_fraction = get_max_held_fraction(extra_config)
+        self.max_held_blocks = int(self.max_held_fraction * kv_cache_config.num_blocks)
+        self._held_blocks: dict[ReqId, int] = {}
         # Consumer: requests to read, with their local blocks, until the next meta.
         self._reqs_need_recv: dict[ReqId, tuple[Request, list[int]]] = {}
         # Producer: finished requests holding blocks, with their expiry.
@@ -239,11 +267,21 @@ class NixlConnectorScheduler:
         self._send_meta = {}
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The producer's held blocks that were read (or expired) are freed."""
+        for req_id in connector_output.finished_sending or ():
+            self._held_blocks.pop(req_id, None)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Once a request is finished, determine whether request blocks
-        should be freed now or will be sent asynchronously and freed later."""
+        should be freed now or will be sent asynchronously and freed later.
+
+        tracevllm's cap: a request whose blocks would bring those held for
+        readers past ``max_held_fraction`` of the pool frees them now and
+        returns no params (its reader computes the prompt itself); vLLM holds
+        every one."""
         from tracevllm.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -264,6 +302,20 @@ class NixlConnectorScheduler:
             # Aborted or failed: nothing will read its blocks.
             return False, None
 
+        num_held = sum(self._held_blocks.values())
+        if block_ids and num_held + len(block_ids) > self.max_held_blocks:
+            logger.warning(
+                "NixlConnector: request %s's %d blocks would bring the blocks held for "
+                "remote readers to %d of %d (max_held_fraction %.2f): freed now, "
+                "no kv_transfer_params returned",
+                request.request_id,
+                len(block_ids),
+                num_held + len(block_ids),
+                self.kv_cache_config.num_blocks,
+                self.max_held_fraction,
+            )
+            return False, None
+
         delay_free_blocks = len(block_ids) > 0
         # The hold's end, told to the reader too (tracevllm's): a read that
         # would end after it could copy blocks this engine has since reused,
@@ -272,6 +324,7 @@ class NixlConnectorScheduler:
         # Only a reader given these params can free the blocks early.
         notif_token = secrets.token_hex(16)
         if delay_free_blocks:
+            self._held_blocks[request.request_id] = len(block_ids)
             self._reqs_need_send[request.request_id] = (
                 time.perf_counter() + self.abort_request_timeout
             )
