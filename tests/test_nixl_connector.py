@@ -796,6 +796,53 @@ def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:
     assert request.kv_transfer_params["do_remote_prefill"] is False  # refused: computed here
 
 
+def test_only_a_consumer_reads_and_one_reading_from_anywhere_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine whose role is kv_producer ignores do_remote_prefill (it never
+    needs to read, so a client cannot make it connect anywhere; mutation
+    caught: the role check removed -> (24, True)), kv_both still reads, and a
+    kv_consumer without allowed_producers warns once at start-up (mutation
+    caught: the warning removed)."""
+    from tests.test_scheduler import make_request
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+        NixlConnectorScheduler,
+    )
+
+    prompt = list(range(10, 34))
+    params = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [1, 2, 3],
+        "remote_engine_id": "P",
+        "remote_request_id": "r",
+        "remote_host": "localhost",
+        "remote_port": 5600,
+        "remote_num_tokens": len(prompt),
+        "remote_expiration_time": time.time() + 300,
+        "remote_notif_token": "abc123",
+    }
+    for role, expected in (("kv_producer", (0, False)), ("kv_both", (len(prompt), True))):
+        scheduler = NixlConnectorScheduler(_worker_config(role), "E", _kv_cache_config())
+        request = make_request(role, prompt, extra_args={"kv_transfer_params": dict(params)})
+        with caplog.at_level("WARNING"):
+            assert scheduler.get_num_new_matched_tokens(request, 0) == expected, role
+        assert request.kv_transfer_params is not None
+        assert request.kv_transfer_params["do_remote_prefill"] is (role == "kv_both")
+    assert "kv_role is kv_producer" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        NixlConnectorScheduler(_worker_config("kv_producer"), "P", _kv_cache_config())
+        assert "allowed_producers" not in caplog.text
+        NixlConnectorScheduler(
+            _worker_config("kv_consumer", allowed_producers=["localhost:5600"]),
+            "C",
+            _kv_cache_config(),
+        )
+        assert "allowed_producers" not in caplog.text
+        NixlConnectorScheduler(_worker_config("kv_consumer"), "C", _kv_cache_config())
+        assert caplog.text.count("allowed_producers") == 1
+
+
 def _kv_cache_config(num_blocks: int = WORKER_BLOCKS) -> Any:
     """A pool of num_blocks for a scheduler-side connector (no tensors)."""
     from tracevllm.kv_cache_interface import KVCacheConfig

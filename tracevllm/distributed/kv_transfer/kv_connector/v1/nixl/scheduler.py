@@ -26,7 +26,9 @@ blocks). The side channel is served by the producer's worker (one per
 engine here) rather than by the scheduler. A client's ``kv_transfer_params``
 are checked before use (``remote_prefill_params_problem``), and with
 ``kv_connector_extra_config["allowed_producers"]`` only the listed producer
-addresses are read from; vLLM checks only that they are a dict. A producer
+addresses are read from (a kv_consumer without the list warns at start-up);
+vLLM checks only that they are a dict. An engine whose role is
+``kv_producer`` ignores ``do_remote_prefill`` (vLLM's reads for any role). A producer
 holds at most ``kv_connector_extra_config["max_held_fraction"]`` (0.5) of
 its pool for readers: past it, a finished request's blocks are freed at once
 and it returns no params, so clients that never read cannot pin the whole
@@ -183,6 +185,15 @@ class NixlConnectorScheduler:
         assert kv_transfer_config is not None
         extra_config = kv_transfer_config.kv_connector_extra_config
         self.allowed_producers = get_allowed_producers(extra_config)
+        # A kv_producer never reads (tracevllm's: vLLM reads for any role),
+        # so it cannot be made to connect wherever a client's params say.
+        self.is_consumer = kv_transfer_config.is_kv_consumer
+        if self.is_consumer and self.allowed_producers is None:
+            logger.warning(
+                "NixlConnector: no kv_connector_extra_config['allowed_producers']: this "
+                "engine reads KV from any host and port a client's kv_transfer_params name "
+                "(as vLLM does); list the prefill engines' side channels to limit it"
+            )
         for key in SECONDS_DEFAULTS:
             get_seconds(extra_config, key)
         # Producer (tracevllm's): at most this many blocks held for readers at
@@ -204,6 +215,14 @@ class NixlConnectorScheduler:
         asynchronously (between steps)."""
         params = request.kv_transfer_params
         if params is not None and params.get("do_remote_prefill"):
+            if not self.is_consumer:
+                logger.warning(
+                    "NixlConnector: request %s asks for a remote prefill, but this "
+                    "engine's kv_role is kv_producer: it computes its prompt itself",
+                    request.request_id,
+                )
+                params["do_remote_prefill"] = False
+                return 0, False
             problem = remote_prefill_params_problem(
                 params, len(request.prompt_token_ids), self.allowed_producers
             )
