@@ -590,6 +590,11 @@ def test_loaded_requests_holding_every_free_block_give_one_back() -> None:
     keeps its blocks) gives its blocks back, a runs, and all six finish."""
     sched = _async_scheduler()
     free0 = _num_free(sched)
+    outputs: list[EngineCoreOutputs] = []
+
+    def report(so: SchedulerOutput, **kv: Any) -> None:
+        outputs.extend(_report(sched, so, **kv).values())
+
     loads = {"a": 4, "b": 52, "c": 52, "d": 52, "e": 52, "f": 4}
     for i, (req_id, num_remote) in enumerate(loads.items()):
         prompt = list(range(100 * i + 1, 100 * i + 57))
@@ -610,17 +615,17 @@ def test_loaded_requests_holding_every_free_block_give_one_back() -> None:
     assert sched.requests["f"].status == RequestStatus.WAITING
     assert _held_blocks(sched, "f") == [] and _num_free(sched) == 10
     e_blocks = _held_blocks(sched, "e")
-    _report(sched, so, finished_recving=set("abcd"))
+    report(so, finished_recving=set("abcd"))
 
     # a cannot get its 13 blocks: d gives back its 13 (cached, not lost).
     so = sched.schedule()
     assert so.num_scheduled_tokens == {}
     assert _held_blocks(sched, "d") == [] and sched.requests["d"].num_computed_tokens == 0
     assert _held_blocks(sched, "e") == e_blocks
-    _report(sched, so)
+    report(so)
     so = sched.schedule()
     assert so.num_scheduled_tokens["a"] == 52  # a runs
-    _report(sched, so)
+    report(so)
 
     # Bounded: a wedged scheduler steps without end (mutation caught: no
     # request gives its blocks back -> 200 steps, nothing scheduled).
@@ -640,11 +645,24 @@ def test_loaded_requests_holding_every_free_block_give_one_back() -> None:
         }
         if num_steps < 5:
             loading.discard("e")
-        _report(sched, so, finished_recving=loading)
+        report(so, finished_recving=loading)
     assert not sched.has_requests(), {
         r.request_id: (r.status, r.num_computed_tokens) for r in sched.requests.values()
     }
     assert _num_free(sched) == free0
+
+    # d, admitted again after giving back, is counted once, its loaded
+    # tokens still external, not local hits (mutation caught: the
+    # gave_back_loaded_blocks checks dropped -> 7 lookups, d's 52 local).
+    lookups = [o.scheduler_stats.connector_prefix_cache_stats for o in outputs if o.scheduler_stats]
+    assert sum(s.requests for s in lookups if s) == 6
+    assert sum(s.queries for s in lookups if s) == 6 * 56
+    assert sum(s.hits for s in lookups if s) == sum(loads.values())
+    prefill = [o for outs in outputs for o in outs.outputs if o.prefill_stats]
+    assert {o.request_id: o.prefill_stats.num_external_cached_tokens for o in prefill} == loads
+    assert {o.request_id: o.prefill_stats.num_local_cached_tokens for o in prefill} == (
+        dict.fromkeys(loads, 0)
+    )
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

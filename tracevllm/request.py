@@ -82,6 +82,11 @@ class Request:
         # Filled when first scheduled (prefix-cache hits), sent with the first output.
         self.prefill_stats: PrefillStats | None = PrefillStats()
         self.num_preemptions = 0
+        # tracevllm's own: it gave back the blocks of a finished asynchronous
+        # load (Scheduler._free_loaded_waiting_request), so its next admission
+        # continues the first one, whose prefill stats and connector lookup
+        # were recorded already.
+        self.gave_back_loaded_blocks = False
 
         assert sampling_params.max_tokens is not None, "InputProcessor sets max_tokens"
         self.max_tokens = sampling_params.max_tokens

@@ -340,8 +340,10 @@ class Scheduler:
                         num_new_local_computed_tokens + num_external_computed_tokens
                     )
                     assert num_computed_tokens <= request.num_tokens
-                    # The first prefill only, not a recompute after preemption.
-                    if request.prefill_stats is not None:
+                    # The first prefill only, not a recompute after preemption,
+                    # nor an admission after giving back loaded blocks (its
+                    # loaded tokens, now local hits, stay external).
+                    if request.prefill_stats is not None and not request.gave_back_loaded_blocks:
                         request.prefill_stats.set(
                             request.num_prompt_tokens,
                             num_new_local_computed_tokens,
@@ -417,14 +419,17 @@ class Scheduler:
                         self.kv_cache_manager.get_blocks(request.request_id),
                         num_external_computed_tokens,
                     )
-                    if self.connector_prefix_cache_stats is not None and (
-                        request.num_computed_tokens == 0  # not a finished async load
+                    if (
+                        self.connector_prefix_cache_stats is not None
+                        and request.num_computed_tokens == 0  # not a finished async load
+                        and not request.gave_back_loaded_blocks  # counted when first admitted
                     ):
                         self.connector_prefix_cache_stats.record(
                             num_tokens=request.num_tokens - num_new_local_computed_tokens,
                             num_hits=num_external_computed_tokens,
                             preempted=request.num_preemptions > 0,
                         )
+                request.gave_back_loaded_blocks = False
                 request = request_queue.pop_request()
                 if load_kv_async:
                     # Its slots are held while the load runs between steps;
@@ -532,7 +537,9 @@ class Scheduler:
         its loaded blocks are in the prefix cache already
         (``_update_waiting_for_remote_kv``), so when it is admitted again it
         finds them there (those not evicted meanwhile) and computes only the
-        rest. A request still loading (``WAITING_FOR_REMOTE_KVS``) keeps its
+        rest; that admission is not counted again (``gave_back_loaded_blocks``:
+        its prefill stats and connector lookup stay the first admission's,
+        the loaded tokens external). A request still loading (``WAITING_FOR_REMOTE_KVS``) keeps its
         blocks: the load is writing into them.
         """
 
@@ -562,6 +569,7 @@ class Scheduler:
         if victim.num_computed_tokens > 0:  # (a load that failed has let go already)
             self.kv_cache_manager.free(victim)
             victim.num_computed_tokens = 0
+            victim.gave_back_loaded_blocks = True
         logger.debug(
             "Request %s gives back its loaded blocks: request %s cannot get blocks and "
             "nothing runs",
