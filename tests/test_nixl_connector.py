@@ -723,15 +723,49 @@ def test_notifications_are_parsed_defensively_and_need_the_requests_token(
     sending, _ = producer.worker.get_finished()
     assert "held" in sending and "held" not in producer.worker._reqs_to_send
     # A notification before the producer's worker heard of the request is
-    # matched with its token too.
-    pending.append([b"early:bad:1", b"other:good:1"])
+    # matched with its token too...
+    token = "0123456789abcdef" * 2  # the producer's form: 32 hex digits
+    pending.append([b"early:" + b"f" * 32 + b":1", f"other:{token}:1".encode()])
     producer.worker.get_finished()
-    producer.hold("early", "good")
+    producer.hold("early", token)
     assert "early" in producer.worker._reqs_to_send
-    pending.append([b"early2:good:1"])
+    pending.append([f"early2:{token}:1".encode()])
     producer.worker.get_finished()
-    producer.hold("early2", "good")
+    producer.hold("early2", token)
     assert "early2" not in producer.worker._reqs_to_send
+    # ...and reported by the next step, so that the scheduler frees its
+    # blocks (before: never reported, held for good; mutation caught).
+    sending, _ = producer.worker.get_finished()
+    assert "early2" in sending
+    sending, _ = producer.worker.get_finished()
+    assert "early2" not in sending
+
+
+@pytest.mark.timeout(120)
+def test_early_notifications_are_bounded_and_need_a_token_of_the_producers_form(
+    sides: tuple[_Side, _Side, _Side], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Notifications for requests the producer has not heard of are kept until
+    the request comes, but anyone who reaches its agent can send them: only
+    tokens of the producer's form (32 hex digits) are kept (mutation caught:
+    the form check removed -> "t" kept), and at most MAX_EARLY_NOTIFS, the
+    oldest dropped (mutation caught: no cap -> 5 kept)."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as nixl_worker
+
+    producer, _, _ = sides
+    worker = producer.worker
+    pending = [[b"x:t:1", b"y:" + b"A" * 32 + b":1", b"z:" + b"a" * 33 + b":1"]]
+    monkeypatch.setattr(
+        worker.nixl_wrapper, "get_new_notifs", lambda: {"a": pending.pop(0)} if pending else {}
+    )
+    monkeypatch.setattr(nixl_worker, "MAX_EARLY_NOTIFS", 3)
+    monkeypatch.setattr(worker, "_early_notifs", {})
+    token = "abcdef0123456789" * 2
+    worker.get_finished()
+    assert worker._early_notifs == {}
+    pending.append([f"e{i}:{token}:1".encode() for i in range(5)])
+    worker.get_finished()
+    assert [req_id for req_id, _ in worker._early_notifs] == ["e2", "e3", "e4"]
 
 
 def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:

@@ -40,7 +40,10 @@ Where tracevllm departs from vLLM, and why:
 - Notifications are ``<request id>:<token>:<tp size>``; the token comes with
   ``kv_transfer_params`` (``remote_notif_token``), so only a reader given a
   request's params can free its blocks early. A malformed notification is
-  dropped, not raised in the engine's step.
+  dropped, not raised in the engine's step. One for a request the worker has
+  not heard of yet (a fast reader) is kept for the request, if its token has
+  the producer's form (32 hex digits), and at most ``MAX_EARLY_NOTIFS`` of
+  them (10 000, the oldest dropped).
 - Only a producer (``kv_producer``, ``kv_both``) serves the side channel,
   which hands its agent metadata and memory layout to anyone who connects
   (so keep ``TRACEVLLM_NIXL_SIDE_CHANNEL_HOST`` on a private address; it
@@ -92,6 +95,16 @@ logger = logging.getLogger(__name__)
 CONNECTOR_NAME = "NixlConnector"
 # A dead or absent side channel fails the handshake after this long.
 HANDSHAKE_TIMEOUT_MS = 5000
+# Notifications kept for requests this worker has not heard of yet (the
+# oldest dropped past it): anyone who reaches the agent can send them.
+MAX_EARLY_NOTIFS = 10_000
+# A notification token as the producer's scheduler makes it (secrets.token_hex(16)).
+_NOTIF_TOKEN_LEN = 32
+_HEX_DIGITS = frozenset("0123456789abcdef")
+
+
+def is_notif_token(token: str) -> bool:
+    return len(token) == _NOTIF_TOKEN_LEN and set(token) <= _HEX_DIGITS
 
 
 def make_zmq_path(scheme: str, host: str, port: int) -> str:
@@ -189,6 +202,9 @@ class NixlConnectorWorker:
         self._reqs_to_send: dict[ReqId, float] = {}
         self._send_meta: dict[ReqId, SendMeta] = {}
         self._early_notifs: dict[tuple[ReqId, str], float] = {}
+        # Requests read before this worker heard of them: reported by the
+        # next get_finished, so that the scheduler frees their blocks.
+        self._done_sending_early: set[ReqId] = set()
 
         self._stop_listener = threading.Event()
         self._nixl_handshake_listener_t: threading.Thread | None = None
@@ -391,6 +407,7 @@ class NixlConnectorWorker:
             self._send_meta[req_id] = send
             if self._early_notifs.pop((req_id, send.notif_token), None) is not None:
                 self._finish_send(req_id, None)  # already read
+                self._done_sending_early.add(req_id)
             else:
                 self._reqs_to_send[req_id] = expiration_time
 
@@ -567,7 +584,8 @@ class NixlConnectorWorker:
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(requests whose blocks were read or expired, requests whose reads
         ended), this step."""
-        done_sending = self._get_new_notifs()
+        done_sending = self._get_new_notifs() | self._done_sending_early
+        self._done_sending_early = set()
         done_recving = self._pop_done_transfers()
         failed_recv_reqs: set[ReqId] = set()
         while not self._failed_recv_reqs.empty():
@@ -624,10 +642,19 @@ class NixlConnectorWorker:
                     del self._reqs_to_send[req_id]
                     self._finish_send(req_id, None)
                     notified_req_ids.add(req_id)
-                else:
+                elif is_notif_token(token):
                     # Read before this worker heard the request finished (or
                     # after it expired): matched in start_load_kv, if it comes.
+                    # Bounded, oldest dropped: a peer could send any number.
+                    if len(self._early_notifs) >= MAX_EARLY_NOTIFS:
+                        del self._early_notifs[next(iter(self._early_notifs))]
                     self._early_notifs[(req_id, token)] = time.perf_counter()
+                else:
+                    logger.warning(
+                        "NixlConnector: dropped a notification for unknown request %.80r "
+                        "whose token is not one this engine makes",
+                        req_id,
+                    )
         return notified_req_ids
 
     def get_block_ids_with_load_errors(self) -> set[int]:
