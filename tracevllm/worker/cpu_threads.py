@@ -20,13 +20,20 @@ maximum), pairs each step at one count with the step next to it at the other,
 and keeps a pair only when both steps have the same shape (requests and
 scheduled tokens: in a decode-heavy run most neighbouring steps do). The
 median of the pairs' time ratios decides: the neighbour is taken only when
-it is faster by more than the hysteresis, so noise does not make the count
-flap. A probe stops at its first pair when the neighbour is more than 1.25x
-slower (so a bad neighbour costs one step), and after two pairs when it is
-more than 1.25x faster both times. After a probe that kept the count the
-next one comes twice as late, or later still when the probe's slow steps
-cost more than 3% of the steps until the next one (up to ``max_interval``
-steps); after a change, soon, which follows a load that keeps changing.
+it is faster by more than the hysteresis plus two standard errors of the
+steps' own noise (measured on neighbouring steps of one shape at one count,
+and on the pairs' scatter), so that on a busy machine, where step times
+vary by tens of percent, the count does not flap. A probe stops at its
+first pair when the neighbour is more than 1.25x slower (so a bad
+neighbour costs one step), and after three pairs when it is more than
+1.25x faster all three times. A probe that finds no like-shaped pairs
+(arrivals in serving, chunked prefills beside decodes) ends after
+``pairs`` unlike pairs: at most ``2 * pairs`` steps at the other count.
+After a probe that kept the count the next one comes twice as late, or
+later still when the probe's slow steps cost more than 3% of the steps
+until the next one (up to ``max_interval`` steps); after a change, after
+``2 * min_interval`` steps, which follows a load that keeps changing
+without undoing at once a switch that noise made.
 
 Why step times rather than the run queue (``/proc/loadavg``'s running
 count, ``/proc/stat``'s ``procs_running``): those count the engine's own
@@ -52,6 +59,7 @@ import logging
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -61,6 +69,14 @@ if TYPE_CHECKING:
     from tracevllm.core.sched.output import SchedulerOutput
 
 T = TypeVar("T")
+
+# Pairs that must all find the other count more than abort_ratio faster
+# before a probe switches ahead of its full ``pairs``.
+EARLY_SWITCH_PAIRS = 3
+# The full probe's median must beat the hysteresis by this many standard
+# errors of the step times' noise; over this many recent tied pairs.
+NOISE_SIGMAS = 2.0
+NOISE_SAMPLES = 64
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +131,19 @@ class AdaptiveThreadPolicy:
         self._ratios: list[float] = []
         self._first: tuple[StepShape, int, float] | None = None
         self._probe_steps = 0
+        self._unlike_pairs = 0
         self._pending: tuple[StepShape, int] | None = None
+        # The noise: log time ratios of neighbouring steps of one shape at one
+        # count, in a probe or not (what a pair's ratio is when counts tie).
+        self._noise: deque[float] = deque(maxlen=NOISE_SAMPLES)
+        self._last: tuple[StepShape, int, float] | None = None
 
     # --- the per-step calls ---------------------------------------------------
     def threads_for_step(self, shape: StepShape) -> int:
         """The count to run the next step with."""
-        self._pending = None  # a step that never reported (it raised) is forgotten
+        if self._pending is not None:
+            self._last = None  # a step that never reported (it raised) is forgotten
+        self._pending = None
         if self.candidate is None:
             if self.steps_to_probe > 0 or self.max_threads == 1:
                 self.steps_to_probe -= 1
@@ -142,6 +165,9 @@ class AdaptiveThreadPolicy:
             return
         shape, threads = self._pending
         self._pending = None
+        last, self._last = self._last, (shape, threads, seconds)
+        if last is not None and last[:2] == (shape, threads) and min(last[2], seconds) > 0:
+            self._noise.append(math.log(seconds / last[2]))
         if self.candidate is None:
             return
         self._probe_steps += 1
@@ -158,6 +184,8 @@ class AdaptiveThreadPolicy:
                     else (first_seconds, seconds)
                 )
                 self._ratios.append(on_candidate / on_current)
+            else:
+                self._unlike_pairs += 1
         self._maybe_decide()
 
     # --- the probe --------------------------------------------------------------
@@ -170,6 +198,7 @@ class AdaptiveThreadPolicy:
         self._ratios = []
         self._first = None
         self._probe_steps = 0
+        self._unlike_pairs = 0
         self.probes += 1
 
     def _maybe_decide(self) -> None:
@@ -177,13 +206,27 @@ class AdaptiveThreadPolicy:
         ratios = self._ratios
         if ratios and min(ratios) > self.abort_ratio:
             self._end_probe(None)  # clearly slower: stop paying for it at once
-        elif len(ratios) >= 2 and max(ratios) < 1 / self.abort_ratio:
-            self._end_probe(statistics.median(ratios))  # clearly faster, twice
+        elif len(ratios) >= EARLY_SWITCH_PAIRS and max(ratios) < 1 / self.abort_ratio:
+            # Clearly faster three times over (so their median is too).
+            self._end_probe(statistics.median(ratios))
         elif len(ratios) >= self.pairs:
             ratio = statistics.median(ratios)
-            self._end_probe(ratio if ratio < 1 - self.hysteresis else None)
-        elif self._probe_steps >= 4 * self.pairs * 2 and self._first is None:
-            self._end_probe(None)  # too few like-shaped pairs: try again later
+            faster = ratio * self._noise_allowance() < 1 - self.hysteresis
+            self._end_probe(ratio if faster else None)
+        elif self._unlike_pairs >= self.pairs:
+            # As many pairs of unlike shapes as a probe has pairs: the steps
+            # at the other count (at most 2 * pairs) decided nothing; later.
+            self._end_probe(None)
+
+    def _noise_allowance(self) -> float:
+        """How much faster than its median the other count might look by
+        chance: ``NOISE_SIGMAS`` standard errors of a median of the probe's
+        pairs, the spread measured on tied steps and on the pairs themselves."""
+        logs = [math.log(r) for r in self._ratios]
+        mid = statistics.median(logs)
+        spread = [abs(x) for x in self._noise] + [abs(x - mid) for x in logs]
+        sigma = 1.4826 * statistics.median(spread)  # robust: a load change is an outlier
+        return math.exp(NOISE_SIGMAS * 1.2533 * sigma / math.sqrt(len(logs)))
 
     def _end_probe(self, faster_ratio: float | None) -> None:
         assert self.candidate is not None
@@ -197,7 +240,9 @@ class AdaptiveThreadPolicy:
             self.interval = min(wait, self.max_interval)
         else:
             old, self.threads = self.threads, candidate
-            self.interval = self.min_interval
+            # The probe back waits twice the shortest interval: a switch that
+            # noise made is not undone (and redone) at once.
+            self.interval = min(2 * self.min_interval, self.max_interval)
             if self.on_change is not None:
                 self.on_change(old, candidate, faster_ratio)
         self.steps_to_probe = self.interval
