@@ -742,6 +742,66 @@ def test_notifications_are_parsed_defensively_and_need_the_requests_token(
 
 
 @pytest.mark.timeout(120)
+def test_the_side_channel_keeps_serving_after_malformed_messages(
+    sides: tuple[_Side, _Side, _Side],
+) -> None:
+    """Anyone can connect to a producer's side channel: messages that are not
+    a REQ's (2 or 4 frames at the ROUTER) or not msgpack are dropped, and a
+    new consumer's handshake and read still work (before 30062d4 the first
+    one ended the listener thread; mutations caught: the frame-count check
+    removed, the msgpack decode error not caught -> the listener thread
+    dies, and nothing answers)."""
+    import zmq
+
+    producer, _, _ = sides
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(f"tcp://localhost:{producer.port}")
+    try:
+        # The ROUTER sees the peer's identity frame first: 2 and 4 frames.
+        sock.send_multipart([b"one frame"])
+        sock.send_multipart([b"three", b"", b"frames"])
+        # 3 frames, but not msgpack: answered empty. Its answer means the
+        # listener has taken the two before it too (one peer, in order).
+        sock.send_multipart([b"", b"\xc1 not msgpack"])
+        assert sock.recv_multipart() == [b"", b""]
+    finally:
+        sock.close()
+        ctx.term()
+    fresh = _Side("kv_consumer", "C2")
+    try:
+        producer.hold("remote-after-junk", "tok8")
+        fresh.read("after-junk", producer, [1, 2], [5, 6], "tok8")
+        assert fresh.until_read("after-junk") == set()
+        assert _same(fresh.blocks([1, 2]), producer.blocks([5, 6]))
+        assert producer.until_sent("remote-after-junk")
+    finally:
+        fresh.worker.shutdown()
+
+
+def test_shutdown_waits_for_a_handshake_in_flight() -> None:
+    """Worker shutdown waits for the handshake thread's running task, so a
+    late handshake cannot add a remote agent after they are all removed
+    (mutation caught: shutdown(wait=False) -> returns while it runs)."""
+    import threading
+
+    side = _Side("kv_consumer", "C3")
+    started, finished = threading.Event(), threading.Event()
+
+    def slow_handshake() -> None:
+        started.set()
+        time.sleep(0.5)
+        finished.set()
+
+    side.worker._handshake_initiation_executor.submit(slow_handshake)
+    assert started.wait(10)
+    side.worker.shutdown()
+    assert finished.is_set()
+
+
+@pytest.mark.timeout(120)
 def test_early_notifications_are_bounded_and_need_a_token_of_the_producers_form(
     sides: tuple[_Side, _Side, _Side], monkeypatch: pytest.MonkeyPatch
 ) -> None:
