@@ -87,7 +87,10 @@ def remote_prefill_params_problem(
     ``kv_connector_extra_config["allowed_producers"]``, a producer address
     on that list. Whether the block ids exist on the producer is checked by
     the worker, once the handshake has told it how many blocks the producer
-    has."""
+    has. What cannot be checked: that the block ids, expiry and token are
+    the ones the producer returned for this prompt (in-range ids of another
+    request, or an old request's params with a fresh expiry, read what the
+    producer holds there now); the client is trusted for that, as in vLLM."""
     if params.get("do_remote_prefill") is not True:
         return "do_remote_prefill must be true or false"
     block_ids = params.get("remote_block_ids")

@@ -28,7 +28,14 @@ Where tracevllm departs from vLLM, and why:
   seconds (``kv_connector_extra_config``, 10 s) before it is a failed load:
   the producer may have reused the blocks, and the bytes read would be
   another request's KV, cached under this prompt's hashes. The margin must
-  cover the two hosts' clock difference.
+  cover the two hosts' clock difference. The expiry travels in the client's
+  request, as the block ids do, and nothing proves it is the producer's: a
+  client that replays old params with a fresh expiry gets a read of blocks
+  the producer may have reused, cached under its prompt's hashes for every
+  user of that prefix. So the check keeps honest params from late reads; it
+  does not stop a hostile client, which is the same trust as in-range block
+  ids of another request (vLLM trusts both). Let only a proxy that passes
+  the prefill server's own params reach a decode server.
 - A READ still in progress after ``kv_read_timeout`` seconds (60 s) is
   released (NIXL cancels it) and fails, so that a hung peer cannot keep a
   request, and its blocks, for good (vLLM waits).
@@ -414,7 +421,10 @@ class NixlConnectorWorker:
     def _is_expired(self, req_id: ReqId, meta: ReqMeta) -> bool:
         """Whether the producer may free (and reuse) the request's blocks
         before now plus ``kv_expiry_margin``; if so, the load fails (tracevllm's:
-        vLLM's reader renews a lease instead). Reported as a failed load."""
+        vLLM's reader renews a lease instead). Reported as a failed load.
+        The expiry is the one in the request's ``kv_transfer_params``, as the
+        client sent it: honest params are kept from late reads, a forged
+        expiry is not detected (see the module docstring)."""
         if _wall_time() < meta.remote.expiration_time - self.kv_expiry_margin:
             return False
         logger.error(
