@@ -32,11 +32,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 
-BUSY_LOOP = "while True: pass"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from busy import RunQueueSampler, parse_conditions, under  # noqa: E402
+
 LOG_THREADS_DIR = os.path.join(tempfile.gettempdir(), "tracevllm-bench-threads")
 SITECUSTOMIZE = """import logging, sys
 _log = logging.getLogger("tracevllm.worker.cpu_threads")
@@ -86,19 +86,6 @@ def child(num_prompts: int, num_warmups: int) -> None:
     print(json.dumps({"tokens": generated, "seconds": elapsed}))
 
 
-def load_average() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
-
-
-def procs_running() -> int:
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("procs_running"):
-                return int(line.split()[1])
-    return 0
-
-
 def measure(env_overrides: dict[str, str], busy: bool, args: argparse.Namespace) -> Run:
     env = {
         k: v
@@ -117,29 +104,8 @@ def measure(env_overrides: dict[str, str], busy: bool, args: argparse.Namespace)
         LOG_THREADS_DIR, env.get("PYTHONPATH")]))}  # fmt: skip
     cmd = [sys.executable, os.path.abspath(__file__), "--child"]
     cmd += ["--num-prompts", str(args.num_prompts), "--num-warmups", str(args.num_warmups)]
-    busy_proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if busy else None
-    samples: list[int] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.02):
-            samples.append(procs_running())
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    try:
-        if busy_proc is not None:
-            time.sleep(1.0)  # let it take its core
-        load_start = load_average()
-        sampler.start()
+    with under("busy" if busy else "quiet") as load, RunQueueSampler() as queue:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-        done.set()
-        sampler.join()
-        load_end = load_average()
-    finally:
-        done.set()
-        if busy_proc is not None:
-            busy_proc.terminate()
-            busy_proc.wait()
     if out.returncode != 0:
         sys.stderr.write(out.stdout + out.stderr)
         raise SystemExit(f"run failed ({out.returncode}): {env_overrides}, busy={busy}")
@@ -147,9 +113,9 @@ def measure(env_overrides: dict[str, str], busy: bool, args: argparse.Namespace)
     changes = re.findall(r"CPU threads: (\d+ -> \d+)", out.stderr)
     return Run(
         tok_s=result["tokens"] / result["seconds"],
-        load_start=load_start,
-        load_end=load_end,
-        runqueue=statistics.mean(samples) if samples else float("nan"),
+        load_start=load.start,
+        load_end=load.end,
+        runqueue=queue.mean,
         changes=changes,
     )
 
@@ -180,13 +146,14 @@ def main() -> None:
     cores = torch.get_num_threads()
     known = settings(cores)
     keys = args.settings.split(",")
-    conditions = [c == "busy" for c in args.conditions.split(",")]
+    try:
+        conditions = [c == "busy" for c in parse_conditions(args.conditions)]
+    except ValueError as e:
+        parser.error(str(e))
     if not set(keys) <= set(known) or "adaptive" not in keys:
         parser.error(
             f"--settings: a comma-separated choice of {', '.join(known)}, adaptive included"
         )
-    if not set(args.conditions.split(",")) <= {"quiet", "busy"}:
-        parser.error("--conditions: quiet, busy or quiet,busy")
     configs = {known[k][0]: known[k][1] for k in keys}
     adaptive_name = known["adaptive"][0]
     console = Console(width=None if sys.stdout.isatty() else 200)

@@ -1,4 +1,5 @@
-"""Offline throughput: tracevllm against HF static batching and vLLM's own CPU build.
+"""Offline throughput: tracevllm against HF static batching and vLLM's own CPU build,
+on a quiet machine and with one busy core.
 
 The workload (issue: 64 chat prompts, per-request max_tokens drawn from 16-128
 with a fixed seed, greedy, ignore_eos; only requested tokens count):
@@ -9,46 +10,181 @@ with a fixed seed, greedy, ignore_eos; only requested tokens count):
   (``bash benchmarks/setup_vllm_venv.sh``): the same prompt token ids and
   max_tokens through vLLM's own ``LLM`` (fp32, ``VLLM_CPU_KVCACHE_SPACE=2``),
   with ``enforce_eager=True`` and then its default ``torch.compile`` path
-  (benchmarks/vllm_offline.py, a separate process).
-tracevllm runs first and again after the others, so the table shows how far
-the machine moved in between (on a shared 2-core machine, runs of the same
-engine differ by 10-20 %); each row's ratio is the mean of the two tracevllm
-runs / that row. Then the cost of each tracing level on the same workload
-(or ``--tracing-prompts N`` of its kind): off, request and full back to
-back in each of ``--tracing-rounds`` rounds (default 3, the first level
-rotating), each level against the same round's off, the median of those
-ratios printed. The workload and the tracevllm
-and HF runs are ``tracevllm bench throughput``'s (tracevllm/benchmarks/).
+  (benchmarks/vllm_offline.py, one process for each).
+
+Every engine runs under each of ``--conditions`` (default both, in this
+order): ``quiet``, and ``busy``: one busy-loop process (``python3 -c "while
+True: pass"``, benchmarks/busy.py) started before that engine's run and
+stopped after it, so every engine meets the same load. The 1-minute load
+average is read as each run starts and ends and printed beside it.
+tracevllm runs first and again after the others, so each condition's table
+shows how far the machine moved in between (on a shared 2-core machine, runs
+of the same engine differ by 10-20 %); each row's ratio is the mean of the
+two tracevllm runs / that row, and each condition's summary gives tracevllm /
+vLLM compiled and / vLLM eager.
+
+The linear-FLOP floor (the issue's goal 3): before anything else, sgemm's
+rate on this machine is measured (``torch.mm`` on fp32 squares, best of 5,
+benchmarks/roofline.py's ``measure_sgemm_squares``; the best of the sizes is
+the rate), and the workload's linear layers are counted from the model's
+shapes (roofline.py's ``model_shapes`` and ``step_cost``): 2 FLOP per weight
+per token, every prompt token and every generated token but the last (which
+is sampled and never fed back) through each layer's linears, and the LM head
+once per generated token. The floor is that count at the measured rate:
+what the workload would take if the linears ran at sgemm's speed and
+nothing else took time. Each run's share of it is floor / measured seconds.
+
+Then the cost of each tracing level on the same workload (or
+``--tracing-prompts N`` of its kind), under each condition: off, request and
+full back to back in each of ``--tracing-rounds`` rounds (default 3, the
+first level rotating), each level against the same round's off, the median
+of those ratios printed. The workload and the tracevllm and HF runs are
+``tracevllm bench throughput``'s (tracevllm/benchmarks/). Every figure, with
+the machine, the load and what it means, goes to ``--output-json``.
 
 Run: ``make bench`` or ``VLLM_VENV=.vllm-venv make bench`` (or ``python
-benchmarks/bench_throughput.py [--skip-hf] [--skip-tracing] [--num-prompts N]
-[--tracing-prompts N] [--tracing-rounds N]``).
+benchmarks/bench_throughput.py [--conditions quiet,busy] [--skip-hf]
+[--skip-tracing] [--num-prompts N] [--tracing-prompts N] [--tracing-rounds N]
+[--model DIR] [--output-json PATH]``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
-from tracevllm.benchmarks.datasets import SampleRequest, chat_samples
-from tracevllm.benchmarks.throughput import run_hf, run_tracevllm
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from busy import LABELS, parse_conditions, under  # noqa: E402
 from offline_common import run_in_vllm_venv  # noqa: E402
 
 # vLLM's CPU build: first without torch.compile, then its default compiled path.
 VLLM_CONFIGS = [{"enforce_eager": True}, {"enforce_eager": False}]
+TRACING_DETAILS = ["off", "request", "full"]
+SGEMM_SIZES = (1024, 2048, 3072)
+DEFAULT_JSON = os.path.join("bench-results", "bench.json")
+
+# What each figure in the JSON is (written into it).
+WHAT = {
+    "sgemm": "torch.mm on fp32 n x n squares in this process, before any engine ran, "
+    "quiet, best of 5 each; gflops: the best of the sizes (2 n^3 FLOP / seconds)",
+    "floor": "the workload's linear layers at sgemm's rate: linear_flops = 2 x weights x "
+    "tokens (each request's prompt tokens and generated tokens but the last through every "
+    "layer's linears, the LM head at each generated token; attention left out); seconds = "
+    "linear_flops / (sgemm gflops x 1e9)",
+    "conditions": "per condition (quiet; busy: one busy-loop process, python3 -c 'while "
+    "True: pass', started before each engine run and stopped after it), each engine run: "
+    "generated tokens, seconds of the timed generate (after 2 untimed warm-up requests), "
+    "tok_s, the 1-minute load average as it started and ended, floor_share = floor seconds / "
+    "seconds",
+    "summary": "per condition: tracevllm_tok_s = the mean of its two runs (first and after "
+    "the others); ratio_vs_X = tracevllm_tok_s / X's tok/s; floor_share = the mean of "
+    "tracevllm's two runs' floor shares",
+    "tracing": "per condition: tok/s of tracing off, request and full detail, back to back "
+    "in each round (first level rotating), each in a fresh LLM; vs_off = the median over "
+    "rounds of (level / the same round's off) - 1",
+}
 
 
-def bench_tracevllm(samples: list[SampleRequest], **llm_kwargs: Any) -> tuple[float, int]:
+@dataclass
+class Run:
+    """One measured engine run under one condition."""
+
+    engine: str  # the row's name
+    key: str  # tracevllm | hf | vllm_eager | vllm_compiled
+    tokens: int
+    seconds: float
+    load_start: float
+    load_end: float
+    floor_share: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+# --------------------------------------------------------------- pure pieces
+def linear_flops(m: dict[str, Any], requests: Sequence[tuple[int, int]]) -> float:
+    """The linear layers' FLOPs of ``(prompt tokens, generated tokens)`` requests
+    (``m``: roofline.model_shapes): through every layer, each prompt token and
+    each generated token but the last; through the LM head, each generated one."""
+    from roofline import step_cost
+
+    total = 0.0
+    for prompt, generated in requests:
+        total += step_cost(m, prompt + generated - 1, generated, 0, 0)[0]
+    return total
+
+
+def floor_seconds(flops: float, gflops: float) -> float:
+    """What ``flops`` take at ``gflops`` GFLOP/s."""
+    return flops / (gflops * 1e9)
+
+
+def run_conditions(
+    conditions: Sequence[str],
+    engines: Sequence[tuple[str, str, Callable[[], tuple[float, int]]]],
+    floor_s: float | None = None,
+    report: Callable[[str, Run], None] | None = None,
+    settle_s: float | None = None,
+) -> dict[str, list[Run]]:
+    """Each ``(name, key, run)`` of ``engines`` in turn under each condition
+    (``run()`` -> (seconds, tokens)); the busy loop, if any, lives exactly as
+    long as one ``run()``."""
+    kwargs = {} if settle_s is None else {"settle_s": settle_s}
+    out: dict[str, list[Run]] = {}
+    for condition in conditions:
+        runs = out[condition] = []
+        for name, key, run in engines:
+            with under(condition, **kwargs) as load:
+                seconds, tokens = run()
+            share = floor_s / seconds if floor_s is not None else None
+            runs.append(Run(name, key, tokens, seconds, load.start, load.end, share))
+            if report:
+                report(condition, runs[-1])
+    return out
+
+
+def summarize(runs: Sequence[Run]) -> dict[str, Any]:
+    """tracevllm's mean tok/s over its runs, each other engine's, and the ratios."""
+    ours = [r for r in runs if r.key == "tracevllm"]
+    summary: dict[str, Any] = {"tracevllm_tok_s": statistics.mean(r.tok_s for r in ours)}
+    shares = [r.floor_share for r in ours if r.floor_share is not None]
+    summary["floor_share"] = statistics.mean(shares) if shares else None
+    for r in runs:
+        if r.key != "tracevllm":
+            summary[f"{r.key}_tok_s"] = r.tok_s
+            summary[f"ratio_vs_{r.key}"] = summary["tracevllm_tok_s"] / r.tok_s
+    return summary
+
+
+def tracing_cost(rates: dict[str, list[float]]) -> dict[str, float]:
+    """Each level but off: the median over rounds of (its tok/s / that round's off) - 1."""
+    return {
+        detail: statistics.median(r / off for r, off in zip(runs, rates["off"], strict=True)) - 1
+        for detail, runs in rates.items()
+        if detail != "off"
+    }
+
+
+def tracing_order(round_: int) -> list[str]:
+    """The levels of round ``round_``, the first one rotating."""
+    first = round_ % len(TRACING_DETAILS)
+    return TRACING_DETAILS[first:] + TRACING_DETAILS[:first]
+
+
+# --------------------------------------------------------------- measuring
+def bench_tracevllm(samples: list[Any], **llm_kwargs: Any) -> tuple[float, int]:
     from tracevllm import LLM
+    from tracevllm.benchmarks.throughput import run_tracevllm
 
     with LLM(**llm_kwargs) as llm:
         elapsed, outs = run_tracevllm(llm, samples, num_warmups=2, use_tqdm=False)
@@ -58,99 +194,237 @@ def bench_tracevllm(samples: list[SampleRequest], **llm_kwargs: Any) -> tuple[fl
     return elapsed, generated
 
 
-def bench_vllm(venv: str, model_dir: str, samples: list[SampleRequest]) -> list[dict[str, Any]]:
+def bench_vllm(venv: str, model_dir: str, samples: list[Any], config: dict[str, Any]) -> dict:
     """The same prompt token ids and max_tokens through vLLM's LLM (another process)."""
     job = {
         "model": model_dir,
         "prompts": [s.prompt_token_ids for s in samples],
         "max_tokens": [s.expected_output_len for s in samples],
         "num_warmups": 2,
-        "configs": VLLM_CONFIGS,
+        "configs": [config],
     }
-    results: list[dict[str, Any]] = run_in_vllm_venv(venv, "vllm_offline.py", job)
-    return results
+    result: dict[str, Any] = run_in_vllm_venv(venv, "vllm_offline.py", job)[0]
+    return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_average_at_start": list(os.getloadavg()),
+    }
+
+
+def _fmt_run(condition: str, run: Run) -> str:
+    share = f", {run.floor_share * 100:.0f}% of the floor" if run.floor_share is not None else ""
+    return (
+        f"  {LABELS[condition]:<13} {run.engine}: {run.tokens} tokens in {run.seconds:.1f} s = "
+        f"{run.tok_s:.1f} tok/s{share}, load {run.load_start:.2f}->{run.load_end:.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conditions", default="quiet,busy", help="quiet, busy or both")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-tracing", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--tracing-prompts", type=int, help="default: --num-prompts")
     parser.add_argument("--tracing-rounds", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--model", default=None, help="model directory (default: the default)")
+    parser.add_argument(
+        "--sgemm-sizes", default=",".join(map(str, SGEMM_SIZES)), help="the squares' n"
+    )
+    parser.add_argument("--output-json", default=DEFAULT_JSON, help="write every figure here")
+    args = parser.parse_args(argv)
     if args.tracing_prompts is None:
         args.tracing_prompts = args.num_prompts
     for flag in ("num_prompts", "tracing_prompts", "tracing_rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    try:
+        conditions = parse_conditions(args.conditions)
+    except ValueError as e:
+        parser.error(str(e))
+    from rich.console import Console
+    from rich.table import Table
+    from roofline import measure_sgemm_squares, model_shapes
     from transformers import AutoTokenizer
 
+    from tracevllm.benchmarks.datasets import chat_samples
+    from tracevllm.benchmarks.throughput import run_hf
     from tracevllm.model_executor.model_loader import resolve_model
 
-    model_dir = resolve_model(None)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    model_dir = resolve_model(args.model)
+    res: dict[str, Any] = {"what": WHAT, "machine": machine(), "args": vars(args)}
+    res["command"] = "python benchmarks/bench_throughput.py " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    console.print(
+        f"{res['machine']['cpu']}, {res['machine']['cores']} cores, torch "
+        f"{res['machine']['torch_threads']} threads, load "
+        + " ".join(f"{x:.2f}" for x in res["machine"]["load_average_at_start"])
+    )
+    console.print("sgemm on this machine (quiet, before any engine):")
+    squares = measure_sgemm_squares(tuple(int(n) for n in args.sgemm_sizes.split(",")))
+    gflops = max(s["gflops"] for s in squares)
+    res["sgemm"] = {"squares": squares, "gflops": gflops}
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = chat_samples(tokenizer, args.num_prompts)
     asked = sum(s.expected_output_len for s in samples)
-    console = Console()
+    shapes = model_shapes(args.model)
+    flops = linear_flops(shapes, [(len(s.prompt_token_ids), s.expected_output_len)
+                                  for s in samples])  # fmt: skip
+    floor_s = floor_seconds(flops, gflops)
+    res["model"] = {"name": shapes["name"], "linear_params": shapes["linear_params"],
+                    "lm_head_params": shapes["lm_head_params"]}  # fmt: skip
+    res["workload"] = {
+        "num_prompts": len(samples),
+        "prompt_tokens": sum(len(s.prompt_token_ids) for s in samples),
+        "requested_tokens": asked,
+    }
+    res["floor"] = {"linear_flops": flops, "seconds": floor_s}
     console.print(
-        f"workload: {len(samples)} chat prompts, max_tokens 16-128 (seed 0), "
-        f"{asked} requested tokens, greedy, ignore_eos, fp32"
+        f"workload: {len(samples)} chat prompts ({res['workload']['prompt_tokens']} prompt "
+        f"tokens), max_tokens 16-128 (seed 0), {asked} requested tokens, greedy, ignore_eos, "
+        f"fp32; conditions: {', '.join(LABELS[c] for c in conditions)}\n"
+        f"linear-FLOP floor: {flops / 1e9:.1f} GFLOP at the measured sgemm {gflops:.1f} "
+        f"GFLOP/s = {floor_s:.2f} s"
     )
-    rows: list[tuple[str, int, float]] = []
-    t, n = bench_tracevllm(samples)
-    rows.append(("tracevllm (continuous batching, 2 processes), first run", n, t))
+
+    llm_kwargs = {"model": model_dir}
+    engines: list[tuple[str, str, Callable[[], tuple[float, int]]]] = [
+        ("tracevllm, first run", "tracevllm", lambda: bench_tracevllm(samples, **llm_kwargs))
+    ]
     if not args.skip_hf:
-        rows.append(("HF transformers (static batches of 16)", asked, run_hf(model_dir, samples)))
+        engines.append(("HF transformers (static batches of 16)", "hf",
+                        lambda: (run_hf(model_dir, samples), asked)))  # fmt: skip
     venv = os.environ.get("VLLM_VENV")
     if venv:
-        for result in bench_vllm(venv, model_dir, samples):
-            mode = "enforce_eager" if result["config"]["enforce_eager"] else "torch.compile"
-            rows.append((f"vLLM 0.32 CPU ({mode})", result["tokens"], result["seconds"]))
+        for config in VLLM_CONFIGS:
+            mode = "enforce_eager" if config["enforce_eager"] else "torch.compile"
+            key = "vllm_eager" if config["enforce_eager"] else "vllm_compiled"
+
+            def run_vllm(config: dict[str, Any] = config) -> tuple[float, int]:
+                result = bench_vllm(venv, model_dir, samples, config)
+                return result["seconds"], result["tokens"]
+
+            engines.append((f"vLLM 0.32 CPU ({mode})", key, run_vllm))
     # tracevllm again, after the others: how far the machine moved meanwhile.
-    t, n = bench_tracevllm(samples)
-    rows.insert(1, ("tracevllm, second run (after the others)", n, t))
-    ours = statistics.mean(tokens / seconds for _, tokens, seconds in rows[:2])
-    table = Table(title="Offline throughput (generated tokens / s)")
-    for col in ("engine", "tokens", "seconds", "tok/s", "tracevllm (mean of 2) / this"):
-        table.add_column(col, justify="right" if col != "engine" else "left")
-    for engine, tokens, seconds in rows:
-        rate = tokens / seconds
-        table.add_row(engine, str(tokens), f"{seconds:.1f}", f"{rate:.1f}", f"{ours / rate:.2f}x")
-    console.print(table)
+    engines.append(("tracevllm, second run (after the others)", "tracevllm", engines[0][2]))
+    console.print("measuring (each run under its condition):")
+    by_condition = run_conditions(
+        conditions, engines, floor_s, lambda c, r: console.print(_fmt_run(c, r))
+    )
+    res["conditions"] = {}
+    for condition, runs in by_condition.items():
+        summary = summarize(runs)
+        res["conditions"][condition] = {"runs": [asdict(r) | {"tok_s": r.tok_s} for r in runs],
+                                        "summary": summary}  # fmt: skip
+        ours = summary["tracevllm_tok_s"]
+        table = Table(title=f"Offline throughput (generated tokens / s), {LABELS[condition]}")
+        for col in ("engine", "tokens", "seconds", "tok/s", "load start->end",
+                    "share of floor", "tracevllm (mean of 2) / this"):  # fmt: skip
+            table.add_column(col, justify="right" if col != "engine" else "left")
+        for r in runs:
+            table.add_row(r.engine, str(r.tokens), f"{r.seconds:.1f}", f"{r.tok_s:.1f}",
+                          f"{r.load_start:.2f}->{r.load_end:.2f}",
+                          f"{r.floor_share * 100:.0f}%" if r.floor_share is not None else "",
+                          f"{ours / r.tok_s:.2f}x")  # fmt: skip
+        console.print(table)
+    summary_table = Table(title="tracevllm against vLLM, by condition (one run, this machine)")
+    for col in ("condition", "tracevllm tok/s", "/ vLLM compiled", "/ vLLM eager",
+                "share of floor"):  # fmt: skip
+        summary_table.add_column(col, justify="right" if col != "condition" else "left")
+    for condition in conditions:
+        s = res["conditions"][condition]["summary"]
+        summary_table.add_row(
+            LABELS[condition],
+            f"{s['tracevllm_tok_s']:.1f}",
+            f"{s['ratio_vs_vllm_compiled']:.2f}x" if "ratio_vs_vllm_compiled" in s else "-",
+            f"{s['ratio_vs_vllm_eager']:.2f}x" if "ratio_vs_vllm_eager" in s else "-",
+            f"{s['floor_share'] * 100:.0f}% of {floor_s:.2f} s",
+        )
+    console.print(summary_table)
     if not venv:
         console.print("(VLLM_VENV not set: vLLM's CPU build not measured)")
 
-    if args.skip_tracing:
-        return
-    # Tracing cost: each level in a fresh LLM. The three levels run back to
-    # back in each round, the first one rotating round by round; each level
-    # is compared with tracing off *of the same round*, and the median of
-    # those ratios is printed: a change in the machine's speed between rounds
-    # (10-20 % here) then cancels out.
+    if not args.skip_tracing:
+        res["tracing"] = measure_tracing(args, conditions, tokenizer, llm_kwargs, console)
+    write_json(res, args.output_json)
+    console.print(f"wrote {args.output_json}")
+
+
+def measure_tracing(
+    args: argparse.Namespace,
+    conditions: list[str],
+    tokenizer: Any,
+    llm_kwargs: dict[str, Any],
+    console: Any,
+) -> dict[str, Any]:
+    """Tracing cost under each condition: each level in a fresh LLM, the three
+    back to back in each round, the first rotating round by round; each level is
+    compared with tracing off *of the same round*, and the median of those ratios
+    is printed: a change in the machine's speed between rounds (10-20 % here)
+    then cancels out."""
+    from rich.table import Table
+
+    from tracevllm.benchmarks.datasets import chat_samples
+
     samples = chat_samples(tokenizer, args.tracing_prompts)
-    details = ["off", "request", "full"]
-    rates: dict[str, list[float]] = {detail: [] for detail in details}
-    for round_ in range(args.tracing_rounds):
-        first = round_ % len(details)
-        for detail in details[first:] + details[:first]:
-            with tempfile.TemporaryDirectory() as d:
-                t, n = bench_tracevllm(
-                    samples, trace_detail=detail, trace_dir=None if detail == "off" else d
+    out: dict[str, Any] = {"prompts": len(samples), "rounds": args.tracing_rounds}
+    for condition in conditions:
+        rates: dict[str, list[float]] = {d: [] for d in TRACING_DETAILS}
+        loads: dict[str, list[list[float]]] = {d: [] for d in TRACING_DETAILS}
+        for round_ in range(args.tracing_rounds):
+            for detail in tracing_order(round_):
+                with tempfile.TemporaryDirectory() as d, under(condition) as load:
+                    t, n = bench_tracevllm(samples, trace_detail=detail,
+                                           trace_dir=None if detail == "off" else d,
+                                           **llm_kwargs)  # fmt: skip
+                rates[detail].append(n / t)
+                loads[detail].append([load.start, load.end])
+                console.print(
+                    f"  {LABELS[condition]:<13} tracing {detail:<8} round {round_ + 1}: "
+                    f"{n / t:.1f} tok/s, {load}"
                 )
-            rates[detail].append(n / t)
-    cost = Table(
-        title=f"Tracing cost ({len(samples)} prompts, {args.tracing_rounds} rounds, "
-        "vs off: median of each round's ratio)"
-    )
-    for col in ("detail", "median tok/s", "runs", "vs off"):
-        cost.add_column(col, justify="right" if col != "detail" else "left")
-    for detail, runs in rates.items():
-        ratios = [rate / off for rate, off in zip(runs, rates["off"], strict=True)]
-        each = " ".join(f"{r:.0f}" for r in runs)
-        vs_off = "" if detail == "off" else f"{(statistics.median(ratios) - 1) * 100:+.1f}%"
-        cost.add_row(detail, f"{statistics.median(runs):.1f}", each, vs_off)
-    console.print(cost)
+        vs_off = tracing_cost(rates)
+        out[condition] = {"tok_s": rates, "load_start_end": loads, "vs_off": vs_off}
+        cost = Table(
+            title=f"Tracing cost, {LABELS[condition]} ({len(samples)} prompts, "
+            f"{args.tracing_rounds} rounds, vs off: median of each round's ratio)"
+        )
+        for col in ("detail", "median tok/s", "runs", "load start->end", "vs off"):
+            cost.add_column(col, justify="right" if col != "detail" else "left")
+        for detail, runs in rates.items():
+            cost.add_row(
+                detail,
+                f"{statistics.median(runs):.1f}",
+                " ".join(f"{r:.0f}" for r in runs),
+                " ".join(f"{a:.2f}->{b:.2f}" for a, b in loads[detail]),
+                "" if detail == "off" else f"{vs_off[detail] * 100:+.1f}%",
+            )
+        console.print(cost)
+    return out
+
+
+def write_json(res: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+        f.write("\n")
 
 
 if __name__ == "__main__":

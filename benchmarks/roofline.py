@@ -68,13 +68,14 @@ GPUS = {
 
 
 # ------------------------------------------------------------- the model's shapes
-def model_shapes() -> dict[str, Any]:
-    """Linear shapes (out, in) as the engine holds them (fused qkv, fused gate/up)."""
+def model_shapes(model_dir: str | None = None) -> dict[str, Any]:
+    """Linear shapes (out, in) as the engine holds them (fused qkv, fused gate/up),
+    of ``model_dir`` (default: the default model)."""
     from transformers import AutoConfig
 
     from tracevllm.model_executor.model_loader import resolve_model
 
-    cfg = AutoConfig.from_pretrained(resolve_model(None))
+    cfg = AutoConfig.from_pretrained(resolve_model(model_dir))
     h, inter, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     nq, nkv, layers = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers
     per_layer = {
@@ -86,7 +87,9 @@ def model_shapes() -> dict[str, Any]:
     layer_params = sum(o * i for o, i in per_layer.values())
     lm_head = cfg.vocab_size * h
     return {
-        "name": "SmolLM2-135M-Instruct",
+        "name": os.path.basename(os.path.normpath(model_dir))
+        if model_dir
+        else "SmolLM2-135M-Instruct",
         "dtype_bytes": 4,
         "num_layers": layers,
         "per_layer": per_layer,
@@ -140,19 +143,29 @@ def best_of(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
     return best
 
 
+def measure_sgemm_squares(
+    sizes: tuple[int, ...] = (1024, 2048, 3072), repeats: int = 5
+) -> list[dict[str, Any]]:
+    """``torch.mm`` on fp32 n x n squares, best of ``repeats``: seconds and GFLOP/s each."""
+    import torch
+
+    squares = []
+    for n in sizes:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        c = torch.empty(n, n)
+        t = best_of(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), repeats=repeats)
+        squares.append({"n": n, "seconds": t, "gflops": 2 * n**3 / t / 1e9})
+        print(f"  sgemm {n}x{n}: {squares[-1]['gflops']:.1f} GFLOP/s", flush=True)
+    return squares
+
+
 def measure_sgemm(m: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
     from tracevllm.model_executor.layers.linear import ReplicatedLinear
 
-    squares = []
-    for n in (1024, 2048, 3072):
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        c = torch.empty(n, n)
-        t = best_of(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), repeats=5)
-        squares.append({"n": n, "seconds": t, "gflops": 2 * n**3 / t / 1e9})
-        print(f"  sgemm {n}x{n}: {squares[-1]['gflops']:.1f} GFLOP/s", flush=True)
+    squares = measure_sgemm_squares()
 
     # The model's linears at decode batch sizes: one layer's four and the LM head.
     shapes = dict(m["per_layer"]) | {"lm_head": m["lm_head"]}

@@ -1,0 +1,127 @@
+"""The benchmarks' two conditions: a quiet machine, and one busy core beside the engine.
+
+tracevllm's own (no vLLM counterpart). Machines are shared: a laptop runs a
+browser, a CI box other jobs. "One busy core" is one busy-loop process
+(``python3 -c "while True: pass"``), started before a measured engine run
+and stopped after it, so that every engine of a comparison (tracevllm, vLLM
+eager and compiled, HF) meets the same load. "Quiet" is only as quiet as the
+machine is: the 1-minute load average is read as each run starts and ends,
+and saved beside its figure. Standard library only; shared by
+bench_throughput.py, bench_serve.py and bench_threads.py.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+BUSY_LOOP = "while True: pass"
+CONDITIONS = ("quiet", "busy")
+LABELS = {"quiet": "quiet", "busy": "one busy core"}
+# How long the busy loop runs before the measured run starts: time to take its core.
+SETTLE_S = 1.0
+
+
+def parse_conditions(text: str) -> list[str]:
+    """``--conditions``: ``quiet``, ``busy`` or both, comma-separated, in the order given."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names or not set(names) <= set(CONDITIONS) or len(set(names)) != len(names):
+        raise ValueError(f"--conditions: quiet, busy or quiet,busy (got {text!r})")
+    return names
+
+
+def load_average() -> float:
+    """The 1-minute load average."""
+    return os.getloadavg()[0]
+
+
+def procs_running() -> int:
+    """Runnable tasks right now (``/proc/stat``'s ``procs_running``; 0 where unknown)."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("procs_running"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass
+class Load:
+    """One run's condition and the 1-minute load average as it started and ended."""
+
+    condition: str
+    start: float = float("nan")
+    end: float = float("nan")
+
+    def __str__(self) -> str:
+        return f"load {self.start:.2f}->{self.end:.2f}"
+
+
+@contextmanager
+def busy_core(busy: bool, settle_s: float = SETTLE_S) -> Iterator[None]:
+    """One busy-loop process for the block's duration (nothing when not ``busy``)."""
+    if not busy:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+    try:
+        time.sleep(settle_s)  # let it take its core
+        yield
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+@contextmanager
+def under(condition: str, settle_s: float = SETTLE_S) -> Iterator[Load]:
+    """Run the block under ``condition`` ("quiet" or "busy"); the yielded
+    ``Load`` gets the load average read after the busy loop has settled and
+    again as the block ends (before the busy loop stops)."""
+    if condition not in CONDITIONS:
+        raise ValueError(f"unknown condition {condition!r}")
+    load = Load(condition)
+    with busy_core(condition == "busy", settle_s):
+        load.start = load_average()
+        try:
+            yield load
+        finally:
+            load.end = load_average()
+
+
+class RunQueueSampler:
+    """The machine's run queue sampled every ``interval`` s in a thread, while in the block.
+
+    Sample from a process other than the measured engine's: the thread takes
+    the GIL 50 times a second.
+    """
+
+    def __init__(self, interval: float = 0.02) -> None:
+        self.interval = interval
+        self.samples: list[int] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval):
+            self.samples.append(procs_running())
+
+    def __enter__(self) -> RunQueueSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> float:
+        return statistics.mean(self.samples) if self.samples else float("nan")
