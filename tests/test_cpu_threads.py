@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -226,7 +226,35 @@ def test_one_thread_never_probes() -> None:
 
 
 # --- the engine -----------------------------------------------------------------
-def _step_threads(tiny_model_dir: str) -> tuple[list[int | None], Any]:
+class ForcedPolicy(AdaptiveThreadPolicy):
+    """The worker's policy, made to act within a short run: it probes at once
+    and every few steps, and each step is timed as if fewer threads were ten
+    times faster. It keeps the counts it asked for, step by step."""
+
+    def __init__(self, max_threads: int, **kwargs: Any) -> None:
+        super().__init__(max_threads, first_probe=0, min_interval=2, **kwargs)
+        self.asked: list[int] = []
+
+    def threads_for_step(self, shape: StepShape) -> int:
+        threads = super().threads_for_step(shape)
+        self.asked.append(threads)
+        return threads
+
+    def record_step(self, seconds: float) -> None:
+        if self._pending is not None:
+            seconds = 0.1 if self._pending[1] < self.max_threads else 1.0
+        super().record_step(seconds)
+
+
+class EngineRun(NamedTuple):
+    counts: list[int | None]  # tracevllm.num_threads, step span by step span
+    policy: Any
+    threads_after: int  # the process's torch count once the engine shut down
+
+
+def _run_engine(tiny_model_dir: str) -> EngineRun:
+    """An in-process engine (its worker in this process), 2 prompts x 16
+    greedy tokens, its step spans captured."""
     from tracevllm import LLM, SamplingParams
 
     exporter = InMemorySpanExporter()
@@ -234,32 +262,67 @@ def _step_threads(tiny_model_dir: str) -> tuple[list[int | None], Any]:
         provider = llm.llm_engine.tracer_provider
         assert provider is not None
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         llm.generate(["Hello there, how", "The capital of"], params, use_tqdm=False)
         worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         policy = worker.thread_policy
     steps = [s for s in exporter.get_finished_spans() if s.name == "EngineCore.step"]
     assert steps
-    return [(s.attributes or {}).get("tracevllm.num_threads") for s in steps], policy
+    counts = [(s.attributes or {}).get("tracevllm.num_threads") for s in steps]
+    return EngineRun(counts, policy, torch.get_num_threads())
 
 
-def test_engine_step_spans_carry_the_thread_count(
-    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """By default the count adapts (a policy, its count on every step span);
-    TRACEVLLM_NUM_THREADS fixes it (no policy, that count on every span).
-    Mutation caught: `_record_num_threads` not called from records.step."""
+@pytest.fixture(scope="module")
+def engine_runs(tiny_model_dir: str) -> dict[str, EngineRun]:
+    """Two in-process engines from a process at 2 torch threads: the default
+    (adaptive, with ForcedPolicy) and TRACEVLLM_NUM_THREADS=1."""
     before = torch.get_num_threads()
-    monkeypatch.delenv("TRACEVLLM_NUM_THREADS", raising=False)
-    monkeypatch.delenv("TRACEVLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
-    monkeypatch.delenv("TRACEVLLM_CPU_ADAPTIVE_THREADS", raising=False)
-    try:
-        counts, policy = _step_threads(tiny_model_dir)
-        assert policy is not None
-        assert all(isinstance(c, int) and 1 <= c <= policy.max_threads for c in counts), counts
-        monkeypatch.setenv("TRACEVLLM_NUM_THREADS", "1")
-        counts, policy = _step_threads(tiny_model_dir)
-        assert policy is None
-        assert set(counts) == {1}
-    finally:
-        torch.set_num_threads(before)
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        for name in (
+            "TRACEVLLM_NUM_THREADS",
+            "TRACEVLLM_CPU_NUM_OF_RESERVED_CPU",
+            "TRACEVLLM_CPU_ADAPTIVE_THREADS",
+        ):
+            mp.delenv(name, raising=False)
+        mp.setattr("tracevllm.worker.worker.AdaptiveThreadPolicy", ForcedPolicy)
+        torch.set_num_threads(2)
+        try:
+            runs["adaptive"] = _run_engine(tiny_model_dir)
+            torch.set_num_threads(2)
+            mp.setenv("TRACEVLLM_NUM_THREADS", "1")
+            runs["fixed"] = _run_engine(tiny_model_dir)
+        finally:
+            torch.set_num_threads(before)
+    return runs
+
+
+def test_engine_step_spans_show_the_count_the_policy_changed_to(
+    engine_runs: dict[str, EngineRun],
+) -> None:
+    """By default the count adapts: each step ran at the count the policy
+    asked for (the probe's 2, 1, 1, 2 ..., then 1 once it switched), and its
+    span says so. TRACEVLLM_NUM_THREADS fixes it (no policy, that count on
+    every span). Mutations caught: run_step never calling
+    torch.set_num_threads (every span says 2); `_record_num_threads` not
+    called from records.step."""
+    run = engine_runs["adaptive"]
+    policy = run.policy
+    assert isinstance(policy, ForcedPolicy) and policy.max_threads == 2
+    assert policy.threads == 1 and policy.probes >= 2  # it switched, and looked back
+    assert run.counts == policy.asked, (run.counts, policy.asked)
+    assert 2 in run.counts and run.counts[-1] == 1
+    fixed = engine_runs["fixed"]
+    assert fixed.policy is None
+    assert set(fixed.counts) == {1}
+
+
+@pytest.mark.parametrize("name", ["adaptive", "fixed"])
+def test_an_in_process_engine_gives_the_thread_count_back(
+    engine_runs: dict[str, EngineRun], name: str
+) -> None:
+    """Both engines left this process at 1 thread; Worker.shutdown gives back
+    the 2 it found. Mutation caught: the restore in Worker.shutdown removed
+    (1 after either engine)."""
+    assert engine_runs[name].counts[-1] == 1
+    assert engine_runs[name].threads_after == 2

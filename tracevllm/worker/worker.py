@@ -44,6 +44,9 @@ class Worker(WorkerBase):
         self.model_runner: ModelRunner | None = None
         # The CPU thread count's policy when it adapts (worker/cpu_threads.py).
         self.thread_policy: AdaptiveThreadPolicy | None = None
+        # The process's torch thread count before this worker set its own,
+        # given back at shutdown (an in-process engine shares the user's).
+        self.num_threads_at_init: int | None = None
 
     # --8<-- [start:init_device]
     def init_device(self) -> None:
@@ -63,6 +66,7 @@ class Worker(WorkerBase):
         else:
             self.device = torch.device("cpu")
             cpu.tune_malloc()
+        self.num_threads_at_init = torch.get_num_threads()
         threads = cpu.engine_num_threads(self.parallel_config.world_size)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -175,8 +179,14 @@ class Worker(WorkerBase):
             ensure_kv_transfer_shutdown,
         )
 
-        ensure_kv_transfer_shutdown(self.vllm_config)
-        self.model_runner = None
+        try:
+            ensure_kv_transfer_shutdown(self.vllm_config)
+        finally:
+            self.model_runner = None
+            # tracevllm's: the count this worker found, for the process it
+            # shared (vLLM's CPU worker leaves its OMP setting in place).
+            if self.num_threads_at_init is not None:
+                torch.set_num_threads(self.num_threads_at_init)
 
 
 def set_random_seed(seed: int) -> None:
