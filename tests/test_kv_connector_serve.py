@@ -188,3 +188,77 @@ def test_the_request_models_refuse_kv_transfer_params_with_several_prompts_or_n(
     ChatCompletionRequest(model=MODEL, messages=MESSAGES, n=2)
     with pytest.raises(ValidationError, match="got n = 2"):
         ChatCompletionRequest(model=MODEL, messages=MESSAGES, n=2, kv_transfer_params=params)
+
+
+def test_params_that_ask_for_no_transfer_are_not_refused() -> None:
+    """Only params that ask a connector for something (do_remote_prefill or
+    do_remote_decode true) are limited to one prompt and n = 1; the
+    connectors ignore the rest (mutation caught: any non-empty params
+    checked -> the first request model raises)."""
+    from pydantic import ValidationError
+
+    from tracevllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from tracevllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    for params in ({"do_remote_decode": False}, {"do_remote_prefill": 0}, {"other": True}):
+        CompletionRequest(model=MODEL, prompt=["a", "b"], n=2, kv_transfer_params=params)
+        ChatCompletionRequest(model=MODEL, messages=MESSAGES, n=2, kv_transfer_params=params)
+    with pytest.raises(ValidationError, match="got n = 2"):
+        CompletionRequest(model=MODEL, prompt="a", n=2, kv_transfer_params={"do_remote_decode": 1})
+
+
+def test_a_prefill_server_refuses_do_remote_decode_with_more_than_one_token(
+    servers: tuple[Server, Server],
+) -> None:
+    """A kv_producer holds a do_remote_decode request's blocks for the decode
+    server once it finishes; vLLM's proxy sends max_tokens = 1, and any other
+    count is a 400 naming the field that set it (mutation caught: the role
+    check dropped -> the decode server refuses too; the check removed -> all
+    served)."""
+    prefill, decode = servers
+    params = {"do_remote_decode": True}
+    asks: list[tuple[str, dict[str, Any]]] = [
+        ("max_tokens", {"prompt": PROMPT, "max_tokens": 2}),
+        ("max_tokens", {"prompt": PROMPT}),  # the default, 16
+    ]
+    for param, kwargs in asks:
+        with pytest.raises(openai.BadRequestError) as e:
+            prefill.client().completions.create(
+                model=MODEL, extra_body={"kv_transfer_params": params}, **kwargs
+            )
+        assert e.value.body["param"] == param, e.value.body  # type: ignore[index]
+        assert "do_remote_decode" in e.value.body["message"]  # type: ignore[index]
+    chat_asks: list[tuple[str, dict[str, Any]]] = [
+        ("max_tokens", {"max_tokens": 4}),
+        ("max_completion_tokens", {"max_completion_tokens": 4}),
+        ("max_tokens", {}),  # what the context leaves
+    ]
+    for param, kwargs in chat_asks:
+        with pytest.raises(openai.BadRequestError) as e:
+            prefill.client().chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,  # type: ignore[arg-type]
+                extra_body={"kv_transfer_params": params},
+                **kwargs,
+            )
+        assert e.value.body["param"] == param, e.value.body  # type: ignore[index]
+    # Served: one token on the prefill server; params asking nothing, any
+    # count, n = 2 too; and a decode server (kv_consumer) is not limited.
+    first = prefill.client().chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_completion_tokens=1,
+        extra_body={"kv_transfer_params": params},
+    )
+    assert (first.model_extra or {})["kv_transfer_params"]["do_remote_prefill"] is True
+    several = prefill.client().completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=2,
+        n=2,
+        extra_body={"kv_transfer_params": {"do_remote_decode": False}},
+    )
+    assert len(several.choices) == 2
+    decode.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"kv_transfer_params": params}
+    )

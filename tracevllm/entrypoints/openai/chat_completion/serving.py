@@ -34,6 +34,9 @@ from tracevllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
     DeltaMessage,
 )
+from tracevllm.entrypoints.openai.engine.generate_request import (
+    check_kv_transfer_params_producer,
+)
 from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse, ToolCall
 from tracevllm.entrypoints.openai.engine.serving import (
     OpenAIServing,
@@ -133,6 +136,12 @@ class OpenAIServingChat(OpenAIServing):
         )
         max_tokens = get_max_tokens(
             self.max_model_len, requested, prompt_len, self.default_sampling_params
+        )
+        check_kv_transfer_params_producer(
+            request.kv_transfer_params,
+            max_tokens,
+            self.engine_client.vllm_config.kv_transfer_config,
+            "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
         )
         return SamplingParams(
             **request.sampling_kwargs(self.default_sampling_params),  # type: ignore[arg-type]

@@ -26,6 +26,9 @@ from tracevllm.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
+from tracevllm.entrypoints.openai.engine.generate_request import (
+    check_kv_transfer_params_producer,
+)
 from tracevllm.entrypoints.openai.engine.protocol import ErrorResponse
 from tracevllm.entrypoints.openai.engine.serving import (
     OpenAIServing,
@@ -129,6 +132,11 @@ class OpenAIServingCompletion(OpenAIServing):
     def _sampling_params(self, request: CompletionRequest, prompt_len: int) -> SamplingParams:
         max_tokens = get_max_tokens(
             self.max_model_len, request.max_tokens, prompt_len, self.default_sampling_params
+        )
+        check_kv_transfer_params_producer(
+            request.kv_transfer_params,
+            max_tokens,
+            self.engine_client.vllm_config.kv_transfer_config,
         )
         return SamplingParams(
             **request.sampling_kwargs(self.default_sampling_params),  # type: ignore[arg-type]

@@ -17,18 +17,27 @@ once. The checks, each so that a request is never served other than it asked:
   fields, gone before 0.22.0) drops them with a debug line.
 - ``logit_bias``'s keys must be token ids; SamplingParams checks the ids
   against the vocabulary and the values' range.
-- ``kv_transfer_params`` with several prompts or ``n`` > 1 is a 400 naming it
-  (``check_kv_transfer_params_single``). They name one prompt's blocks on one
-  prefill engine: a prefill server would hold every prompt's and completion's
-  blocks but return only the first's params, and a decode server would read
-  the same blocks into each. vLLM takes such a request (its disaggregation
+- ``kv_transfer_params`` that ask for a transfer (``do_remote_prefill`` or
+  ``do_remote_decode`` true) with several prompts or ``n`` > 1 are a 400
+  naming the field (``check_kv_transfer_params_single``). They name one
+  prompt's blocks on one prefill engine: a prefill server would hold every
+  prompt's and completion's blocks but return only the first's params, and a
+  decode server would read the same blocks into each. Params that ask for
+  nothing (``{"do_remote_decode": false}``) are served as the connector
+  reads them: not at all. vLLM takes such a request (its disaggregation
   proxy sends one prompt with ``n`` = 1).
+- On a prefill server (``kv_role`` ``kv_producer``), ``do_remote_decode``
+  with ``max_tokens`` other than 1 is a 400 naming the field
+  (``check_kv_transfer_params_producer``): such a request's blocks are held
+  for a decode server once it finishes, so a longer completion would only
+  pin them longer, and vLLM's disaggregation proxy always sends 1. vLLM
+  takes it.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 from pydantic import model_validator
@@ -42,12 +51,29 @@ from tracevllm.entrypoints.openai.engine.protocol import (
 from tracevllm.exceptions import VLLMValidationError
 from tracevllm.sampling_params import StructuredOutputsParams
 
+if TYPE_CHECKING:
+    from tracevllm.distributed.kv_transfer.kv_transfer_config import KVTransferConfig
+
+
+def asks_for_kv_transfer(kv_transfer_params: dict[str, Any] | None) -> bool:
+    """Whether ``kv_transfer_params`` ask a connector to do anything: read a
+    prefill's blocks (``do_remote_prefill``) or hold them for a reader
+    (``do_remote_decode``). The connectors act on these two flags' truth."""
+    return bool(
+        kv_transfer_params
+        and (
+            kv_transfer_params.get("do_remote_prefill")
+            or kv_transfer_params.get("do_remote_decode")
+        )
+    )
+
 
 def check_kv_transfer_params_single(
     kv_transfer_params: dict[str, Any] | None, num_prompts: int, n: int
 ) -> None:
-    """A request carrying ``kv_transfer_params`` has one prompt and ``n`` = 1."""
-    if not kv_transfer_params:
+    """A request whose ``kv_transfer_params`` ask for a transfer has one
+    prompt and ``n`` = 1."""
+    if not asks_for_kv_transfer(kv_transfer_params):
         return
     if num_prompts > 1 or n > 1:
         what = f"{num_prompts} prompts" if num_prompts > 1 else f"n = {n}"
@@ -57,6 +83,30 @@ def check_kv_transfer_params_single(
             "completion as its own request.",
             parameter="kv_transfer_params",
         )
+
+
+def check_kv_transfer_params_producer(
+    kv_transfer_params: dict[str, Any] | None,
+    max_tokens: int,
+    kv_transfer_config: KVTransferConfig | None,
+    parameter: str = "max_tokens",
+) -> None:
+    """On a ``kv_producer`` server, a request with ``do_remote_decode`` asks
+    for ``max_tokens`` = 1 (``parameter``: the field that set it)."""
+    if (
+        kv_transfer_config is None
+        or kv_transfer_config.kv_connector is None
+        or kv_transfer_config.kv_role != "kv_producer"
+        or not (kv_transfer_params and kv_transfer_params.get("do_remote_decode"))
+        or max_tokens == 1
+    ):
+        return
+    raise VLLMValidationError(
+        f"kv_transfer_params with do_remote_decode on a prefill server (kv_role "
+        f"kv_producer) needs {parameter} = 1, got {max_tokens}: the prompt's blocks are "
+        "held for the decode server, which generates the completion.",
+        parameter=parameter,
+    )
 
 
 # vLLM's defaults when neither the request nor the model's generation config
