@@ -10,11 +10,13 @@ of computing it; a backend that is down, or that refuses the request, is an
 OpenAI error object with the right status; a client that hangs up mid-stream
 aborts the request on the decode server; and one request's trace holds the
 spans of the client, the proxy, the prefill server and its engine core, the
-decode server and its engine core.
+decode server and its engine core. The proxy's handling of a client's own
+``kv_transfer_params`` is tested in this process, against stub backends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -24,6 +26,7 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -32,6 +35,11 @@ from rich.console import Console
 
 from tests.utils import make_tiny_llama
 from tracevllm.entrypoints.openai.server_process import ServerProcess, free_port
+from tracevllm.entrypoints.serve.disagg.proxy import (
+    PREFILL_KV_TRANSFER_PARAMS,
+    DisaggProxy,
+    build_app,
+)
 from tracevllm.entrypoints.trace_disagg import (
     MODEL,
     proxy_command,
@@ -262,6 +270,57 @@ def test_a_client_that_hangs_up_aborts_the_decode(cluster: Cluster, stream: bool
     while metric(cluster.decode, "vllm:request_success_total", finished_reason="abort") == aborted:
         assert time.monotonic() < deadline, "the decode server never aborted the request"
         time.sleep(0.2)
+
+
+def test_the_clients_own_kv_transfer_params_never_reach_the_decode_server() -> None:
+    """A client's kv_transfer_params name blocks and a host for the decode
+    server to read; the proxy sends on only the prefill server's. The proxy
+    runs in this process, its backends a stub that keeps each body (no server
+    started): when the prefill server answers with no params, the decode
+    server gets none; when it answers with some, exactly those; the prefill
+    server gets the proxy's own. Mutation caught: the client's params not
+    dropped (the decode server gets the hostile ones)."""
+    hostile = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "elsewhere",
+        "remote_host": "10.0.0.1",
+        "remote_port": 5600,
+        "remote_block_ids": [0, 1, 2],
+    }
+    received: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+    prefill_answers: list[dict[str, Any] | None] = [None, {"do_remote_prefill": True}]
+
+    def backend(request: httpx.Request) -> httpx.Response:
+        role = request.url.host
+        received[role].append(json.loads(request.content))
+        answer: dict[str, Any] = {"choices": [{"index": 0, "text": role}]}
+        if role == "prefill" and (params := prefill_answers[(len(received[role]) - 1) % 2]):
+            answer["kv_transfer_params"] = params
+        return httpx.Response(200, json=answer)
+
+    proxy = DisaggProxy(["http://prefill"], ["http://decode"])
+
+    async def run() -> None:
+        proxy.client = httpx.AsyncClient(transport=httpx.MockTransport(backend))
+        app = httpx.ASGITransport(app=build_app(proxy))
+        async with httpx.AsyncClient(transport=app, base_url="http://proxy") as client:
+            for endpoint, body in (
+                ("/v1/completions", {"prompt": PROMPT}),
+                ("/v1/chat/completions", {"messages": MESSAGES}),
+            ):
+                for _ in prefill_answers:
+                    request = {"model": MODEL, "max_tokens": 4, "kv_transfer_params": hostile}
+                    answer = await client.post(endpoint, json=request | body)
+                    assert answer.status_code == 200, answer.text
+                    assert answer.json()["choices"][0]["text"] == "decode"
+        await proxy.client.aclose()
+
+    asyncio.run(run())
+    assert [r["kv_transfer_params"] for r in received["prefill"]] == [
+        PREFILL_KV_TRANSFER_PARAMS
+    ] * 4
+    assert [r.get("kv_transfer_params") for r in received["decode"]] == prefill_answers * 2
+    assert [r["max_tokens"] for r in received["decode"]] == [4] * 4
 
 
 def _trace(path: str, trace_id: str) -> list[SpanRecord]:
