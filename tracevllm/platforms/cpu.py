@@ -16,7 +16,12 @@ two things vLLM's CPU backend does before its worker runs a step.
   stalls every parallel region at its barrier), one core reserved did 116
   and 128: neither fixed count wins both, so the default times steps at
   its count and one fewer now and then and keeps the faster
-  (``make bench-threads`` measures the three side by side). vLLM also pins
+  (``make bench-threads`` measures the three side by side). Those figures
+  are the two fixed counts'. The adaptive policy's own gain is not yet
+  measured against vLLM on a quiet machine: its first version lost under
+  heavy sharing (3.3 tok/s against 5.4 for one reserved CPU), and the
+  reworked probes (cpu_threads.py) have figures only from a machine busy
+  with other work. vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.
 - vllm/v1/worker/cpu_worker.py (``init_device``) warns when tcmalloc is not
