@@ -32,16 +32,22 @@ def make_scheduler(async_load: bool = False) -> OffloadingConnectorScheduler:
     return OffloadingConnectorScheduler(spec)  # type: ignore[arg-type]
 
 
-def make_status(num_tokens: int, local_blocks: int = 0, req_id: str = "r") -> RequestOffloadState:
-    """A request of ``num_tokens`` prompt tokens whose first ``local_blocks``
-    blocks the engine's own prefix cache holds."""
-    prompt = [100 + i for i in range(num_tokens)]
+def make_status(
+    num_tokens: int, local_blocks: int = 0, req_id: str = "r", num_output_tokens: int = 0
+) -> RequestOffloadState:
+    """A request of ``num_tokens`` tokens, the last ``num_output_tokens`` of
+    them outputs (a request resumed after preemption has some), whose first
+    ``local_blocks`` blocks the engine's own prefix cache holds. The same
+    tokens give the same keys, however many of them are outputs."""
+    tokens = [100 + i for i in range(num_tokens)]
+    num_prompt_tokens = num_tokens - num_output_tokens
     request = Request(
         req_id,
-        prompt,
-        SamplingParams(max_tokens=4),
+        tokens[:num_prompt_tokens],
+        SamplingParams(max_tokens=64),
         block_hasher=get_request_block_hasher(BS, sha256),
     )
+    request.append_output_token_ids(tokens[num_prompt_tokens:])
     status = RequestOffloadState(req=request, req_context=ReqContext(req_id))
     status.update_offload_keys()
     status.num_locally_computed_tokens = local_blocks * BS
@@ -131,6 +137,41 @@ def test_less_than_a_block_past_the_local_hit_is_not_loaded() -> None:
     assert lookup(sched, status) == 0
 
 
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_a_request_with_outputs_looks_up_its_output_blocks_too(async_load: bool) -> None:
+    # A request resumed after preemption: 10 prompt tokens and 8 outputs,
+    # 18 tokens, 4 full blocks (the last two hold outputs), all in the tier
+    # (stored while it ran). Its tokens are num_tokens, not its prompt's:
+    # all 4 blocks load (the prompt's 10 tokens would allow 2).
+    sched, status = make_scheduler(async_load), make_status(18, num_output_tokens=8)
+    assert status.req.num_prompt_tokens == 10 and len(status.offload_keys) == 4
+    put(sched, status.offload_keys)
+    assert lookup(sched, status) == 16
+    # 3 prompt tokens (no full block) and 10 outputs: 3 full blocks, the
+    # last token (12) past them, so all 3 load either way (the prompt alone
+    # has none).
+    sched, status = make_scheduler(async_load), make_status(13, num_output_tokens=10)
+    put(sched, status.offload_keys)
+    assert lookup(sched, status) == 12
+
+
+@pytest.mark.parametrize("async_load", [False, True], ids=["sync", "async"])
+def test_never_more_blocks_than_the_request_has_keys(async_load: bool) -> None:
+    # The request gained 8 outputs (18 tokens, 4 full blocks) since its
+    # keys were made (2, its prompt's): the tier holds all 4 blocks, but
+    # only the 2 keyed ones may be looked up and loaded.
+    sched, status = make_scheduler(async_load), make_status(10)
+    status.req.append_output_token_ids(list(range(110, 118)))  # make_status(18)'s tokens
+    assert status.req.num_tokens == 18 and len(status.offload_keys) == 2
+    put(sched, make_status(18).offload_keys)
+    assert lookup(sched, status) == 8
+    # The keys end at the local hit: nothing to look up.
+    sched, status = make_scheduler(async_load), make_status(10, local_blocks=2)
+    status.req.append_output_token_ids(list(range(110, 118)))
+    put(sched, make_status(18).offload_keys)
+    assert lookup(sched, status) == 0
+
+
 def test_an_empty_tier() -> None:
     sched, status = make_scheduler(), make_status(30)
     assert lookup(sched, status) == 0
@@ -211,13 +252,15 @@ def test_random_tiers_against_the_definition(async_load: bool) -> None:
     rng = random.Random(15 + async_load)
     for trial in range(300):
         num_tokens = rng.randrange(1, 60)
+        num_output_tokens = rng.choice([0, rng.randrange(0, num_tokens)])
         num_blocks = num_tokens // BS
         local = rng.randrange(0, max((num_tokens - 1) // BS, 0) + 1)
         state = [
             rng.choice(["ready", "ready", "ready", "writing", "absent"]) for _ in range(num_blocks)
         ]
         loading = {i for i in range(num_blocks) if rng.random() < 0.08}
-        sched, status = make_scheduler(async_load), make_status(num_tokens, local, f"r{trial}")
+        sched = make_scheduler(async_load)
+        status = make_status(num_tokens, local, f"r{trial}", num_output_tokens)
         keys = status.offload_keys
         ready = [keys[i] for i in range(num_blocks) if state[i] == "ready"]
         writing = [keys[i] for i in range(num_blocks) if state[i] == "writing"]
@@ -229,7 +272,8 @@ def test_random_tiers_against_the_definition(async_load: bool) -> None:
         want = definition(num_tokens, local, state, loading, async_load)
         got = lookup(sched, status)
         assert got == want, (
-            f"{num_tokens} tokens, local hit {local} blocks, tier {state}, "
+            f"{num_tokens} tokens ({num_output_tokens} outputs), local hit {local} blocks, "
+            f"tier {state}, "
             f"being loaded {sorted(loading)}: got {got}, expected {want}"
         )
 
