@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -63,7 +62,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from busy import LABELS, parse_conditions, under  # noqa: E402
+import busy  # noqa: E402
+from busy import LABELS, SETTLE_S, parse_conditions, run_under, under  # noqa: E402
 from offline_common import run_in_vllm_venv  # noqa: E402
 
 # vLLM's CPU build: first without torch.compile, then its default compiled path.
@@ -134,22 +134,19 @@ def run_conditions(
     engines: Sequence[tuple[str, str, Callable[[], tuple[float, int]]]],
     floor_s: float | None = None,
     report: Callable[[str, Run], None] | None = None,
-    settle_s: float | None = None,
+    settle_s: float = SETTLE_S,
 ) -> dict[str, list[Run]]:
     """Each ``(name, key, run)`` of ``engines`` in turn under each condition
     (``run()`` -> (seconds, tokens)); the busy loop, if any, lives exactly as
     long as one ``run()``."""
-    kwargs = {} if settle_s is None else {"settle_s": settle_s}
-    out: dict[str, list[Run]] = {}
-    for condition in conditions:
-        runs = out[condition] = []
-        for name, key, run in engines:
-            with under(condition, **kwargs) as load:
-                seconds, tokens = run()
-            share = floor_s / seconds if floor_s is not None else None
-            runs.append(Run(name, key, tokens, seconds, load.start, load.end, share))
-            if report:
-                report(condition, runs[-1])
+    keys = {name: key for name, key, _ in engines}
+    out: dict[str, list[Run]] = {c: [] for c in conditions}
+    jobs = [(name, run) for name, _, run in engines]
+    for condition, name, (seconds, tokens), load in run_under(conditions, jobs, settle_s):
+        share = floor_s / seconds if floor_s is not None else None
+        out[condition].append(Run(name, keys[name], tokens, seconds, load.start, load.end, share))
+        if report:
+            report(condition, out[condition][-1])
     return out
 
 
@@ -210,19 +207,7 @@ def bench_vllm(venv: str, model_dir: str, samples: list[Any], config: dict[str, 
 def machine() -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "load_average_at_start": list(os.getloadavg()),
-    }
+    return {**busy.machine(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def _fmt_run(condition: str, run: Run) -> str:

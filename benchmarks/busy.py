@@ -13,14 +13,18 @@ bench_throughput.py, bench_serve.py and bench_threads.py.
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 BUSY_LOOP = "while True: pass"
 CONDITIONS = ("quiet", "busy")
@@ -35,6 +39,17 @@ def parse_conditions(text: str) -> list[str]:
     if not names or not set(names) <= set(CONDITIONS) or len(set(names)) != len(names):
         raise ValueError(f"--conditions: quiet, busy or quiet,busy (got {text!r})")
     return names
+
+
+def machine() -> dict[str, object]:
+    """The CPU's model name, its core count and the load averages (1, 5, 15 min) now."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "load_average_at_start": list(os.getloadavg())}
 
 
 def load_average() -> float:
@@ -95,6 +110,21 @@ def under(condition: str, settle_s: float = SETTLE_S) -> Iterator[Load]:
             yield load
         finally:
             load.end = load_average()
+
+
+def run_under(
+    conditions: Sequence[str],
+    jobs: Sequence[tuple[str, Callable[[], T]]],
+    settle_s: float = SETTLE_S,
+) -> Iterator[tuple[str, str, T, Load]]:
+    """Every ``(name, job)`` in turn under each condition, conditions outermost:
+    yields (condition, name, job's result, its ``Load``). A busy loop lives
+    exactly as long as one job (it is started before and stopped after each)."""
+    for condition in conditions:
+        for name, job in jobs:
+            with under(condition, settle_s) as load:
+                result = job()
+            yield condition, name, result, load
 
 
 class RunQueueSampler:

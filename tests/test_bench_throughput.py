@@ -1,0 +1,199 @@
+"""``make bench`` / ``make bench-serve``'s pieces: the floor, the conditions, the ratios.
+
+The arithmetic is checked against numbers worked by hand; the condition loop
+with engines that only look at the machine (is a busy loop running beside
+them?); then one tiny run of benchmarks/bench_throughput.py on the tiny
+model, in a child process, whose JSON must say what it measured. No figure
+here is a benchmark: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_serve  # noqa: E402
+import bench_throughput as bt  # noqa: E402
+import busy  # noqa: E402
+from roofline import model_shapes  # noqa: E402
+
+# A model worked by hand: 1000 weights in its layers' linears, 300 in its LM head.
+HAND = {"linear_params": 1000, "lm_head_params": 300, "attn_flops_per_pair": 7,
+        "weight_bytes": 0, "kv_bytes_per_token": 0}  # fmt: skip
+
+
+def test_linear_flops_by_hand() -> None:
+    """(10 prompt, 5 generated): 14 tokens through the layers, 5 LM-head rows:
+    2 x (1000 x 14 + 300 x 5) = 31000; (3, 1): 2 x (1000 x 3 + 300 x 1) = 6600."""
+    assert bt.linear_flops(HAND, [(10, 5)]) == 31000
+    assert bt.linear_flops(HAND, [(3, 1)]) == 6600
+    assert bt.linear_flops(HAND, [(10, 5), (3, 1)]) == 37600
+    # 37600 FLOP at 0.0376 GFLOP/s: one millisecond.
+    assert math.isclose(bt.floor_seconds(37600, 0.0376), 1e-3)
+
+
+def test_tiny_model_shapes_by_hand(tiny_model_dir: str, tokenizer: Any) -> None:
+    """The tiny Llama (hidden 64, intermediate 128, 4 query / 2 KV heads of 16, 2 layers):
+    qkv 128 x 64 + o 64 x 64 + gate_up 256 x 64 + down 64 x 128 = 36864 a layer, 73728
+    in all; the LM head vocab x 64. (10, 5) then costs 2 x (73728 x 14 + 64 V x 5)."""
+    m = model_shapes(tiny_model_dir)
+    vocab = len(tokenizer)
+    assert m["linear_params"] == 73728
+    assert m["lm_head_params"] == 64 * vocab
+    assert m["name"] == os.path.basename(tiny_model_dir)
+    assert bt.linear_flops(m, [(10, 5)]) == 2 * (73728 * 14 + 64 * vocab * 5)
+
+
+def test_summary_ratios_by_hand() -> None:
+    """tracevllm 100 and 200 tok/s (floor shares 0.5 and 1.0): mean 150, share 0.75;
+    against vLLM compiled's 100 tok/s 1.5x, eager's 50 tok/s 3x."""
+    runs = [
+        bt.Run("first", "tracevllm", 100, 1.0, 0.1, 0.2, 0.5),
+        bt.Run("eager", "vllm_eager", 100, 2.0, 0.2, 0.3, 0.25),
+        bt.Run("compiled", "vllm_compiled", 100, 1.0, 0.3, 0.4, 0.5),
+        bt.Run("second", "tracevllm", 100, 0.5, 0.4, 0.5, 1.0),
+    ]
+    s = bt.summarize(runs)
+    assert s["tracevllm_tok_s"] == 150
+    assert s["floor_share"] == 0.75
+    assert s["ratio_vs_vllm_compiled"] == 1.5
+    assert s["ratio_vs_vllm_eager"] == 3.0
+    assert s["vllm_eager_tok_s"] == 50
+
+
+def test_tracing_cost_by_hand() -> None:
+    """Each round against its own off: 0.98, 0.95, 0.99 -> median 0.98 -> -2 %."""
+    rates = {"off": [100.0, 200.0, 100.0], "request": [98.0, 190.0, 99.0],
+             "full": [50.0, 100.0, 60.0]}  # fmt: skip
+    cost = bt.tracing_cost(rates)
+    assert set(cost) == {"request", "full"}
+    assert math.isclose(cost["request"], -0.02)
+    assert math.isclose(cost["full"], -0.5)
+    orders = [bt.tracing_order(r) for r in range(3)]
+    assert orders == [["off", "request", "full"], ["request", "full", "off"],
+                      ["full", "off", "request"]]  # fmt: skip
+
+
+def test_parse_conditions() -> None:
+    assert busy.parse_conditions("quiet,busy") == ["quiet", "busy"]
+    assert busy.parse_conditions("busy") == ["busy"]
+    for bad in ("", "loud", "quiet,quiet", "quiet,loud"):
+        with pytest.raises(ValueError, match="--conditions"):
+            busy.parse_conditions(bad)
+
+
+def _busy_loops() -> int:
+    """This process's children running the busy loop."""
+    n = 0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            n += busy.BUSY_LOOP in " ".join(child.cmdline())
+    return n
+
+
+def test_condition_loop_runs_each_engine_beside_its_own_busy_loop() -> None:
+    """Conditions outermost, engines in order; a busy loop runs during each busy
+    run (and only then), and is gone once the loop ends."""
+    seen: list[tuple[str, int]] = []
+
+    def engine(name: str, seconds: float) -> Any:
+        def run() -> tuple[float, int]:
+            seen.append((name, _busy_loops()))
+            return seconds, 10
+
+        return run
+
+    engines = [("ours", "tracevllm", engine("ours", 1.0)),
+               ("theirs", "vllm_compiled", engine("theirs", 2.0))]  # fmt: skip
+    reported: list[tuple[str, str]] = []
+    out = bt.run_conditions(["quiet", "busy"], engines, floor_s=0.5,
+                            report=lambda c, r: reported.append((c, r.engine)),
+                            settle_s=0.05)  # fmt: skip
+    assert seen == [("ours", 0), ("theirs", 0), ("ours", 1), ("theirs", 1)]
+    assert reported == [("quiet", "ours"), ("quiet", "theirs"),
+                        ("busy", "ours"), ("busy", "theirs")]  # fmt: skip
+    assert _busy_loops() == 0
+    assert [r.floor_share for r in out["busy"]] == [0.5, 0.25]
+    assert all(r.load_start >= 0 and r.load_end >= 0 for rs in out.values() for r in rs)
+    assert bt.summarize(out["busy"])["ratio_vs_vllm_compiled"] == 2.0
+
+
+def test_bench_serve_conditions_and_ratios() -> None:
+    """bench_serve: each server under each condition, beside its own busy loop;
+    tracevllm's output tok/s over each vLLM server's, per condition."""
+    rates = {("quiet", "tracevllm"): 120.0, ("quiet", "vllm_compiled"): 100.0,
+             ("busy", "tracevllm"): 90.0, ("busy", "vllm_compiled"): 60.0,
+             ("busy", "vllm_eager"): 45.0}  # fmt: skip
+    loops: list[int] = []
+
+    def job(key: str) -> Any:
+        def run() -> dict[str, Any]:
+            n = _busy_loops()
+            loops.append(n)
+            condition = "busy" if n else "quiet"
+            return {"label": key, "output_throughput": rates.get((condition, key), 50.0)}
+
+        return run
+
+    jobs = [(k, job(k)) for k in ("tracevllm", "vllm_compiled")]
+    results = bench_serve.measure(["quiet", "busy"], jobs, settle_s=0.05)
+    assert loops == [0, 0, 1, 1]
+    assert [(r["condition"], r["key"]) for r in results] == [
+        ("quiet", "tracevllm"), ("quiet", "vllm_compiled"),
+        ("busy", "tracevllm"), ("busy", "vllm_compiled")]  # fmt: skip
+    summary = bench_serve.summarize(
+        results + [{"key": "vllm_eager", "condition": "busy", "output_throughput": 45.0}]
+    )
+    assert summary["quiet"] == {"tracevllm_tok_s": 120.0, "ratio_vs_vllm_compiled": 1.2}
+    assert summary["busy"] == {"tracevllm_tok_s": 90.0, "ratio_vs_vllm_compiled": 1.5,
+                               "ratio_vs_vllm_eager": 2.0}  # fmt: skip
+    cmds = bench_serve.servers("/m", "/venv", vllm_eager=True)
+    assert [k for k, _, _ in cmds] == ["tracevllm", "vllm_compiled", "vllm_eager"]
+    assert cmds[2][2][-1] == "--enforce-eager" and "--enforce-eager" not in cmds[1][2]
+    assert [k for k, _, _ in bench_serve.servers("/m", None, vllm_eager=True)] == ["tracevllm"]
+
+
+@pytest.mark.timeout(600)
+def test_bench_throughput_smoke(tiny_model_dir: str, tmp_path: Path) -> None:
+    """The script end to end on the tiny model, one busy core, 2 prompts, one
+    tracing round, in a child process: the JSON holds what it says it does."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_VENV"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"),
+           "--model", tiny_model_dir, "--conditions", "busy", "--num-prompts", "2",
+           "--skip-hf", "--tracing-rounds", "1", "--sgemm-sizes", "128",
+           "--output-json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["what"]) >= {"sgemm", "floor", "conditions", "summary", "tracing"}
+    assert res["machine"]["cores"] == os.cpu_count()
+    assert list(res["conditions"]) == ["busy"]
+    asked = res["workload"]["requested_tokens"]
+    gflops = res["sgemm"]["gflops"]
+    floor_s = res["floor"]["seconds"]
+    assert math.isclose(floor_s, res["floor"]["linear_flops"] / (gflops * 1e9))
+    runs = res["conditions"]["busy"]["runs"]
+    assert [r["key"] for r in runs] == ["tracevllm", "tracevllm"]
+    for r in runs:
+        assert r["tokens"] == asked
+        assert math.isclose(r["floor_share"], floor_s / r["seconds"])
+        assert r["load_start"] >= 0 and r["load_end"] >= 0
+    summary = res["conditions"]["busy"]["summary"]
+    assert math.isclose(summary["tracevllm_tok_s"], (runs[0]["tok_s"] + runs[1]["tok_s"]) / 2)
+    tracing = res["tracing"]["busy"]
+    assert set(tracing["vs_off"]) == {"request", "full"}
+    assert all(len(v) == 1 for v in tracing["tok_s"].values())
+    assert "one busy core" in proc.stdout and "linear-FLOP floor" in proc.stdout
