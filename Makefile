@@ -91,9 +91,15 @@ include mk/*.mk
 test: setup-ray lint docs-check labs-check unit
 
 # Offline throughput: tracevllm vs HF static batching (and vLLM's CPU build,
-# eager and compiled, with VLLM_VENV=...), then the cost of tracing.
+# eager and compiled, with VLLM_VENV=...), quiet and with one busy core (a
+# busy-loop process beside each engine run); tracevllm / vLLM compiled and
+# / eager per condition, the load average around each run, the linear-FLOP
+# floor at the sgemm rate measured first and tracevllm's share of it; then
+# the cost of tracing under each condition. Every figure, with the machine
+# and the load, to benchmarks/results/bench.json. ARGS="--conditions quiet"
+# for one condition.
 bench: setup
-	$(PY) benchmarks/bench_throughput.py
+	$(PY) benchmarks/bench_throughput.py --output-json benchmarks/results/bench.json $(ARGS)
 
 # What each tracing level costs on make bench's workload, counted by py-spy
 # (a sampling profiler, outside the engine) rather than timed: tracing's share
@@ -102,9 +108,13 @@ bench-tracing: setup
 	$(PY) -m pip install -q py-spy==0.4.3
 	$(PY) benchmarks/bench_tracing_cost.py $(ARGS)
 
-# 32 streams x 64 tokens against tracevllm serve (and vLLM's server with VLLM_VENV=...).
+# 32 streams x 64 tokens against tracevllm serve (and vLLM's server with
+# VLLM_VENV=...; ARGS="--vllm-eager" adds it with --enforce-eager), quiet and
+# with one busy core (a busy loop from before each server starts until it
+# stops); tracevllm / vLLM per condition, with the load around each run, to
+# benchmarks/results/bench-serve.json.
 bench-serve: setup
-	$(PY) benchmarks/bench_serve.py
+	$(PY) benchmarks/bench_serve.py --output-json benchmarks/results/bench-serve.json $(ARGS)
 
 # Speculative decoding: copy and chat prompts, batch 1 and 16, with and without
 # n-gram drafts (and vLLM's CPU build on the same tokens with VLLM_VENV=...).
