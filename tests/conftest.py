@@ -12,6 +12,9 @@ import pytest
 # matmuls' summation order between runs. tests/test_cpu_threads.py turns it
 # on where it is the subject.
 os.environ.setdefault("TRACEVLLM_CPU_ADAPTIVE_THREADS", "0")
+# Records propagate to the root logger, where caplog reads them (the
+# "tracevllm" logger's own handler is tested in tests/test_logger.py).
+os.environ.setdefault("TRACEVLLM_CONFIGURE_LOGGING", "0")
 
 
 @pytest.fixture(scope="session")

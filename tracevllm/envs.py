@@ -67,8 +67,11 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # Plug course labs into the running engine (tracevllm/labs.py): lab
     # numbers or lab folders, comma-separated, e.g. "03" or "01,05".
     "TRACEVLLM_LAB": lambda: os.environ.get("TRACEVLLM_LAB") or None,
-    # Log level of the "tracevllm" logger.
+    # Log level of the "tracevllm" logger (tracevllm/logger.py; vLLM's
+    # VLLM_LOGGING_LEVEL, whose default is INFO).
     "TRACEVLLM_LOGGING_LEVEL": lambda: os.environ.get("TRACEVLLM_LOGGING_LEVEL", "WARNING"),
+    # 0: tracevllm leaves logging to the application (vLLM's VLLM_CONFIGURE_LOGGING).
+    "TRACEVLLM_CONFIGURE_LOGGING": _bool("TRACEVLLM_CONFIGURE_LOGGING", "1"),
     # CPU matmuls through oneDNN on weights packed once at load, as vLLM's CPU
     # backend (0: plain F.linear, for comparing).
     "TRACEVLLM_CPU_ONEDNN_GEMM": _bool("TRACEVLLM_CPU_ONEDNN_GEMM", "1"),
@@ -118,6 +121,7 @@ if TYPE_CHECKING:  # the names above, as module attributes
     TRACEVLLM_TRACE: str
     TRACEVLLM_LAB: str | None
     TRACEVLLM_LOGGING_LEVEL: str
+    TRACEVLLM_CONFIGURE_LOGGING: bool
     TRACEVLLM_NUM_THREADS: int
     TRACEVLLM_CPU_NUM_OF_RESERVED_CPU: int
     TRACEVLLM_CPU_ADAPTIVE_THREADS: bool
