@@ -7,13 +7,13 @@ and stopped after it, so that every engine of a comparison (tracevllm, vLLM
 eager and compiled, HF) meets the same load. "Quiet" is only as quiet as the
 machine is: the 1-minute load average is read as each run starts and ends,
 and saved beside its figure. Standard library only; shared by
-bench_throughput.py, bench_serve.py and bench_threads.py.
+bench_throughput.py, bench_serve.py and bench_threads.py (the CPU's name is
+roofline.py's).
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -43,12 +43,9 @@ def parse_conditions(text: str) -> list[str]:
 
 def machine() -> dict[str, object]:
     """The CPU's model name, its core count and the load averages (1, 5, 15 min) now."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
+    from roofline import machine as roofline_machine  # benchmarks/, standard library only
+
+    cpu = roofline_machine()["cpu"]
     return {"cpu": cpu, "cores": os.cpu_count(), "load_average_at_start": list(os.getloadavg())}
 
 

@@ -94,6 +94,20 @@ def test_parse_conditions() -> None:
             busy.parse_conditions(bad)
 
 
+def test_run_queue_sampler_and_machine() -> None:
+    """bench_threads' run-queue mean: samples taken while in the block, none after."""
+    import time
+
+    with busy.RunQueueSampler(interval=0.01) as queue:
+        time.sleep(0.2)
+    n = len(queue.samples)
+    time.sleep(0.05)
+    assert n >= 3 and len(queue.samples) == n
+    assert queue.mean >= 1  # this process was running while it sampled
+    m = busy.machine()
+    assert m["cores"] == os.cpu_count() and len(m["load_average_at_start"]) == 3
+
+
 def _busy_loops() -> int:
     """This process's children running the busy loop."""
     n = 0
