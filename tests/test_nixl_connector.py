@@ -187,7 +187,8 @@ def test_the_consumer_reads_the_producers_blocks_and_generates_what_one_engine_d
     # computed theirs.
     assert [o.num_cached_tokens for o in outputs[:6]] == [len(p) for p in prompts[:6]]
     assert all(o.num_cached_tokens < len(p) for o, p in zip(outputs[6:], prompts[6:]))
-    # Every block back: the producer's once the reader has said so.
+    # Every block back: the producer's once the reader has said so (its
+    # timeout is 480 s: only the notifications can free them this soon).
     assert _wait_pool_free(producer)["used"] == 0
     assert _wait_pool_free(consumer)["used"] == 0
 
@@ -300,26 +301,31 @@ def test_an_unreachable_producer_fails_only_its_request_under_fail(
 def test_unread_blocks_are_freed_after_the_timeout_and_a_dead_producer_is_recomputed(
     model_dir: str, consumer: LLM, prompts: list[list[int]], baseline: list[list[int]]
 ) -> None:
-    timeout = 45  # long enough for one short read on a loaded machine
+    timeout = 45  # the one read below must end within 45 - 3 (the margin) s
     env = _port_env(_free_port(), TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT=str(timeout))
     with _engine(model_dir, "kv_producer", env) as short:
         # Before the prefill: the producer's expiry counts from its request's end.
         start = time.monotonic()
-        params = _prefill(short, prompts[:3])
-        held = [len(p["remote_block_ids"]) for p in params]
-        assert _stats(short)["used"] == sum(held)
-        # One is read at once, and its blocks come back...
+        params = _prefill(short, prompts[1:3])
+        assert _stats(short)["used"] == sum(len(p["remote_block_ids"]) for p in params)
+        # One more prompt, read at once (its own 45 s from now): the handshake
+        # the dead-producer part below needs. Whether the reader's notification
+        # frees the blocks is checked on the module's producer, whose 480 s
+        # timeout cannot be mistaken for it.
+        (first,) = _prefill(short, prompts[:1])
         (read,) = consumer.generate(
-            _inputs(prompts[:1]), [_greedy(params[0], max_tokens=4)], use_tqdm=False
+            _inputs(prompts[:1]), [_greedy(first, max_tokens=4)], use_tqdm=False
+        )
+        # Loaded, not recomputed: a machine too slow to read within the
+        # producer's expiry fails here, saying so.
+        assert read.num_cached_tokens == len(prompts[0]), (
+            f"the read did not load within {timeout} s of its prefill, less the "
+            f"consumer's 3 s margin (took {time.monotonic() - start:.0f} s from the first "
+            "prefill): too slow a machine for this test"
         )
         assert list(read.outputs[0].token_ids) == baseline[0][:4]
-        deadline = time.monotonic() + 10
-        while _stats(short)["used"] != sum(held[1:]) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        # (Freed by the reader's notification: the timeout would free all three.)
-        assert _stats(short)["used"] == sum(held[1:])
-        # ...the others are never read, and are freed after the timeout, not
-        # before (mutation caught: no expiry, never freed).
+        # The two never read are freed after the timeout, not before
+        # (mutation caught: no expiry, never freed).
         assert _wait_pool_free(short, timeout=90)["used"] == 0
         assert time.monotonic() - start >= timeout - 1
 
@@ -327,7 +333,7 @@ def test_unread_blocks_are_freed_after_the_timeout_and_a_dead_producer_is_recomp
         # request's KV by now) does not read: the prompt is recomputed, the
         # same tokens (mutation caught: the consumer's expiry check removed
         # -> the freed blocks are read, every prompt token counted cached).
-        (late,) = consumer.generate(_inputs(prompts[1:2]), [_greedy(params[1])], use_tqdm=False)
+        (late,) = consumer.generate(_inputs(prompts[1:2]), [_greedy(params[0])], use_tqdm=False)
         assert list(late.outputs[0].token_ids) == baseline[1]
         assert late.num_cached_tokens < len(prompts[1])
 
@@ -828,6 +834,21 @@ def test_early_notifications_are_bounded_and_need_a_token_of_the_producers_form(
     assert [req_id for req_id, _ in worker._early_notifs] == ["e2", "e3", "e4"]
 
 
+def _remote_prefill_params(prompt: list[int]) -> dict[str, Any]:
+    """Well-formed params for a remote prefill of prompt (no producer behind them)."""
+    return {
+        "do_remote_prefill": True,
+        "remote_block_ids": [1, 2, 3],
+        "remote_engine_id": "P",
+        "remote_request_id": "r",
+        "remote_host": "localhost",
+        "remote_port": 5600,
+        "remote_num_tokens": len(prompt),
+        "remote_expiration_time": time.time() + 300,
+        "remote_notif_token": "abc123",
+    }
+
+
 def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:
     """kv_connector_extra_config['allowed_producers'] limits the addresses a
     decode engine reads from (mutation caught: the check skipped); the
@@ -854,17 +875,7 @@ def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:
             )
 
     prompt = list(range(10, 34))
-    good = {
-        "do_remote_prefill": True,
-        "remote_block_ids": [1, 2, 3],
-        "remote_engine_id": "P",
-        "remote_request_id": "r",
-        "remote_host": "localhost",
-        "remote_port": 5600,
-        "remote_num_tokens": len(prompt),
-        "remote_expiration_time": time.time() + 300,
-        "remote_notif_token": "abc123",
-    }
+    good = _remote_prefill_params(prompt)
     assert remote_prefill_params_problem(good, len(prompt)) is None
     for key, value in (
         ("remote_expiration_time", None),
@@ -904,17 +915,7 @@ def test_only_a_consumer_reads_and_one_reading_from_anywhere_says_so(
     )
 
     prompt = list(range(10, 34))
-    params = {
-        "do_remote_prefill": True,
-        "remote_block_ids": [1, 2, 3],
-        "remote_engine_id": "P",
-        "remote_request_id": "r",
-        "remote_host": "localhost",
-        "remote_port": 5600,
-        "remote_num_tokens": len(prompt),
-        "remote_expiration_time": time.time() + 300,
-        "remote_notif_token": "abc123",
-    }
+    params = _remote_prefill_params(prompt)
     for role, expected in (("kv_producer", (0, False)), ("kv_both", (len(prompt), True))):
         scheduler = NixlConnectorScheduler(_worker_config(role), "E", _kv_cache_config())
         request = make_request(role, prompt, extra_args={"kv_transfer_params": dict(params)})
