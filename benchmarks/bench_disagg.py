@@ -18,8 +18,8 @@ Two configurations, measured one after the other in one run (their servers
 all start at once, since start-up is most of the run on a busy machine, and
 the idle ones wait on their queues):
 
-- ``one engine``: ``tracevllm serve`` alone (torch's own thread count: both
-  CPUs);
+- ``one engine``: ``tracevllm serve`` alone with ``--one-threads`` torch
+  threads (default: the machine's CPUs, both here);
 - ``P/D split``: a prefill server (``kv_role="kv_producer"``) and a decode
   server (``kv_consumer``), both ``tracevllm serve`` with ``--pd-threads``
   torch threads each (default 1: a CPU each, the same two CPUs split in
@@ -28,6 +28,11 @@ the idle ones wait on their queues):
   prefill server's blocks over NIXL/UCX while the request waits in
   ``WAITING_FOR_REMOTE_KVS``; ``ExampleConnector``, the proxy tests'
   connector, through files).
+
+Every engine's count is fixed (``TRACEVLLM_NUM_THREADS``, which also turns
+the adaptive count off), whatever the caller's environment says, so that
+both configurations run the same way; each configuration's setting is in
+the JSON (``threads``).
 
 After each configuration the servers' ``/metrics`` are read: the decode
 server's ``vllm:external_prefix_cache_hits`` and
@@ -223,38 +228,60 @@ def serve_command(args: argparse.Namespace, port: int, kv: dict[str, Any] | None
     return cmd
 
 
-def start_all(args: argparse.Namespace, store: str, log: Any) -> dict[str, ServerProcess]:
-    """Every server of both configurations, started at once (start-up is
-    most of the run on a busy machine; an idle server waits on its queue).
-    If one fails, the others are stopped and the error raised."""
+Commands = dict[str, tuple[list[str], dict[str, str], int]]
+
+
+def server_commands(args: argparse.Namespace, store: str) -> Commands:
+    """Each server of both configurations: (command, environment, port).
+    Every engine gets its thread count fixed (``TRACEVLLM_NUM_THREADS``): the
+    one engine ``--one-threads``, each split engine ``--pd-threads``."""
     env = dict(os.environ)
     ports = {name: free_port() for name in ("one", "prefill", "decode", "proxy")}
-    commands = {"one": (serve_command(args, ports["one"], None), env)}
+    one_env = {**env, "TRACEVLLM_NUM_THREADS": str(args.one_threads)}
+    commands: Commands = {"one": (serve_command(args, ports["one"], None), one_env, ports["one"])}
     extra = {"shared_storage_path": store} if args.connector == "ExampleConnector" else {}
     for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         kv = {"kv_connector": args.connector, "kv_role": role, "kv_connector_extra_config": extra}
         role_env = {**env, "TRACEVLLM_NUM_THREADS": str(args.pd_threads),
                     "TRACEVLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}  # fmt: skip
-        commands[name] = (serve_command(args, ports[name], kv), role_env)
+        commands[name] = (serve_command(args, ports[name], kv), role_env, ports[name])
     # The proxy answers /health once both of its backends do.
     commands["proxy"] = (
         [sys.executable, "-m", "tracevllm.entrypoints.cli", "disagg-proxy",
          "--port", str(ports["proxy"]), "--prefill", f"http://127.0.0.1:{ports['prefill']}",
          "--decode", f"http://127.0.0.1:{ports['decode']}", "--uvicorn-log-level", "warning"],
         env,
+        ports["proxy"],
     )  # fmt: skip
+    return commands
+
+
+def thread_settings(commands: Commands, names: tuple[str, ...]) -> dict[str, Any]:
+    """What each engine of a configuration was given: its
+    ``TRACEVLLM_NUM_THREADS`` (None: unset, the adaptive default)."""
+    settings: dict[str, Any] = {}
+    for name in names:
+        count = commands[name][1].get("TRACEVLLM_NUM_THREADS")
+        settings[name] = {"TRACEVLLM_NUM_THREADS": None if count is None else int(count)}
+    return settings
+
+
+def start_all(commands: Commands, log: Any) -> dict[str, ServerProcess]:
+    """Every server of both configurations, started at once (start-up is
+    most of the run on a busy machine; an idle server waits on its queue).
+    If one fails, the others are stopped and the error raised."""
     with ThreadPoolExecutor(len(commands)) as pool:
         starting = {
             name: pool.submit(
                 ServerProcess,
                 cmd,
-                ports[name],
+                port,
                 env=cmd_env,
                 timeout=900,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
-            for name, (cmd, cmd_env) in commands.items()
+            for name, (cmd, cmd_env, port) in commands.items()
         }
     failed = [e for f in starting.values() if (e := f.exception()) is not None]
     if failed:
@@ -293,13 +320,17 @@ def run_config(
 
 
 SERVERS = {
-    "one engine": ["tracevllm serve (torch threads: its default)"],
+    "one engine": ["tracevllm serve, --one-threads torch threads"],
     "P/D split": [
         "prefill: tracevllm serve, kv_producer, --pd-threads torch threads",
         "decode: tracevllm serve, kv_consumer, --pd-threads torch threads",
         "tracevllm disagg-proxy in front of them",
     ],
 }
+
+
+# Each configuration's engines (their servers' names in server_commands).
+ENGINES = {"one engine": ("one",), "P/D split": ("prefill", "decode")}
 
 
 def predict(hf: dict[str, Any], long_len: int, name: str = "this run's model") -> dict[str, Any]:
@@ -404,12 +435,21 @@ def main() -> int:
     parser.add_argument(
         "--pd-threads", type=int, default=1, help="each split engine's TRACEVLLM_NUM_THREADS"
     )
+    parser.add_argument(
+        "--one-threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="the one engine's TRACEVLLM_NUM_THREADS (default: the machine's CPUs, the "
+        "split's two engines' together at --pd-threads 1 on two CPUs)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--output-json", default=RESULT)
     parser.add_argument(
         "--log", default=None, help="append the servers' output here (default: shown on failure)"
     )
     args = parser.parse_args()
+    if args.pd_threads < 1 or args.one_threads < 1:
+        parser.error("--pd-threads and --one-threads must be at least 1")
 
     import torch
     from transformers import AutoTokenizer
@@ -435,13 +475,15 @@ def main() -> int:
         with open(log_path, "a") as log:
             print("starting the servers of both configurations ...", flush=True)
             started = time.perf_counter()
-            servers = start_all(args, store, log)
+            commands = server_commands(args, store)
+            servers = start_all(commands, log)
             startup_s = time.perf_counter() - started
             try:
                 for name in ("one engine", "P/D split"):
                     print(f"=== {name} ...", flush=True)
                     run = run_config(name, servers, requests)
-                    configs.append({**run, "servers": SERVERS[name]})
+                    threads = thread_settings(commands, ENGINES[name])
+                    configs.append({**run, "servers": SERVERS[name], "threads": threads})
             finally:
                 for server in servers.values():
                     server.stop()
@@ -471,7 +513,9 @@ def main() -> int:
             "send time, TTFT, end-to-end latency and gaps; decode_server_metrics the decode "
             "server's Prometheus counters over the run (external_kv_transfer: prompt tokens "
             "loaded from the prefill engine, not computed); load_average: os.getloadavg() "
-            "(1, 5, 15 min) before and after each configuration; prediction: the same "
+            "(1, 5, 15 min) before and after each configuration; threads: each engine's "
+            "TRACEVLLM_NUM_THREADS (a fixed torch thread count, the adaptive one off); "
+            "prediction: the same "
             "workload's arithmetic on H100s (see its 'how')."
         ),
         "command": "python benchmarks/bench_disagg.py " + " ".join(sys.argv[1:]),

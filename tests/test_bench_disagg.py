@@ -106,11 +106,44 @@ def test_each_configuration_counts_its_requests(smoke: tuple[dict, str]) -> None
     prefill = split["prefill_server_metrics"]
     assert prefill["vllm:prompt_tokens_total"] > prompt_tokens
     assert prefill[by.format("external_kv_transfer")] == 0
+    # Each configuration's engines ran a fixed thread count, recorded: the
+    # one engine the machine's CPUs (the default), each split engine 1.
+    assert one["threads"] == {"one": {"TRACEVLLM_NUM_THREADS": os.cpu_count()}}
+    assert split["threads"] == {
+        "prefill": {"TRACEVLLM_NUM_THREADS": 1},
+        "decode": {"TRACEVLLM_NUM_THREADS": 1},
+    }
     # The self-description the book is written from.
     assert result["machine"]["cpus"] == os.cpu_count() and "shared" in result["machine"]
     assert result["workload"]["connector"] == "NixlConnector"
     assert "model_dir" not in result["workload"] and "what" in result
     assert "load average" in stdout and "P/D split" in stdout
+
+
+def test_every_engine_gets_a_fixed_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the caller's environment: the one engine --one-threads, each
+    split engine --pd-threads, and the proxy no count (mutation caught: the
+    one engine started with the caller's environment, i.e. the adaptive
+    default -> its recorded setting None)."""
+    bench = _bench()
+    monkeypatch.delenv("TRACEVLLM_NUM_THREADS", raising=False)
+    args = bench.argparse.Namespace(
+        model_dir="m", max_model_len=256, connector="NixlConnector", one_threads=2, pd_threads=1
+    )
+    commands = bench.server_commands(args, "store")
+    assert set(commands) == {"one", "prefill", "decode", "proxy"}
+    assert bench.thread_settings(commands, bench.ENGINES["one engine"]) == {
+        "one": {"TRACEVLLM_NUM_THREADS": 2}
+    }
+    assert bench.thread_settings(commands, bench.ENGINES["P/D split"]) == {
+        "prefill": {"TRACEVLLM_NUM_THREADS": 1},
+        "decode": {"TRACEVLLM_NUM_THREADS": 1},
+    }
+    assert "TRACEVLLM_NUM_THREADS" not in commands["proxy"][1]
+    # Each server its own port, in its command.
+    ports = [port for _, _, port in commands.values()]
+    assert len(set(ports)) == 4
+    assert all(str(port) in cmd for cmd, _, port in commands.values())
 
 
 def test_h100_arithmetic_by_hand() -> None:
