@@ -262,3 +262,25 @@ def test_a_prefill_server_refuses_do_remote_decode_with_more_than_one_token(
     decode.client().completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"kv_transfer_params": params}
     )
+
+
+def test_the_producer_check_follows_vllms_is_kv_producer() -> None:
+    """kv_both produces KV too (vLLM's is_kv_producer), so it holds a
+    do_remote_decode request's blocks as a kv_producer does and asks for one
+    token; a kv_consumer and a server without a connector do not (mutation
+    caught: the check on kv_role == "kv_producer" -> kv_both serves 8)."""
+    from tracevllm.distributed.kv_transfer.kv_transfer_config import KVTransferConfig
+    from tracevllm.entrypoints.openai.engine.generate_request import (
+        check_kv_transfer_params_producer,
+    )
+    from tracevllm.exceptions import VLLMValidationError
+
+    params = {"do_remote_decode": True}
+    for role in ("kv_producer", "kv_both"):
+        config = KVTransferConfig(kv_connector="ExampleConnector", kv_role=role)
+        with pytest.raises(VLLMValidationError, match=f"kv_role {role}\\) needs max_tokens = 1"):
+            check_kv_transfer_params_producer(params, 8, config)
+        check_kv_transfer_params_producer(params, 1, config)
+    consumer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_consumer")
+    for config in (consumer, None):
+        check_kv_transfer_params_producer(params, 8, config)
