@@ -1021,6 +1021,7 @@ def test_worker_shutdown_shuts_the_processs_kv_connector_down(
     monkeypatch.setattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", others)
     worker = Worker.__new__(Worker)
     worker.model_runner = None
+    worker.num_threads_at_init = None  # no init_device: no thread count to give back
     worker.vllm_config = object()  # type: ignore[assignment]
     worker.shutdown()
     assert closed == [] and kv_transfer_state.get_kv_transfer_group() is others
