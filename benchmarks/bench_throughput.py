@@ -358,6 +358,7 @@ def measure_tracing(
     tokenizer: Any,
     llm_kwargs: dict[str, Any],
     console: Any,
+    settle_s: float = SETTLE_S,
 ) -> dict[str, Any]:
     """Tracing cost under each condition: each level in a fresh LLM, the three
     back to back in each round, the first rotating round by round; each level is
@@ -375,7 +376,7 @@ def measure_tracing(
         loads: dict[str, list[list[float]]] = {d: [] for d in TRACING_DETAILS}
         for round_ in range(args.tracing_rounds):
             for detail in tracing_order(round_):
-                with tempfile.TemporaryDirectory() as d, under(condition) as load:
+                with tempfile.TemporaryDirectory() as d, under(condition, settle_s) as load:
                     t, n = bench_tracevllm(samples, trace_detail=detail,
                                            trace_dir=None if detail == "off" else d,
                                            **llm_kwargs)  # fmt: skip
