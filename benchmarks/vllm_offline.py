@@ -3,8 +3,10 @@
     VLLM_VENV/bin/python benchmarks/vllm_offline.py JOB.json OUT.json
 
 JOB.json (written by bench_throughput.py): the model directory, the prompt
-token ids, their max_tokens, the warm-up count and the engine configs (here
-``enforce_eager=True``, then vLLM's default ``torch.compile`` path). For each
+token ids, their max_tokens, the warm-up count and the engine configs
+(bench_throughput.py sends one a process, so each runs under its own
+condition: ``enforce_eager=True``, then vLLM's default ``torch.compile``
+path). For each
 config one vLLM ``LLM`` (fp32, greedy, ``ignore_eos``) generates every prompt
 in one ``generate`` call after the same warm-up as tracevllm's, and OUT.json
 gets, per config, the seconds and the tokens generated. Never imported by
