@@ -262,6 +262,7 @@ def test_hostile_kv_transfer_params_are_computed_locally(
         {**good, "do_remote_prefill": 1},
         {**good, "remote_num_tokens": n + 16},  # a longer prompt's blocks
         {k: v for k, v in good.items() if k != "remote_expiration_time"},
+        {k: v for k, v in good.items() if k != "remote_params_mac"},
         {**good, "remote_notif_token": "a:b"},
     ]
     for params in hostile:
@@ -272,9 +273,25 @@ def test_hostile_kv_transfer_params_are_computed_locally(
         use_tqdm=False,
     )
     assert [list(o.outputs[0].token_ids) for o in outputs] == [baseline[6]] * len(hostile)
+    # Well-formed, but with a later expiry than the producer's (a replay of
+    # old params made to look fresh): the producer's MAC over them no longer
+    # matches, so the consumer does not read (no READ, so no notification:
+    # the producer still holds the blocks) and computes the prompt (mutation
+    # caught: the MAC not checked -> read, and the blocks freed).
+    held = _stats(producer)["used"]
+    forged = {**good, "remote_expiration_time": good["remote_expiration_time"] + 600}
+    assert remote_prefill_params_problem(forged, n) is None
+    (computed,) = consumer.generate(_inputs([prompts[6]]), [_greedy(forged)], use_tqdm=False)
+    assert list(computed.outputs[0].token_ids) == baseline[6]
+    time.sleep(1)  # a notification would have freed them by now (the producer polls at 10 ms)
+    assert _stats(producer)["used"] == held
     # The good params still load (and free the producer's held blocks).
     (loaded,) = consumer.generate(_inputs([prompts[6]]), [_greedy(good)], use_tqdm=False)
     assert list(loaded.outputs[0].token_ids) == baseline[6]
+    deadline = time.monotonic() + 30
+    while _stats(producer)["used"] != held - len(good["remote_block_ids"]):
+        assert time.monotonic() < deadline, "the good read's notification never came"
+        time.sleep(0.2)
     assert _wait_pool_free(consumer)["used"] == 0
 
 
@@ -495,6 +512,16 @@ class _Side:
             for name in WORKER_LAYERS
         }
         self.worker.register_kv_caches(self.caches)
+        # A producer's scheduler sends its params key with every step's metadata.
+        self.params_key = os.urandom(32)
+        if role != "kv_consumer":
+            from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+                NixlConnectorMetadata,
+            )
+
+            meta = NixlConnectorMetadata()
+            meta.params_key = self.params_key
+            self.worker.start_load_kv(meta)
 
     def blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         return [self.caches[name][block_ids].clone() for name in WORKER_LAYERS]
@@ -520,14 +547,22 @@ class _Side:
         token: str,
         expires_in: float = 300.0,
         engine_id: str = "P",
+        signed_expires_in: float | None = None,
     ) -> None:
-        """The consumer's scheduler asks its worker to read a request's blocks."""
+        """The consumer's scheduler asks its worker to read a request's blocks,
+        with the producer's MAC over them (over another expiry if
+        signed_expires_in is given: a client's change)."""
         from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlConnectorMetadata,
             RemoteMeta,
             ReqMeta,
+            compute_params_mac,
         )
 
+        now = time.time()
+        expiration_time = now + expires_in
+        signed = now + signed_expires_in if signed_expires_in is not None else expiration_time
+        remote_req_id = f"remote-{req_id}"
         meta = NixlConnectorMetadata()
         meta.reqs_to_recv[req_id] = ReqMeta(
             local_block_ids=local,
@@ -536,9 +571,12 @@ class _Side:
                 host="localhost",
                 port=producer.port,
                 engine_id=engine_id,
-                request_id=f"remote-{req_id}",
-                expiration_time=time.time() + expires_in,
+                request_id=remote_req_id,
+                expiration_time=expiration_time,
                 notif_token=token,
+                params_mac=compute_params_mac(
+                    producer.params_key, remote_req_id, remote, signed, token
+                ),
             ),
         )
         self.worker.start_load_kv(meta)
@@ -645,6 +683,30 @@ def test_worker_refuses_a_read_that_would_end_past_the_producers_expiry(
     _, recving = consumer.worker.get_finished()
     assert "slow" in recving
     assert consumer.worker.get_block_ids_with_load_errors() == {14, 15}
+
+
+@pytest.mark.timeout(300)
+def test_worker_refuses_params_the_producer_did_not_sign(
+    sides: tuple[_Side, _Side, _Side],
+) -> None:
+    """The block ids, expiry and token come from the client; the producer's
+    MAC over them (its key handed out on the side channel only) shows a
+    change: a fresh expiry on old params is a failed load, not read (mutation
+    caught: the MAC check removed -> the producer's blocks are read)."""
+    producer, impostor, consumer = sides
+    producer.hold("remote-forged", "tok9")
+    consumer.read("forged", producer, [3, 4], [3, 4], "tok9", signed_expires_in=20)
+    assert consumer.until_read("forged") == {3, 4}
+    assert not any(t.any() for t in consumer.blocks([3, 4]))
+    # Signed with another producer's key: refused too.
+    impostor.params_key, producer.params_key = producer.params_key, impostor.params_key
+    try:
+        producer.hold("remote-other-key", "tok10")
+        consumer.read("other-key", producer, [3, 4], [3, 4], "tok10")
+        assert consumer.until_read("other-key") == {3, 4}
+    finally:
+        impostor.params_key, producer.params_key = producer.params_key, impostor.params_key
+    assert not any(t.any() for t in consumer.blocks([3, 4]))
 
 
 @pytest.mark.timeout(300)
@@ -846,6 +908,7 @@ def _remote_prefill_params(prompt: list[int]) -> dict[str, Any]:
         "remote_num_tokens": len(prompt),
         "remote_expiration_time": time.time() + 300,
         "remote_notif_token": "abc123",
+        "remote_params_mac": "0" * 64,
     }
 
 
@@ -885,6 +948,9 @@ def test_allowed_producers_and_the_new_kv_transfer_params_fields() -> None:
         ("remote_notif_token", "a:b"),
         ("remote_notif_token", "gé"),
         ("remote_notif_token", 7),
+        ("remote_params_mac", None),
+        ("remote_params_mac", "0" * 63),
+        ("remote_params_mac", "A" * 64),
     ):
         assert remote_prefill_params_problem({**good, key: value}, len(prompt)), (key, value)
 

@@ -22,7 +22,7 @@ needed as a fallback.
 Left out: tensor and pipeline parallelism (refused), heterogeneous layouts,
 host buffers, heartbeats and leases (a fixed ``TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT``,
 which the reader is told and keeps clear of), connector stats. The other
-departures (an expiry and a token in ``kv_transfer_params``, a bound on a
+departures (an expiry, a token and a MAC in ``kv_transfer_params``, a bound on a
 READ, remote agents keyed by address, an optional list of allowed producers,
 the side channel served by producers only) are listed in nixl/worker.py and
 nixl/scheduler.py.

@@ -13,6 +13,7 @@ sliding-window sizes, heartbeats.
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,8 @@ class NixlAgentMetadata:
     # Per layer: bytes of one block (K and V of block_size tokens).
     block_lens: list[int]
     block_size: int
+    # tracevllm's: the key of the producer's kv_transfer_params MACs.
+    params_key: bytes = b""
 
 
 @dataclass
@@ -65,6 +68,20 @@ def compute_nixl_compatibility_hash(vllm_config: VllmConfig) -> str:
     return hashlib.sha256(repr(sorted(factors.items())).encode()).hexdigest()
 
 
+def compute_params_mac(
+    key: bytes, request_id: str, block_ids: list[int], expiration_time: float, notif_token: str
+) -> str:
+    """tracevllm's: the producer's HMAC-SHA256 over what a reader of its
+    ``kv_transfer_params`` must not be able to change (the request, its block
+    ids, the expiry, the notification token), hex. The key is the producer's
+    own, handed to readers on the side channel only, so a client that changes
+    one of them (a replay with a fresh expiry) is found out before the READ."""
+    msg = "|".join(
+        (request_id, ",".join(map(str, block_ids)), repr(float(expiration_time)), notif_token)
+    )
+    return hmac.new(key, msg.encode(), hashlib.sha256).hexdigest()
+
+
 # A remote engine as the consumer knows it: its id and its side channel's
 # address (tracevllm's; vLLM keys remote agents by engine id alone).
 RemoteAgentKey = tuple[EngineId, str, int]
@@ -81,6 +98,8 @@ class RemoteMeta:
     # clock), and the token its notification must carry to free them.
     expiration_time: float = float("inf")
     notif_token: str = ""
+    # The producer's compute_params_mac over the fields above.
+    params_mac: str = ""
 
     @property
     def agent_key(self) -> RemoteAgentKey:
@@ -116,6 +135,8 @@ class NixlConnectorMetadata(KVConnectorMetadata):
         # time (time.perf_counter) after which they are freed unread.
         self.reqs_to_send: dict[ReqId, float] = {}
         self.send_meta: dict[ReqId, SendMeta] = {}
+        # Producer (tracevllm's): the key of its params' MACs, for its side channel.
+        self.params_key = b""
 
     def add_new_req_to_recv(
         self,
@@ -135,6 +156,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
                 request_id=kv_transfer_params["remote_request_id"],
                 expiration_time=float(kv_transfer_params["remote_expiration_time"]),
                 notif_token=kv_transfer_params["remote_notif_token"],
+                params_mac=kv_transfer_params["remote_params_mac"],
             ),
             trace_headers=trace_headers,
             remote_trace_headers=remote_trace_headers,

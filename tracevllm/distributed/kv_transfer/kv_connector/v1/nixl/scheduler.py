@@ -18,11 +18,14 @@ frees them when the reader says it is done, or after
 Where tracevllm departs: the hold is vLLM's older fixed timeout
 (``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s) rather than 0.22's 30-second
 lease renewed by the reader's heartbeats, and the returned
-``kv_transfer_params`` carry two fields vLLM's do not:
+``kv_transfer_params`` carry three fields vLLM's do not:
 ``remote_expiration_time`` (when the blocks are freed unread, Unix time: the
-reader refuses a read that would end after it, see nixl/worker.py) and
+reader refuses a read that would end after it, see nixl/worker.py),
 ``remote_notif_token`` (the reader's notification must carry it to free the
-blocks). The side channel is served by the producer's worker (one per
+blocks) and ``remote_params_mac`` (this engine's HMAC over the request id,
+block ids, expiry and token, with a key sent to its worker in every step's
+metadata and handed to readers on the side channel: the reader checks it
+before reading). The side channel is served by the producer's worker (one per
 engine here) rather than by the scheduler. A client's ``kv_transfer_params``
 are checked before use (``remote_prefill_params_problem``), and with
 ``kv_connector_extra_config["allowed_producers"]`` only the listed producer
@@ -50,6 +53,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     ReqId,
     SendMeta,
+    compute_params_mac,
 )
 from tracevllm.tracing import kv_transfer as kv_transfer_tracing
 
@@ -87,10 +91,10 @@ def remote_prefill_params_problem(
     ``kv_connector_extra_config["allowed_producers"]``, a producer address
     on that list. Whether the block ids exist on the producer is checked by
     the worker, once the handshake has told it how many blocks the producer
-    has. What cannot be checked: that the block ids, expiry and token are
-    the ones the producer returned for this prompt (in-range ids of another
-    request, or an old request's params with a fresh expiry, read what the
-    producer holds there now); the client is trusted for that, as in vLLM."""
+    has, and whether the block ids, expiry and token are the producer's, by
+    its MAC (``remote_params_mac``), once the handshake has given it the
+    key. Another request's params sent unchanged with this prompt cannot be
+    told apart (vLLM trusts the client's params throughout)."""
     if params.get("do_remote_prefill") is not True:
         return "do_remote_prefill must be true or false"
     block_ids = params.get("remote_block_ids")
@@ -117,6 +121,9 @@ def remote_prefill_params_problem(
     token = params.get("remote_notif_token")
     if not isinstance(token, str) or not (token.isascii() and token.isalnum()):
         return "remote_notif_token must be a non-empty ASCII alphanumeric string"
+    mac = params.get("remote_params_mac")
+    if not (isinstance(mac, str) and len(mac) == 64 and all(c in "0123456789abcdef" for c in mac)):
+        return "remote_params_mac must be 64 hex digits (the producer's HMAC-SHA256)"
     if allowed_producers is not None and (params["remote_host"], port) not in allowed_producers:
         return f"{params['remote_host']}:{port} is not in allowed_producers"
     return None
@@ -191,6 +198,7 @@ class NixlConnectorScheduler:
         # A kv_producer never reads (tracevllm's: vLLM reads for any role),
         # so it cannot be made to connect wherever a client's params say.
         self.is_consumer = kv_transfer_config.is_kv_consumer
+        self.is_producer = kv_transfer_config.is_kv_producer
         if self.is_consumer and self.allowed_producers is None:
             logger.warning(
                 "NixlConnector: no kv_connector_extra_config['allowed_producers']: this "
@@ -205,6 +213,11 @@ class NixlConnectorScheduler:
         self.max_held_fraction = get_max_held_fraction(extra_config)
         self.max_held_blocks = int(self.max_held_fraction * kv_cache_config.num_blocks)
         self._held_blocks: dict[ReqId, int] = {}
+        # Producer (tracevllm's): the key of the MAC over each request's
+        # params, sent to this engine's worker with every step's metadata
+        # (so it has it before any request's params go out), which hands it
+        # to readers on the side channel.
+        self._params_key = secrets.token_bytes(32)
         # Consumer: requests to read, with their local blocks, until the next meta.
         self._reqs_need_recv: dict[ReqId, tuple[Request, list[int]]] = {}
         # Producer: finished requests holding blocks, with their expiry.
@@ -284,6 +297,8 @@ class NixlConnectorScheduler:
             )
         meta.reqs_to_send = self._reqs_need_send
         meta.send_meta = self._send_meta
+        if self.is_producer:
+            meta.params_key = self._params_key
         self._reqs_need_recv = {}
         self._reqs_need_send = {}
         self._send_meta = {}
@@ -369,6 +384,9 @@ class NixlConnectorScheduler:
             remote_num_tokens=request.num_computed_tokens,
             remote_expiration_time=expiration_time,
             remote_notif_token=notif_token,
+            remote_params_mac=compute_params_mac(
+                self._params_key, request.request_id, block_ids, expiration_time, notif_token
+            ),
         )
         return delay_free_blocks, kv_transfer_tracing.add_trace_context(
             kv_transfer_params, request.trace_headers

@@ -28,14 +28,16 @@ Where tracevllm departs from vLLM, and why:
   seconds (``kv_connector_extra_config``, 10 s) before it is a failed load:
   the producer may have reused the blocks, and the bytes read would be
   another request's KV, cached under this prompt's hashes. The margin must
-  cover the two hosts' clock difference. The expiry travels in the client's
-  request, as the block ids do, and nothing proves it is the producer's: a
-  client that replays old params with a fresh expiry gets a read of blocks
-  the producer may have reused, cached under its prompt's hashes for every
-  user of that prefix. So the check keeps honest params from late reads; it
-  does not stop a hostile client, which is the same trust as in-range block
-  ids of another request (vLLM trusts both). Let only a proxy that passes
-  the prefill server's own params reach a decode server.
+  cover the two hosts' clock difference.
+- The expiry travels in the client's request, as the block ids do, so the
+  producer signs them: ``remote_params_mac`` is its HMAC-SHA256 over the
+  request id, block ids, expiry and token, with a key its scheduler makes
+  and its side channel hands to readers (in ``NixlAgentMetadata``). The
+  reader checks it before posting the READ; a change (old params replayed
+  with a fresh expiry, other block ids) is a failed load, so blocks the
+  producer may have reused are not cached under the prompt's hashes. What
+  it cannot catch: another request's params sent unchanged, before they
+  expire, with a different prompt. vLLM trusts the client's params.
 - A READ still in progress after ``kv_read_timeout`` seconds (60 s) is
   released (NIXL cancels it) and fails, so that a hung peer cannot keep a
   request, and its blocks, for good (vLLM waits).
@@ -84,10 +86,12 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     NixlHandshakePayload,
     RemoteAgentKey,
+    RemoteMeta,
     ReqId,
     ReqMeta,
     SendMeta,
     compute_nixl_compatibility_hash,
+    compute_params_mac,
 )
 from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import get_seconds
 from tracevllm.tracing import kv_transfer as kv_transfer_tracing
@@ -178,6 +182,10 @@ class NixlConnectorWorker:
         self._registered_descs: Any = None
         self.src_xfer_side_handle: Any = None
         self._handshake_payload = b""
+        # Producer: the key of its params' MACs (from its scheduler, with the
+        # step's metadata). Consumer: each remote engine's, from the handshake.
+        self._params_key = b""
+        self._remote_params_keys: dict[RemoteAgentKey, bytes] = {}
 
         # Remote engines: agent name, prepared block descriptors, block count;
         # keyed by engine id and side-channel address (vLLM: engine id alone),
@@ -237,20 +245,7 @@ class NixlConnectorWorker:
         self.src_xfer_side_handle = self.nixl_wrapper.prep_xfer_dlist(
             "NIXL_INIT_AGENT", self._block_descs(self.kv_caches_base_addr, self.num_blocks), "DRAM"
         )
-        agent_metadata = NixlAgentMetadata(
-            engine_id=self.engine_id,
-            agent_metadata=self.nixl_wrapper.get_agent_metadata(),
-            kv_caches_base_addr=self.kv_caches_base_addr,
-            num_blocks=self.num_blocks,
-            block_lens=self.block_lens,
-            block_size=self.block_size,
-        )
-        self._handshake_payload = msgspec.msgpack.encode(
-            NixlHandshakePayload(
-                compatibility_hash=self.compat_hash,
-                agent_metadata_bytes=msgspec.msgpack.encode(agent_metadata),
-            )
-        )
+        self._encode_handshake_payload()
         if not self.is_producer:
             return
         ready = threading.Event()
@@ -262,6 +257,25 @@ class NixlConnectorWorker:
         )
         self._nixl_handshake_listener_t.start()
         ready.wait()
+
+    def _encode_handshake_payload(self) -> None:
+        """What the side channel answers (again once the scheduler's params key
+        has come: the listener sends whichever payload is current)."""
+        agent_metadata = NixlAgentMetadata(
+            engine_id=self.engine_id,
+            agent_metadata=self.nixl_wrapper.get_agent_metadata(),
+            kv_caches_base_addr=self.kv_caches_base_addr,
+            num_blocks=self.num_blocks,
+            block_lens=self.block_lens,
+            block_size=self.block_size,
+            params_key=self._params_key,
+        )
+        self._handshake_payload = msgspec.msgpack.encode(
+            NixlHandshakePayload(
+                compatibility_hash=self.compat_hash,
+                agent_metadata_bytes=msgspec.msgpack.encode(agent_metadata),
+            )
+        )
 
     def _block_descs(self, base_addrs: list[int], num_blocks: int) -> list[tuple[int, int, int]]:
         """(address, length, device) of every block, layer-major: block b of
@@ -352,6 +366,7 @@ class NixlConnectorWorker:
             agent_name, self._block_descs(meta.kv_caches_base_addr, meta.num_blocks), "DRAM"
         )
         self.dst_num_blocks[key] = meta.num_blocks
+        self._remote_params_keys[key] = meta.params_key
         self._remote_agents[key] = agent_name
         return agent_name
 
@@ -393,6 +408,9 @@ class NixlConnectorWorker:
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         """Start this step's reads (non-blocking); note the producer's
         finished requests, which wait for their readers."""
+        if metadata.params_key and metadata.params_key != self._params_key:
+            self._params_key = metadata.params_key
+            self._encode_handshake_payload()
         for req_id, meta in metadata.reqs_to_recv.items():
             if meta.local_block_ids:
                 # Reported through get_finished; an empty list (a full local
@@ -422,9 +440,8 @@ class NixlConnectorWorker:
         """Whether the producer may free (and reuse) the request's blocks
         before now plus ``kv_expiry_margin``; if so, the load fails (tracevllm's:
         vLLM's reader renews a lease instead). Reported as a failed load.
-        The expiry is the one in the request's ``kv_transfer_params``, as the
-        client sent it: honest params are kept from late reads, a forged
-        expiry is not detected (see the module docstring)."""
+        The expiry is the one in the request's ``kv_transfer_params``; one a
+        client changed fails the producer's MAC (``_params_mac_ok``)."""
         if _wall_time() < meta.remote.expiration_time - self.kv_expiry_margin:
             return False
         logger.error(
@@ -451,6 +468,15 @@ class NixlConnectorWorker:
             self.nixl_wrapper.send_notif(agent_name, notif_msg=notif_id)
             return
         if self._is_expired(req_id, meta):  # the handshake took too long
+            return
+        if not self._params_mac_ok(remote):
+            logger.error(
+                "NixlConnector: request %s's kv_transfer_params do not carry the producer's "
+                "MAC (changed by the client, or not that producer's): not read, its blocks "
+                "marked invalid",
+                req_id,
+            )
+            self._handle_failed_transfer(req_id, None)
             return
         # A local prefix hit covers the first blocks: read only the rest.
         remote_block_ids = remote.block_ids[-len(local_block_ids) :]
@@ -503,6 +529,15 @@ class NixlConnectorWorker:
         self._recv_posted[req_id] = time.monotonic()
 
     # --8<-- [end:read_blocks]
+
+    def _params_mac_ok(self, remote: RemoteMeta) -> bool:
+        """Whether the request's block ids, expiry and token are the ones the
+        producer signed (tracevllm's; vLLM trusts the client's params)."""
+        key = self._remote_params_keys.get(remote.agent_key, b"")
+        expected = compute_params_mac(
+            key, remote.request_id, remote.block_ids, remote.expiration_time, remote.notif_token
+        )
+        return bool(key) and hmac.compare_digest(expected, remote.params_mac)
 
     def _handle_failed_transfer(self, req_id: ReqId, handle: Any) -> None:
         """Mark the request's blocks invalid; report it done (failed)."""
