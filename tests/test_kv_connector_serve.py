@@ -264,11 +264,12 @@ def test_a_prefill_server_refuses_do_remote_decode_with_more_than_one_token(
     )
 
 
-def test_the_producer_check_follows_vllms_is_kv_producer() -> None:
-    """kv_both produces KV too (vLLM's is_kv_producer), so it holds a
-    do_remote_decode request's blocks as a kv_producer does and asks for one
-    token; a kv_consumer and a server without a connector do not (mutation
-    caught: the check on kv_role == "kv_producer" -> kv_both serves 8)."""
+def test_the_one_token_rule_is_for_kv_producer_servers_only() -> None:
+    """A kv_producer holds a do_remote_decode request's blocks for a reader
+    and asks for one token; kv_both (the OffloadingConnector's and
+    ExampleConnector's usual role, which hold nothing for a reader), a
+    kv_consumer and a server without a connector serve it (mutation caught:
+    vLLM's is_kv_producer as the test -> kv_both refuses 8 tokens)."""
     from tracevllm.distributed.kv_transfer.kv_transfer_config import KVTransferConfig
     from tracevllm.entrypoints.openai.engine.generate_request import (
         check_kv_transfer_params_producer,
@@ -276,11 +277,11 @@ def test_the_producer_check_follows_vllms_is_kv_producer() -> None:
     from tracevllm.exceptions import VLLMValidationError
 
     params = {"do_remote_decode": True}
-    for role in ("kv_producer", "kv_both"):
-        config = KVTransferConfig(kv_connector="ExampleConnector", kv_role=role)
-        with pytest.raises(VLLMValidationError, match=f"kv_role {role}\\) needs max_tokens = 1"):
-            check_kv_transfer_params_producer(params, 8, config)
-        check_kv_transfer_params_producer(params, 1, config)
-    consumer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_consumer")
-    for config in (consumer, None):
+    producer = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_producer")
+    with pytest.raises(VLLMValidationError, match="needs max_tokens = 1, got 8"):
+        check_kv_transfer_params_producer(params, 8, producer)
+    check_kv_transfer_params_producer(params, 1, producer)
+    for role in ("kv_both", "kv_consumer"):
+        config = KVTransferConfig(kv_connector="OffloadingConnector", kv_role=role)
         check_kv_transfer_params_producer(params, 8, config)
+    check_kv_transfer_params_producer(params, 8, None)

@@ -91,19 +91,22 @@ def check_kv_transfer_params_producer(
     kv_transfer_config: KVTransferConfig | None,
     parameter: str = "max_tokens",
 ) -> None:
-    """On a server that produces KV (``kv_producer`` or ``kv_both``: vLLM's
-    ``is_kv_producer``), a request with ``do_remote_decode`` asks for
-    ``max_tokens`` = 1 (``parameter``: the field that set it)."""
+    """On a prefill server (``kv_role`` ``kv_producer``), a request with
+    ``do_remote_decode`` asks for ``max_tokens`` = 1 (``parameter``: the
+    field that set it). Not on ``kv_both`` (vLLM's ``is_kv_producer`` counts
+    it): the OffloadingConnector and ExampleConnector run as ``kv_both`` and
+    hold nothing for a reader, so there the request is served as vLLM does."""
     if (
         kv_transfer_config is None
-        or not kv_transfer_config.is_kv_producer
+        or kv_transfer_config.kv_connector is None
+        or kv_transfer_config.kv_role != "kv_producer"
         or not (kv_transfer_params and kv_transfer_params.get("do_remote_decode"))
         or max_tokens == 1
     ):
         return
     raise VLLMValidationError(
         f"kv_transfer_params with do_remote_decode on a prefill server (kv_role "
-        f"{kv_transfer_config.kv_role}) needs {parameter} = 1, got {max_tokens}: the "
+        f"kv_producer) needs {parameter} = 1, got {max_tokens}: the "
         "prompt's blocks are held for the decode server, which generates the completion.",
         parameter=parameter,
     )
