@@ -31,18 +31,10 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from busy import RunQueueSampler, parse_conditions, under  # noqa: E402
-
-LOG_THREADS_DIR = os.path.join(tempfile.gettempdir(), "tracevllm-bench-threads")
-SITECUSTOMIZE = """import logging, sys
-_log = logging.getLogger("tracevllm.worker.cpu_threads")
-_log.setLevel(logging.INFO)
-_log.addHandler(logging.StreamHandler(sys.stderr))
-"""
 
 
 def settings(cores: int) -> dict[str, tuple[str, dict[str, str]]]:
@@ -97,11 +89,8 @@ def measure(env_overrides: dict[str, str], busy: bool, args: argparse.Namespace)
             "TRACEVLLM_CPU_ADAPTIVE_THREADS",
         )
     }
-    # The engine process's "CPU threads: a -> b" lines are INFO, which nothing
-    # prints unless logging is configured: a sitecustomize on the child's path
-    # gives that one logger a handler (the engine process inherits the path).
-    env |= env_overrides | {"PYTHONPATH": os.pathsep.join(filter(None, [
-        LOG_THREADS_DIR, env.get("PYTHONPATH")]))}  # fmt: skip
+    # The engine process's "CPU threads: a -> b" lines are INFO (tracevllm/logger.py).
+    env |= env_overrides | {"TRACEVLLM_LOGGING_LEVEL": "INFO", "TRACEVLLM_CONFIGURE_LOGGING": "1"}
     cmd = [sys.executable, os.path.abspath(__file__), "--child"]
     cmd += ["--num-prompts", str(args.num_prompts), "--num-warmups", str(args.num_warmups)]
     with under("busy" if busy else "quiet") as load, RunQueueSampler() as queue:
@@ -134,9 +123,6 @@ def main() -> None:
     if args.child:
         child(args.num_prompts, args.num_warmups)
         return
-    os.makedirs(LOG_THREADS_DIR, exist_ok=True)
-    with open(os.path.join(LOG_THREADS_DIR, "sitecustomize.py"), "w") as f:
-        f.write(SITECUSTOMIZE)
     if args.num_prompts < 1 or args.rounds < 1:
         parser.error("--num-prompts and --rounds must be at least 1")
     import torch
