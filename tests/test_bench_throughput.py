@@ -2,8 +2,8 @@
 
 The arithmetic is checked against numbers worked by hand; the condition loop
 with engines that only look at the machine (is a busy loop running beside
-them?); then one tiny run of benchmarks/bench_throughput.py on the tiny
-model, in a child process, whose JSON must say what it measured. No figure
+them?); then benchmarks/bench_throughput.py's ``main`` on the tiny model's
+shapes with such an engine, whose JSON must say what it measured. No figure
 here is a benchmark: the machine is shared.
 """
 
@@ -14,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -214,35 +213,64 @@ def test_tracing_cost_under_each_condition(monkeypatch: Any, tokenizer: Any) -> 
     assert len(out["busy"]["load_start_end"]["full"]) == 2
 
 
-@pytest.mark.timeout(600)
-def test_bench_throughput_smoke(tiny_model_dir: str, tmp_path: Path) -> None:
-    """The script end to end on the tiny model, one busy core, 2 prompts, in a
-    child process: the JSON holds what it says it does. (The tracing rounds,
-    three engine starts more, are the test above's, with a stand-in engine:
-    on a loaded 2-core machine one start of the tiny model has taken a minute.)"""
+@pytest.mark.timeout(120)
+def test_bench_throughput_smoke(
+    monkeypatch: Any, tiny_model_dir: str, tmp_path: Path, capsys: Any
+) -> None:
+    """The script's ``main`` end to end on the tiny model's shapes, one busy core,
+    2 prompts, with a stand-in engine (the engines' own runs are the tests of
+    tracevllm/benchmarks/; on a loaded 2-core machine one start of the tiny
+    model has taken a minute): argparse, the floor, the summary and the JSON."""
+    loops: list[int] = []
+
+    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int]:
+        loops.append(_busy_loops())
+        assert kwargs == {"model": tiny_model_dir} and len(samples) == 2
+        # 2 s, then 4 s: tok/s of each run, and their mean, known by hand.
+        return 2.0 * len(loops), sum(s.expected_output_len for s in samples)
+
+    monkeypatch.setattr(bt, "bench_tracevllm", fake)
+    monkeypatch.delenv("VLLM_VENV", raising=False)
     out = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_VENV"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"),
-           "--model", tiny_model_dir, "--conditions", "busy", "--num-prompts", "2",
-           "--skip-hf", "--skip-tracing", "--sgemm-sizes", "128",
-           "--output-json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    argv = ["--model", tiny_model_dir, "--conditions", "busy", "--num-prompts", "2",
+            "--skip-hf", "--skip-tracing", "--sgemm-sizes", "128",
+            "--output-json", str(out)]  # fmt: skip
+    bt.main(argv)
+    stdout = capsys.readouterr().out
+    assert loops == [1, 1]  # each run beside its own busy loop
+    assert _busy_loops() == 0
     res = json.loads(out.read_text())
     assert set(res["what"]) >= {"sgemm", "floor", "conditions", "summary", "tracing"}
     assert res["machine"]["cores"] == os.cpu_count()
+    assert res["args"]["conditions"] == "busy" and res["args"]["sgemm_sizes"] == "128"
+    assert res["command"].endswith(" ".join(argv))
+    assert [s["n"] for s in res["sgemm"]["squares"]] == [128]
     assert list(res["conditions"]) == ["busy"]
     asked = res["workload"]["requested_tokens"]
+    assert res["workload"]["num_prompts"] == 2
     gflops = res["sgemm"]["gflops"]
     floor_s = res["floor"]["seconds"]
     assert math.isclose(floor_s, res["floor"]["linear_flops"] / (gflops * 1e9))
     runs = res["conditions"]["busy"]["runs"]
     assert [r["key"] for r in runs] == ["tracevllm", "tracevllm"]
+    assert [r["seconds"] for r in runs] == [2.0, 4.0]
     for r in runs:
         assert r["tokens"] == asked
         assert math.isclose(r["floor_share"], floor_s / r["seconds"])
         assert r["load_start"] >= 0 and r["load_end"] >= 0
     summary = res["conditions"]["busy"]["summary"]
-    assert math.isclose(summary["tracevllm_tok_s"], (runs[0]["tok_s"] + runs[1]["tok_s"]) / 2)
+    assert math.isclose(summary["tracevllm_tok_s"], (asked / 2 + asked / 4) / 2)
+    assert math.isclose(summary["floor_share"], (floor_s / 2 + floor_s / 4) / 2)
     assert "tracing" not in res
-    assert "one busy core" in proc.stdout and "linear-FLOP floor" in proc.stdout
+    assert "one busy core" in stdout and "linear-FLOP floor" in stdout
+    assert f"{floor_s:.2f} s" in stdout
+
+
+def test_bench_throughput_rejects_bad_flags(capsys: Any) -> None:
+    """argparse's errors, before anything is measured."""
+    for argv, msg in ((["--conditions", "loud"], "--conditions"),
+                      (["--num-prompts", "0"], "--num-prompts must be at least 1")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            bt.main(argv)
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err
