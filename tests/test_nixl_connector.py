@@ -1004,6 +1004,86 @@ def test_only_a_consumer_reads_and_one_reading_from_anywhere_says_so(
         assert caplog.text.count("allowed_producers") == 1
 
 
+def test_an_aborted_remote_prefill_is_checked_before_its_producer_is_notified(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request aborted before the scheduler looked at its params (added and
+    aborted in one input drain, or its client gone while it waited) still
+    notifies its producer, so that the producer's blocks are freed, but only
+    on a consumer and for params that pass get_num_new_matched_tokens's
+    checks. Before, do_remote_prefill alone made build_connector_meta raise
+    KeyError inside Scheduler.schedule() (the engine core died), and
+    well-formed params made a kv_producer, or a consumer with
+    allowed_producers, connect wherever they said (mutation caught:
+    request_finished queuing the notification unchecked -> KeyError
+    'remote_block_ids', then the producer's and the listed consumer's
+    reqs_to_recv hold the request)."""
+    from tests.test_scheduler import make_request
+    from tracevllm.core.sched.scheduler import Scheduler
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+        NixlConnectorScheduler,
+    )
+    from tracevllm.request import RequestStatus
+
+    prompt = list(range(10, 34))
+
+    def aborted(req_id: str, params: dict[str, Any]) -> Any:
+        request = make_request(req_id, prompt, extra_args={"kv_transfer_params": dict(params)})
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    # As the engine core runs it: added, aborted, then the next step.
+    config = _worker_config("kv_consumer")
+    config.cache_config.num_gpu_blocks = WORKER_BLOCKS
+    scheduler = Scheduler(config)
+    request = make_request(
+        "bare", prompt, extra_args={"kv_transfer_params": {"do_remote_prefill": True}}
+    )
+    scheduler.add_request(request)
+    scheduler.finish_requests("bare", RequestStatus.FINISHED_ABORTED)
+    output = scheduler.schedule()
+    assert output.kv_connector_metadata.reqs_to_recv == {}
+    assert request.kv_transfer_params == {"do_remote_prefill": False}
+
+    good = _remote_prefill_params(prompt)
+    evil = {**good, "remote_host": "evil.example", "remote_port": 1}
+    for role, extra, params in (
+        ("kv_producer", {}, good),
+        ("kv_consumer", {"allowed_producers": ["localhost:5600"]}, evil),
+        ("kv_consumer", {}, {**good, "remote_expiration_time": None}),
+    ):
+        connector = NixlConnectorScheduler(_worker_config(role, **extra), "E", _kv_cache_config())
+        request = aborted("a", params)
+        with caplog.at_level("WARNING"):
+            assert connector.request_finished(request, []) == (False, None)
+        assert connector._reqs_need_recv == {}, (role, params)  # not queued at all
+        assert connector.build_connector_meta(output).reqs_to_recv == {}, (role, params)
+        assert request.kv_transfer_params is not None
+        assert request.kv_transfer_params["do_remote_prefill"] is False
+    assert "the producer is not notified" in caplog.text
+    # Params that pass: the producer is still told (nothing to read).
+    connector = NixlConnectorScheduler(
+        _worker_config("kv_consumer", allowed_producers=["localhost:5600"]),
+        "C",
+        _kv_cache_config(),
+    )
+    connector.request_finished(aborted("ok", good), [])
+    (meta,) = connector.build_connector_meta(output).reqs_to_recv.values()
+    assert meta.local_block_ids == [] and meta.remote.port == 5600
+
+    # And whatever else queues a read, build_connector_meta checks the params
+    # again: update_state_after_alloc called for params that were never
+    # checked (mutation caught: that check removed -> KeyError
+    # 'remote_expiration_time').
+    unchecked = {k: v for k, v in good.items() if k != "remote_expiration_time"}
+    request = make_request("u", prompt, extra_args={"kv_transfer_params": unchecked})
+    connector.update_state_after_alloc(request, None, 0)  # type: ignore[arg-type]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert connector.build_connector_meta(output).reqs_to_recv == {}
+    assert "remote_expiration_time" in caplog.text
+
+
 def _kv_cache_config(num_blocks: int = WORKER_BLOCKS) -> Any:
     """A pool of num_blocks for a scheduler-side connector (no tensors)."""
     from tracevllm.kv_cache_interface import KVCacheConfig

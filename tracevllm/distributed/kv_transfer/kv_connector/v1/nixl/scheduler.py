@@ -282,10 +282,31 @@ class NixlConnectorScheduler:
         # Only trigger 1 KV transfer per request.
         params["do_remote_prefill"] = False
 
+    def _recv_problem(self, request: Request, params: dict[str, Any]) -> str | None:
+        """Why this engine must not read (or notify) for the request's
+        params, or None: the role check and ``remote_prefill_params_problem``,
+        the two ``get_num_new_matched_tokens`` makes."""
+        if not self.is_consumer:
+            return "this engine's kv_role is kv_producer"
+        return remote_prefill_params_problem(
+            params, len(request.prompt_token_ids), self.allowed_producers
+        )
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> NixlConnectorMetadata:
         meta = NixlConnectorMetadata()
         for req_id, (req, block_ids) in self._reqs_need_recv.items():
             assert req.kv_transfer_params is not None
+            # Checked when queued; checked again here (the flag is cleared
+            # by now), so that no client field reaches the worker unchecked.
+            problem = self._recv_problem(req, {**req.kv_transfer_params, "do_remote_prefill": True})
+            if problem is not None:
+                logger.warning(
+                    "NixlConnector: request %s's kv_transfer_params are invalid (%s): "
+                    "not read, the producer not notified",
+                    req_id,
+                    problem,
+                )
+                continue
             meta.add_new_req_to_recv(
                 request_id=req_id,
                 local_block_ids=block_ids,
@@ -325,10 +346,23 @@ class NixlConnectorScheduler:
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
-            # Aborted before it was scheduled: the worker still notifies the
-            # producer (no blocks to read), so its blocks are not stranded.
-            self._reqs_need_recv[request.request_id] = (request, [])
+            # Aborted before it was scheduled (get_num_new_matched_tokens
+            # never saw its params): the worker still notifies the producer
+            # (no blocks to read), so its blocks are not stranded, but only
+            # on a consumer and for params that pass the same checks, or a
+            # client could make any engine connect anywhere (or, with
+            # do_remote_prefill alone, fail build_connector_meta).
+            problem = self._recv_problem(request, params)
             params["do_remote_prefill"] = False
+            if problem is None:
+                self._reqs_need_recv[request.request_id] = (request, [])
+            else:
+                logger.warning(
+                    "NixlConnector: aborted request %s's kv_transfer_params are invalid "
+                    "(%s): the producer is not notified",
+                    request.request_id,
+                    problem,
+                )
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
