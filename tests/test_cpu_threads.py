@@ -326,3 +326,25 @@ def test_an_in_process_engine_gives_the_thread_count_back(
     (1 after either engine)."""
     assert engine_runs[name].counts[-1] == 1
     assert engine_runs[name].threads_after == 2
+
+
+def test_overlapping_in_process_workers_give_back_the_count_the_process_had() -> None:
+    """Two in-process engines overlap: the first sets 1 thread, the second
+    starts while it runs (and finds 1), the first shuts down, then the
+    second: the process ends at the count it had before either (mutation
+    caught: each worker restoring the count it found -> the process ends at 1)."""
+    from tracevllm.worker.worker import claim_process_threads, release_process_threads
+
+    user = torch.get_num_threads()
+    torch.set_num_threads(2)  # the user's process, before either engine
+    before = 2
+    try:
+        assert claim_process_threads() == before  # engine A starts
+        torch.set_num_threads(1)  # A's count
+        assert claim_process_threads() == before  # engine B starts, finds 1
+        release_process_threads()  # A shuts down: B still runs
+        assert torch.get_num_threads() == 1
+        release_process_threads()  # B shuts down
+        assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(user)

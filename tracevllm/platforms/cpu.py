@@ -18,10 +18,10 @@ two things vLLM's CPU backend does before its worker runs a step.
   its count and one fewer now and then and keeps the faster
   (``make bench-threads`` measures the three side by side). Those figures
   are the two fixed counts'. The adaptive policy's own gain is not yet
-  measured against vLLM on a quiet machine: its first version lost under
-  heavy sharing (3.3 tok/s against 5.4 for one reserved CPU), and the
+  measured against vLLM on a quiet machine: in an unrecorded first try
+  under heavy sharing its first version lost to one reserved CPU, and the
   reworked probes (cpu_threads.py) have figures only from a machine busy
-  with other work. vLLM also pins
+  with other work (README, ``make bench-threads``). vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.
 - vllm/v1/worker/cpu_worker.py (``init_device``) warns when tcmalloc is not

@@ -13,6 +13,7 @@ capture and compilation.
 from __future__ import annotations
 
 import random
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,8 +45,7 @@ class Worker(WorkerBase):
         self.model_runner: ModelRunner | None = None
         # The CPU thread count's policy when it adapts (worker/cpu_threads.py).
         self.thread_policy: AdaptiveThreadPolicy | None = None
-        # The process's torch thread count before this worker set its own,
-        # given back at shutdown (an in-process engine shares the user's).
+        # Whether this worker counts in _PROCESS_THREADS (init_device ran).
         self.num_threads_at_init: int | None = None
 
     # --8<-- [start:init_device]
@@ -66,7 +66,7 @@ class Worker(WorkerBase):
         else:
             self.device = torch.device("cpu")
             cpu.tune_malloc()
-        self.num_threads_at_init = torch.get_num_threads()
+        self.num_threads_at_init = claim_process_threads()
         threads = cpu.engine_num_threads(self.parallel_config.world_size)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -183,10 +183,37 @@ class Worker(WorkerBase):
             ensure_kv_transfer_shutdown(self.vllm_config)
         finally:
             self.model_runner = None
-            # tracevllm's: the count this worker found, for the process it
-            # shared (vLLM's CPU worker leaves its OMP setting in place).
+            # tracevllm's: the count the process had, given back by the last
+            # worker of the process to shut down (vLLM's CPU worker leaves its
+            # OMP setting in place).
             if self.num_threads_at_init is not None:
-                torch.set_num_threads(self.num_threads_at_init)
+                release_process_threads()
+                self.num_threads_at_init = None
+
+
+# The torch thread count a process had before its first live worker set its
+# own, and how many workers are live in it: in-process engines share the
+# user's process, and one may start while another runs (with that one's
+# count set), so the count is given back when the last one shuts down.
+_PROCESS_THREADS: dict[str, int] = {"live": 0, "before": 0}
+_PROCESS_THREADS_LOCK = threading.Lock()
+
+
+def claim_process_threads() -> int:
+    """A worker starts: note the process's count if it is the first; returns it."""
+    with _PROCESS_THREADS_LOCK:
+        if _PROCESS_THREADS["live"] == 0:
+            _PROCESS_THREADS["before"] = torch.get_num_threads()
+        _PROCESS_THREADS["live"] += 1
+        return _PROCESS_THREADS["before"]
+
+
+def release_process_threads() -> None:
+    """A worker shuts down: the last one gives the process its count back."""
+    with _PROCESS_THREADS_LOCK:
+        _PROCESS_THREADS["live"] -= 1
+        if _PROCESS_THREADS["live"] == 0:
+            torch.set_num_threads(_PROCESS_THREADS["before"])
 
 
 def set_random_seed(seed: int) -> None:
