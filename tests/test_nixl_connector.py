@@ -1142,6 +1142,33 @@ def test_a_producer_holds_at_most_max_held_fraction_of_its_pool(
     assert _finish_for_remote_decode(none_held, "d", [1]) == (False, None)
 
 
+def test_max_held_fraction_counts_a_shared_prefix_once() -> None:
+    """Requests that share a prefix (a common system prompt) hold its blocks
+    once: the cap counts distinct held blocks, and a block stays counted until
+    the last request holding it is done (mutations caught: the sum of each
+    request's blocks -> "b" refused, 8 > 6; a block uncounted when the first
+    of its holders is done -> "d" held while 7 distinct blocks are)."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+        NixlConnectorScheduler,
+    )
+    from tracevllm.outputs import KVConnectorOutput
+
+    scheduler = NixlConnectorScheduler(_worker_config("kv_producer"), "P", _kv_cache_config(12))
+    assert scheduler.max_held_blocks == 6
+    assert _finish_for_remote_decode(scheduler, "a", [1, 2, 3, 4])[0] is True
+    assert _finish_for_remote_decode(scheduler, "b", [1, 2, 3, 4])[0] is True  # 4 distinct
+    assert _finish_for_remote_decode(scheduler, "c", [1, 2, 5, 6])[0] is True  # 6
+    assert _finish_for_remote_decode(scheduler, "d", [7]) == (False, None)  # 7 > 6
+    # "a" is read: "b" and "c" still hold its blocks.
+    scheduler.update_connector_output(KVConnectorOutput(finished_sending={"a"}))
+    assert _finish_for_remote_decode(scheduler, "d", [7]) == (False, None)
+    # "b" is read: blocks 3 and 4 are held by no one now.
+    scheduler.update_connector_output(KVConnectorOutput(finished_sending={"b"}))
+    assert _finish_for_remote_decode(scheduler, "d", [7])[0] is True  # 5
+    assert _finish_for_remote_decode(scheduler, "e", [5, 8])[0] is True  # 6: 5 is held already
+    assert _finish_for_remote_decode(scheduler, "f", [9]) == (False, None)
+
+
 def test_worker_shutdown_shuts_the_processs_kv_connector_down(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -46,6 +46,7 @@ import logging
 import math
 import secrets
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from tracevllm import envs
@@ -212,7 +213,11 @@ class NixlConnectorScheduler:
         # the abort timeout.
         self.max_held_fraction = get_max_held_fraction(extra_config)
         self.max_held_blocks = int(self.max_held_fraction * kv_cache_config.num_blocks)
-        self._held_blocks: dict[ReqId, int] = {}
+        # Each held request's block ids, and how many held requests hold each
+        # block: requests that share a prefix hold its blocks once, so the cap
+        # counts distinct blocks (len(self._held_block_refs)).
+        self._held_blocks: dict[ReqId, list[int]] = {}
+        self._held_block_refs: Counter[int] = Counter()
         # Producer (tracevllm's): the key of the MAC over each request's
         # params, sent to this engine's worker with every step's metadata
         # (so it has it before any request's params go out), which hands it
@@ -328,7 +333,10 @@ class NixlConnectorScheduler:
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The producer's held blocks that were read (or expired) are freed."""
         for req_id in connector_output.finished_sending or ():
-            self._held_blocks.pop(req_id, None)
+            for block_id in self._held_blocks.pop(req_id, ()):
+                self._held_block_refs[block_id] -= 1
+                if not self._held_block_refs[block_id]:
+                    del self._held_block_refs[block_id]
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -337,7 +345,8 @@ class NixlConnectorScheduler:
         should be freed now or will be sent asynchronously and freed later.
 
         tracevllm's cap: a request whose blocks would bring those held for
-        readers past ``max_held_fraction`` of the pool frees them now and
+        readers (distinct blocks: a prefix that held requests share counts
+        once) past ``max_held_fraction`` of the pool frees them now and
         returns no params (its reader computes the prompt itself); vLLM holds
         every one."""
         from tracevllm.request import RequestStatus
@@ -373,15 +382,17 @@ class NixlConnectorScheduler:
             # Aborted or failed: nothing will read its blocks.
             return False, None
 
-        num_held = sum(self._held_blocks.values())
-        if block_ids and num_held + len(block_ids) > self.max_held_blocks:
+        # Distinct blocks: a prefix shared with requests already held adds none.
+        num_held = len(self._held_block_refs)
+        num_new = len(set(block_ids) - self._held_block_refs.keys())
+        if block_ids and num_held + num_new > self.max_held_blocks:
             logger.warning(
                 "NixlConnector: request %s's %d blocks would bring the blocks held for "
                 "remote readers to %d of %d (max_held_fraction %.2f): freed now, "
                 "no kv_transfer_params returned",
                 request.request_id,
                 len(block_ids),
-                num_held + len(block_ids),
+                num_held + num_new,
                 self.kv_cache_config.num_blocks,
                 self.max_held_fraction,
             )
@@ -395,7 +406,8 @@ class NixlConnectorScheduler:
         # Only a reader given these params can free the blocks early.
         notif_token = secrets.token_hex(16)
         if delay_free_blocks:
-            self._held_blocks[request.request_id] = len(block_ids)
+            self._held_blocks[request.request_id] = list(block_ids)
+            self._held_block_refs.update(set(block_ids))
             self._reqs_need_send[request.request_id] = (
                 time.perf_counter() + self.abort_request_timeout
             )
