@@ -1,7 +1,8 @@
 """KV connectors: a producer engine saves each prompt's KV, a consumer engine loads it.
 
 Two LLMs on a tiny random-weight Llama through vLLM's ExampleConnector (files
-on a shared path): the consumer's greedy tokens equal a single engine's, and
+on a shared path): the consumer's greedy tokens equal a single engine's (8
+prompts x 48 tokens, the issue's workload), and
 it computed only the tail of each prompt (``num_cached_tokens`` counts the
 loaded tokens). A missing, corrupt or truncated file is recomputed (policy
 ``recompute``) or fails just that request (``fail``), and the engine keeps
@@ -49,8 +50,8 @@ from tracevllm.outputs import KVConnectorOutput
 from tracevllm.request import Request, RequestStatus
 
 BLOCK_SIZE = 8
-PROMPT_LENS = (21, 33, 40, 47, 9, 64)
-NUM_TOKENS = 12
+PROMPT_LENS = (21, 33, 40, 47, 9, 64, 30, 17)  # the issue: 8 prompts x 48 tokens
+NUM_TOKENS = 48
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
 
