@@ -490,7 +490,9 @@ def _worker_config(role: str, **extra: Any) -> Any:
 class _Side:
     """One worker-side connector and its KV cache (random on a producer)."""
 
-    def __init__(self, role: str, engine_id: str, seed: int | None = None) -> None:
+    def __init__(
+        self, role: str, engine_id: str, seed: int | None = None, send_key: bool = True
+    ) -> None:
         from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
             NixlConnectorWorker,
         )
@@ -512,16 +514,22 @@ class _Side:
             for name in WORKER_LAYERS
         }
         self.worker.register_kv_caches(self.caches)
-        # A producer's scheduler sends its params key with every step's metadata.
+        # A producer's scheduler sends its params key with every step's
+        # metadata (send_key=False: before its first step).
         self.params_key = os.urandom(32)
-        if role != "kv_consumer":
-            from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-                NixlConnectorMetadata,
-            )
+        if role != "kv_consumer" and send_key:
+            self.send_key()
 
-            meta = NixlConnectorMetadata()
-            meta.params_key = self.params_key
-            self.worker.start_load_kv(meta)
+    def send_key(self, params_key: bytes | None = None) -> None:
+        """A step's metadata brings the producer's worker its params key."""
+        from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
+
+        self.params_key = params_key or self.params_key
+        meta = NixlConnectorMetadata()
+        meta.params_key = self.params_key
+        self.worker.start_load_kv(meta)
 
     def blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
         return [self.caches[name][block_ids].clone() for name in WORKER_LAYERS]
@@ -707,6 +715,52 @@ def test_worker_refuses_params_the_producer_did_not_sign(
     finally:
         impostor.params_key, producer.params_key = producer.params_key, impostor.params_key
     assert not any(t.any() for t in consumer.blocks([3, 4]))
+
+
+@pytest.mark.timeout(300)
+def test_a_stale_or_empty_params_key_is_fetched_again() -> None:
+    """A consumer that handshakes before the producer's first step gets no
+    params key (and one that handshook before a producer's new key has the
+    old one): the read fails its MAC, but the next request to that producer
+    handshakes again and reads, without the agent being added again
+    (mutations caught: the key not forgotten on a mismatch, or a handshake
+    only for an unknown agent -> every later read fails, {1, 2} marked
+    invalid; the agent added again on each such handshake)."""
+    producer = _Side("kv_producer", "P3", seed=3, send_key=False)
+    consumer = _Side("kv_consumer", "C4")
+    try:
+        producer.hold("remote-early", "tok11")
+        consumer.read("early", producer, [1, 2], [3, 4], "tok11", engine_id="P3")
+        assert consumer.until_read("early") == {1, 2}  # no key yet: not read
+        producer.send_key()  # the producer's first step
+        producer.hold("remote-later", "tok12")
+        consumer.read("later", producer, [1, 2], [3, 4], "tok12", engine_id="P3")
+        assert consumer.until_read("later") == set()
+        assert _same(consumer.blocks([1, 2]), producer.blocks([3, 4]))
+        assert producer.until_sent("remote-later")
+
+        # A new key on the producer: the first read signed with it fails (the
+        # consumer cannot tell a stale key from a forged MAC), the next loads.
+        added: list[bytes] = []
+        wrapper = consumer.worker.nixl_wrapper
+        real_add = wrapper.add_remote_agent
+
+        def add_remote_agent(metadata: bytes) -> str:
+            added.append(metadata)
+            return real_add(metadata)
+
+        wrapper.add_remote_agent = add_remote_agent  # this consumer is shut down below
+        producer.send_key(os.urandom(32))
+        for req_id, token, expected in (("stale", "tok13", {5, 6}), ("fresh", "tok14", set())):
+            producer.hold(f"remote-{req_id}", token)
+            consumer.read(req_id, producer, [5, 6], [7, 8], token, engine_id="P3")
+            assert consumer.until_read(req_id) == expected, req_id
+        assert _same(consumer.blocks([5, 6]), producer.blocks([7, 8]))
+        assert producer.until_sent("remote-fresh")
+        assert added == []  # the same agent: only its key was fetched again
+    finally:
+        consumer.worker.shutdown()
+        producer.worker.shutdown()
 
 
 @pytest.mark.timeout(300)

@@ -35,7 +35,11 @@ Where tracevllm departs from vLLM, and why:
   and its side channel hands to readers (in ``NixlAgentMetadata``). The
   reader checks it before posting the READ; a change (old params replayed
   with a fresh expiry, other block ids) is a failed load, so blocks the
-  producer may have reused are not cached under the prompt's hashes. What
+  producer may have reused are not cached under the prompt's hashes. The
+  reader cannot tell a forged MAC from a key of its own that is stale (the
+  producer restarted, or answered the handshake before its first step gave
+  it a key): after a mismatch, the next request to that producer fetches
+  its key again (the agent, and its READs in flight, stay). What
   it cannot catch: another request's params sent unchanged, before they
   expire, with a different prompt. vLLM trusts the client's params.
 - A READ still in progress after ``kv_read_timeout`` seconds (60 s) is
@@ -186,6 +190,13 @@ class NixlConnectorWorker:
         # step's metadata). Consumer: each remote engine's, from the handshake.
         self._params_key = b""
         self._remote_params_keys: dict[RemoteAgentKey, bytes] = {}
+        # Each remote engine's agent metadata as its handshake gave it: a
+        # handshake again (for a params key not known, or no longer right)
+        # that gets the same agent only updates the key.
+        self._remote_agent_metadata: dict[RemoteAgentKey, bytes] = {}
+        # A restarted remote engine's old agent and descriptors: its READs in
+        # flight may still hold them, so they go at shutdown.
+        self._retired_remote: list[tuple[str, Any]] = []
 
         # Remote engines: agent name, prepared block descriptors, block count;
         # keyed by engine id and side-channel address (vLLM: engine id alone),
@@ -360,17 +371,50 @@ class NixlConnectorWorker:
                 f"block lengths {meta.block_lens[:1]}..., this one {self.block_size} and "
                 f"{self.block_lens[:1]}...: tracevllm reads only identical layouts."
             )
-        agent_name = self.nixl_wrapper.add_remote_agent(meta.agent_metadata)
         key = (meta.engine_id, host, port)
-        self.dst_xfer_side_handles[key] = self.nixl_wrapper.prep_xfer_dlist(
+        if (
+            key in self._remote_agents
+            and self._remote_agent_metadata.get(key) == meta.agent_metadata
+        ):
+            # The agent this worker has (a handshake again for the params
+            # key): its READs in flight go on.
+            self._set_remote_params_key(key, meta.params_key)
+            return self._remote_agents[key]
+        agent_name = self.nixl_wrapper.add_remote_agent(meta.agent_metadata)
+        handle = self.nixl_wrapper.prep_xfer_dlist(
             agent_name, self._block_descs(meta.kv_caches_base_addr, meta.num_blocks), "DRAM"
         )
+        if key in self._remote_agents:  # restarted: another agent at that address
+            self._retired_remote.append((self._remote_agents[key], self.dst_xfer_side_handles[key]))
+        self.dst_xfer_side_handles[key] = handle
         self.dst_num_blocks[key] = meta.num_blocks
-        self._remote_params_keys[key] = meta.params_key
+        self._remote_agent_metadata[key] = meta.agent_metadata
+        self._set_remote_params_key(key, meta.params_key)
         self._remote_agents[key] = agent_name
         return agent_name
 
     # --8<-- [end:nixl_handshake]
+
+    def _set_remote_params_key(self, key: RemoteAgentKey, params_key: bytes) -> None:
+        """Keep a remote engine's params key; an empty one (the producer's
+        side channel answers before its first step brings its key) is not
+        kept, so that the next request to it handshakes again."""
+        if params_key:
+            self._remote_params_keys[key] = params_key
+        else:
+            self._remote_params_keys.pop(key, None)
+
+    def _forget_remote_params_key(self, key: RemoteAgentKey) -> None:
+        """A request's MAC did not match the remote engine's key (or there is
+        none): the key may be stale (the producer restarted, or answered
+        before it had one), so the next request to it handshakes again
+        rather than fail for good. The agent stays, with its READs in flight:
+        a client's forged MAC costs one more side-channel round trip."""
+        with self._handshake_lock:
+            self._remote_params_keys.pop(key, None)
+            future = self._handshake_futures.get(key)
+            if future is not None and future.done():
+                del self._handshake_futures[key]
 
     def _background_nixl_handshake(self, req_id: ReqId, meta: ReqMeta) -> None:
         """Handshake in the background (once per remote engine); the request's
@@ -420,7 +464,8 @@ class NixlConnectorWorker:
                 if self._is_expired(req_id, meta):
                     continue  # no handshake for blocks the producer is freeing
             with self._handshake_lock:
-                if meta.remote.agent_key not in self._remote_agents:
+                key = meta.remote.agent_key
+                if key not in self._remote_agents or key not in self._remote_params_keys:
                     self._background_nixl_handshake(req_id, meta)
                     continue
             self._read_blocks_for_req(req_id, meta)
@@ -472,10 +517,12 @@ class NixlConnectorWorker:
         if not self._params_mac_ok(remote):
             logger.error(
                 "NixlConnector: request %s's kv_transfer_params do not carry the producer's "
-                "MAC (changed by the client, or not that producer's): not read, its blocks "
-                "marked invalid",
+                "MAC (changed by the client, not that producer's, or this worker's key "
+                "for it is stale): not read, its blocks marked invalid; the next request "
+                "to it fetches its key again",
                 req_id,
             )
+            self._forget_remote_params_key(remote.agent_key)
             self._handle_failed_transfer(req_id, None)
             return
         # A local prefix hit covers the first blocks: read only the rest.
@@ -766,16 +813,23 @@ class NixlConnectorWorker:
                     self.nixl_wrapper.release_xfer_handle(handle)
         self._recving_transfers.clear()
         self._recv_posted.clear()
-        for handle in [self.src_xfer_side_handle, *self.dst_xfer_side_handles.values()]:
+        retired_handles = [handle for _, handle in self._retired_remote]
+        for handle in [
+            self.src_xfer_side_handle,
+            *self.dst_xfer_side_handles.values(),
+            *retired_handles,
+        ]:
             if handle is not None:
                 with contextlib.suppress(Exception):
                     self.nixl_wrapper.release_dlist_handle(handle)
         self.src_xfer_side_handle = None
         self.dst_xfer_side_handles.clear()
-        for agent_name in self._remote_agents.values():
+        retired_agents = [name for name, _ in self._retired_remote]
+        for agent_name in {*self._remote_agents.values(), *retired_agents}:
             with contextlib.suppress(Exception):
                 self.nixl_wrapper.remove_remote_agent(agent_name)
         self._remote_agents.clear()
+        self._retired_remote.clear()
         if self._registered_descs is not None:
             with contextlib.suppress(Exception):
                 self.nixl_wrapper.deregister_memory(self._registered_descs)
