@@ -26,13 +26,22 @@ vLLM compiled and / vLLM eager.
 The linear-FLOP floor (the issue's goal 3): before anything else, sgemm's
 rate on this machine is measured (``torch.mm`` on fp32 squares, best of 5,
 benchmarks/roofline.py's ``measure_sgemm_squares``; the best of the sizes is
-the rate), and the workload's linear layers are counted from the model's
-shapes (roofline.py's ``model_shapes`` and ``step_cost``): 2 FLOP per weight
-per token, every prompt token and every generated token but the last (which
-is sampled and never fed back) through each layer's linears, and the LM head
-once per generated token. The floor is that count at the measured rate:
-what the workload would take if the linears ran at sgemm's speed and
-nothing else took time. Each run's share of it is floor / measured seconds.
+the rate), and the linear layers are counted from the model's shapes
+(roofline.py's ``model_shapes`` and ``step_cost``): 2 FLOP per weight per
+token, every prompt token and every generated token but the last (which is
+sampled and never fed back) through each layer's linears, and the LM head
+once per generated token. The workload's floor is that count at the measured
+rate: what the workload would take if the linears ran at sgemm's speed and
+nothing else took time. Each run is measured against its own engine's floor,
+which leaves out the prompt tokens that engine's prefix cache supplied (the
+sum of ``num_cached_tokens`` over the timed ``RequestOutput``s: the warm-ups'
+prompts come back in the timed call, and the chat prompts share their
+chat-template tokens): those never run the linears. HF has no prefix cache
+(its floor is the workload's; the padding and the tokens past a request's
+max_tokens that its batches also compute are not counted); an engine whose
+outputs do not say (``num_cached_tokens`` None) is measured against the
+workload's floor, and its line says so. A run's share is its floor / its
+measured seconds.
 
 Then the cost of each tracing level on the same workload (or
 ``--tracing-prompts N`` of its kind), under each condition: off, request and
@@ -76,18 +85,24 @@ DEFAULT_JSON = os.path.join("bench-results", "bench.json")
 WHAT = {
     "sgemm": "torch.mm on fp32 n x n squares in this process, before any engine ran, "
     "quiet, best of 5 each; gflops: the best of the sizes (2 n^3 FLOP / seconds)",
-    "floor": "the workload's linear layers at sgemm's rate: linear_flops = 2 x weights x "
-    "tokens (each request's prompt tokens and generated tokens but the last through every "
-    "layer's linears, the LM head at each generated token; attention left out); seconds = "
-    "linear_flops / (sgemm gflops x 1e9)",
+    "floor": "the workload's linear layers at sgemm's rate, with no prefix-cache hits: "
+    "linear_flops = 2 x weights x tokens (each request's prompt tokens and generated tokens "
+    "but the last through every layer's linears, the LM head at each generated token; "
+    "attention left out); seconds = linear_flops / (sgemm gflops x 1e9). Each run's own "
+    "floor (conditions' floor_s) leaves out its cached_tokens",
     "conditions": "per condition (quiet; busy: one busy-loop process, python3 -c 'while "
     "True: pass', started before each engine run and stopped after it), each engine run: "
     "generated tokens, seconds of the timed generate (after 2 untimed warm-up requests), "
-    "tok_s, the 1-minute load average as it started and ended, floor_share = floor seconds / "
-    "seconds",
+    "tok_s, the 1-minute load average as it started and ended; cached_tokens = the prompt "
+    "tokens its prefix cache supplied in the timed generate (the sum of its RequestOutputs' "
+    "num_cached_tokens; 0 for HF, which has none; null where the engine's outputs do not "
+    "say), floor_s = the floor of the prompt tokens it computed (prompt tokens - "
+    "cached_tokens; with null, every prompt token) and the generated ones, floor_share = "
+    "floor_s / seconds. Tokens recomputed after a preemption are not counted",
     "summary": "per condition: tracevllm_tok_s = the mean of its two runs (first and after "
     "the others); ratio_vs_X = tracevllm_tok_s / X's tok/s; floor_share = the mean of "
-    "tracevllm's two runs' floor shares",
+    "tracevllm's two runs' floor shares (each against its own floor_s), floor_s = the mean "
+    "of their floor_s",
     "tracing": "per condition: tok/s of tracing off, request and full detail, back to back "
     "in each round (first level rotating), each in a fresh LLM; vs_off = the median over "
     "rounds of (level / the same round's off) - 1",
@@ -105,6 +120,8 @@ class Run:
     load_start: float
     load_end: float
     floor_share: float | None = None
+    cached_tokens: int | None = None  # prompt tokens from the prefix cache; None: not said
+    floor_s: float | None = None  # this run's floor: the tokens it computed
 
     @property
     def tok_s(self) -> float:
@@ -112,16 +129,19 @@ class Run:
 
 
 # --------------------------------------------------------------- pure pieces
-def linear_flops(m: dict[str, Any], requests: Sequence[tuple[int, int]]) -> float:
+def linear_flops(
+    m: dict[str, Any], requests: Sequence[tuple[int, int]], cached_tokens: int = 0
+) -> float:
     """The linear layers' FLOPs of ``(prompt tokens, generated tokens)`` requests
     (``m``: roofline.model_shapes): through every layer, each prompt token and
-    each generated token but the last; through the LM head, each generated one."""
+    each generated token but the last; through the LM head, each generated one.
+    ``cached_tokens`` prompt tokens, supplied by a prefix cache, run no layer."""
     from roofline import step_cost
 
     total = 0.0
     for prompt, generated in requests:
         total += step_cost(m, prompt + generated - 1, generated, 0, 0)[0]
-    return total
+    return total - step_cost(m, cached_tokens, 0, 0, 0)[0]
 
 
 def floor_seconds(flops: float, gflops: float) -> float:
@@ -131,20 +151,23 @@ def floor_seconds(flops: float, gflops: float) -> float:
 
 def run_conditions(
     conditions: Sequence[str],
-    engines: Sequence[tuple[str, str, Callable[[], tuple[float, int]]]],
-    floor_s: float | None = None,
+    engines: Sequence[tuple[str, str, Callable[[], tuple[float, int, int | None]]]],
+    floor: Callable[[int | None], float] | None = None,
     report: Callable[[str, Run], None] | None = None,
     settle_s: float = SETTLE_S,
 ) -> dict[str, list[Run]]:
     """Each ``(name, key, run)`` of ``engines`` in turn under each condition
-    (``run()`` -> (seconds, tokens)); the busy loop, if any, lives exactly as
-    long as one ``run()``."""
+    (``run()`` -> (seconds, tokens, prompt tokens from its prefix cache or
+    None)); each run's floor is ``floor(those cached tokens)``. The busy loop,
+    if any, lives exactly as long as one ``run()``."""
     keys = {name: key for name, key, _ in engines}
     out: dict[str, list[Run]] = {c: [] for c in conditions}
     jobs = [(name, run) for name, _, run in engines]
-    for condition, name, (seconds, tokens), load in run_under(conditions, jobs, settle_s):
+    for condition, name, (seconds, tokens, cached), load in run_under(conditions, jobs, settle_s):
+        floor_s = floor(cached) if floor is not None else None
         share = floor_s / seconds if floor_s is not None else None
-        out[condition].append(Run(name, keys[name], tokens, seconds, load.start, load.end, share))
+        out[condition].append(Run(name, keys[name], tokens, seconds, load.start, load.end,
+                                  share, cached, floor_s))  # fmt: skip
         if report:
             report(condition, out[condition][-1])
     return out
@@ -156,6 +179,8 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     summary: dict[str, Any] = {"tracevllm_tok_s": statistics.mean(r.tok_s for r in ours)}
     shares = [r.floor_share for r in ours if r.floor_share is not None]
     summary["floor_share"] = statistics.mean(shares) if shares else None
+    floors = [r.floor_s for r in ours if r.floor_s is not None]
+    summary["floor_s"] = statistics.mean(floors) if floors else None
     for r in runs:
         if r.key != "tracevllm":
             summary[f"{r.key}_tok_s"] = r.tok_s
@@ -179,7 +204,9 @@ def tracing_order(round_: int) -> list[str]:
 
 
 # --------------------------------------------------------------- measuring
-def bench_tracevllm(samples: list[Any], **llm_kwargs: Any) -> tuple[float, int]:
+def bench_tracevllm(samples: list[Any], **llm_kwargs: Any) -> tuple[float, int, int]:
+    """(seconds, generated tokens, prompt tokens its prefix cache supplied) of
+    the timed ``generate``."""
     from tracevllm import LLM
     from tracevllm.benchmarks.throughput import run_tracevllm
 
@@ -188,7 +215,7 @@ def bench_tracevllm(samples: list[Any], **llm_kwargs: Any) -> tuple[float, int]:
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     asked = sum(s.expected_output_len for s in samples)
     assert generated == asked, (generated, asked)
-    return elapsed, generated
+    return elapsed, generated, sum(o.num_cached_tokens for o in outs)
 
 
 def bench_vllm(venv: str, model_dir: str, samples: list[Any], config: dict[str, Any]) -> dict:
@@ -210,8 +237,17 @@ def machine() -> dict[str, Any]:
     return {**busy.machine(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def _fmt_cached(run: Run) -> str:
+    if run.cached_tokens is None:
+        return "prefix-cache hits not reported: floor counts every prompt token"
+    return f"{run.cached_tokens} prompt tokens from the prefix cache"
+
+
 def _fmt_run(condition: str, run: Run) -> str:
-    share = f", {run.floor_share * 100:.0f}% of the floor" if run.floor_share is not None else ""
+    share = ""
+    if run.floor_share is not None and run.floor_s is not None:
+        share = (f", {run.floor_share * 100:.0f}% of its floor {run.floor_s:.2f} s "
+                 f"({_fmt_cached(run)})")  # fmt: skip
     return (
         f"  {LABELS[condition]:<13} {run.engine}: {run.tokens} tokens in {run.seconds:.1f} s = "
         f"{run.tok_s:.1f} tok/s{share}, load {run.load_start:.2f}->{run.load_end:.2f}"
@@ -270,9 +306,15 @@ def main(argv: list[str] | None = None) -> None:
     samples = chat_samples(tokenizer, args.num_prompts)
     asked = sum(s.expected_output_len for s in samples)
     shapes = model_shapes(args.model)
-    flops = linear_flops(shapes, [(len(s.prompt_token_ids), s.expected_output_len)
-                                  for s in samples])  # fmt: skip
+    requests = [(len(s.prompt_token_ids), s.expected_output_len) for s in samples]
+    flops = linear_flops(shapes, requests)
     floor_s = floor_seconds(flops, gflops)
+
+    def floor(cached: int | None) -> float:
+        """A run's floor: the prompt tokens its prefix cache did not supply (all
+        of them where the engine does not say) and the generated ones."""
+        return floor_seconds(linear_flops(shapes, requests, cached or 0), gflops)
+
     res["model"] = {"name": shapes["name"], "linear_params": shapes["linear_params"],
                     "lm_head_params": shapes["lm_head_params"]}  # fmt: skip
     res["workload"] = {
@@ -286,32 +328,33 @@ def main(argv: list[str] | None = None) -> None:
         f"tokens), max_tokens 16-128 (seed 0), {asked} requested tokens, greedy, ignore_eos, "
         f"fp32; conditions: {', '.join(LABELS[c] for c in conditions)}\n"
         f"linear-FLOP floor: {flops / 1e9:.1f} GFLOP at the measured sgemm {gflops:.1f} "
-        f"GFLOP/s = {floor_s:.2f} s"
+        f"GFLOP/s = {floor_s:.2f} s with no prefix-cache hits; each run's floor leaves out "
+        f"the prompt tokens its engine's prefix cache supplied"
     )
 
     llm_kwargs = {"model": model_dir}
-    engines: list[tuple[str, str, Callable[[], tuple[float, int]]]] = [
+    engines: list[tuple[str, str, Callable[[], tuple[float, int, int | None]]]] = [
         ("tracevllm, first run", "tracevllm", lambda: bench_tracevllm(samples, **llm_kwargs))
     ]
     if not args.skip_hf:
         engines.append(("HF transformers (static batches of 16)", "hf",
-                        lambda: (run_hf(model_dir, samples), asked)))  # fmt: skip
+                        lambda: (run_hf(model_dir, samples), asked, 0)))  # fmt: skip
     venv = os.environ.get("VLLM_VENV")
     if venv:
         for config in VLLM_CONFIGS:
             mode = "enforce_eager" if config["enforce_eager"] else "torch.compile"
             key = "vllm_eager" if config["enforce_eager"] else "vllm_compiled"
 
-            def run_vllm(config: dict[str, Any] = config) -> tuple[float, int]:
+            def run_vllm(config: dict[str, Any] = config) -> tuple[float, int, int | None]:
                 result = bench_vllm(venv, model_dir, samples, config)
-                return result["seconds"], result["tokens"]
+                return result["seconds"], result["tokens"], result.get("cached_tokens")
 
             engines.append((f"vLLM 0.32 CPU ({mode})", key, run_vllm))
     # tracevllm again, after the others: how far the machine moved meanwhile.
     engines.append(("tracevllm, second run (after the others)", "tracevllm", engines[0][2]))
     console.print("measuring (each run under its condition):")
     by_condition = run_conditions(
-        conditions, engines, floor_s, lambda c, r: console.print(_fmt_run(c, r))
+        conditions, engines, floor, lambda c, r: console.print(_fmt_run(c, r))
     )
     res["conditions"] = {}
     for condition, runs in by_condition.items():
@@ -321,11 +364,14 @@ def main(argv: list[str] | None = None) -> None:
         ours = summary["tracevllm_tok_s"]
         table = Table(title=f"Offline throughput (generated tokens / s), {LABELS[condition]}")
         for col in ("engine", "tokens", "seconds", "tok/s", "load start->end",
-                    "share of floor", "tracevllm (mean of 2) / this"):  # fmt: skip
+                    "prefix-cache hits", "its floor", "share of floor",
+                    "tracevllm (mean of 2) / this"):  # fmt: skip
             table.add_column(col, justify="right" if col != "engine" else "left")
         for r in runs:
             table.add_row(r.engine, str(r.tokens), f"{r.seconds:.1f}", f"{r.tok_s:.1f}",
                           f"{r.load_start:.2f}->{r.load_end:.2f}",
+                          "not reported" if r.cached_tokens is None else str(r.cached_tokens),
+                          f"{r.floor_s:.2f} s" if r.floor_s is not None else "",
                           f"{r.floor_share * 100:.0f}%" if r.floor_share is not None else "",
                           f"{ours / r.tok_s:.2f}x")  # fmt: skip
         console.print(table)
@@ -340,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['tracevllm_tok_s']:.1f}",
             f"{s['ratio_vs_vllm_compiled']:.2f}x" if "ratio_vs_vllm_compiled" in s else "-",
             f"{s['ratio_vs_vllm_eager']:.2f}x" if "ratio_vs_vllm_eager" in s else "-",
-            f"{s['floor_share'] * 100:.0f}% of {floor_s:.2f} s",
+            f"{s['floor_share'] * 100:.0f}% of {s['floor_s']:.2f} s",
         )
     console.print(summary_table)
     if not venv:
@@ -377,7 +423,7 @@ def measure_tracing(
         for round_ in range(args.tracing_rounds):
             for detail in tracing_order(round_):
                 with tempfile.TemporaryDirectory() as d, under(condition, settle_s) as load:
-                    t, n = bench_tracevllm(samples, trace_detail=detail,
+                    t, n, _ = bench_tracevllm(samples, trace_detail=detail,
                                            trace_dir=None if detail == "off" else d,
                                            **llm_kwargs)  # fmt: skip
                 rates[detail].append(n / t)

@@ -40,6 +40,8 @@ def test_linear_flops_by_hand() -> None:
     assert bt.linear_flops(HAND, [(10, 5)]) == 31000
     assert bt.linear_flops(HAND, [(3, 1)]) == 6600
     assert bt.linear_flops(HAND, [(10, 5), (3, 1)]) == 37600
+    # 4 of those prompt tokens from a prefix cache: 2 x 1000 x 4 fewer.
+    assert bt.linear_flops(HAND, [(10, 5), (3, 1)], cached_tokens=4) == 29600
     # 37600 FLOP at 0.0376 GFLOP/s: one millisecond.
     assert math.isclose(bt.floor_seconds(37600, 0.0376), 1e-3)
 
@@ -122,24 +124,31 @@ def test_condition_loop_runs_each_engine_beside_its_own_busy_loop() -> None:
     run (and only then), and is gone once the loop ends."""
     seen: list[tuple[str, int]] = []
 
-    def engine(name: str, seconds: float) -> Any:
-        def run() -> tuple[float, int]:
+    def engine(name: str, seconds: float, cached: int | None) -> Any:
+        def run() -> tuple[float, int, int | None]:
             seen.append((name, _busy_loops()))
-            return seconds, 10
+            return seconds, 10, cached
 
         return run
 
-    engines = [("ours", "tracevllm", engine("ours", 1.0)),
-               ("theirs", "vllm_compiled", engine("theirs", 2.0))]  # fmt: skip
+    # Each run's floor from its own prefix-cache hits: 0.5 s less 0.1 s a hit
+    # token; one that does not say (None) gets the whole 0.5 s.
+    engines = [("ours", "tracevllm", engine("ours", 1.0, 4)),
+               ("theirs", "vllm_compiled", engine("theirs", 2.0, None))]  # fmt: skip
     reported: list[tuple[str, str]] = []
-    out = bt.run_conditions(["quiet", "busy"], engines, floor_s=0.5,
-                            report=lambda c, r: reported.append((c, r.engine)),
+    out = bt.run_conditions(["quiet", "busy"], engines,
+                            floor=lambda c: 0.5 if c is None else 0.5 - 0.1 * c,
+                            report=lambda c, r: reported.append((c, bt._fmt_run(c, r))),
                             settle_s=0.05)  # fmt: skip
     assert seen == [("ours", 0), ("theirs", 0), ("ours", 1), ("theirs", 1)]
-    assert reported == [("quiet", "ours"), ("quiet", "theirs"),
-                        ("busy", "ours"), ("busy", "theirs")]  # fmt: skip
+    assert [(c, line.split(":")[0].split()[-1]) for c, line in reported] == [
+        ("quiet", "ours"), ("quiet", "theirs"), ("busy", "ours"), ("busy", "theirs")]  # fmt: skip
+    assert "of its floor 0.10 s (4 prompt tokens from the prefix cache)" in reported[0][1]
+    assert "of its floor 0.50 s (prefix-cache hits not reported" in reported[1][1]
     assert _busy_loops() == 0
-    assert [r.floor_share for r in out["busy"]] == [0.5, 0.25]
+    assert [r.cached_tokens for r in out["busy"]] == [4, None]
+    assert [r.floor_s for r in out["busy"]] == pytest.approx([0.1, 0.5])
+    assert [r.floor_share for r in out["busy"]] == pytest.approx([0.1, 0.25])
     assert all(r.load_start >= 0 and r.load_end >= 0 for rs in out.values() for r in rs)
     assert bt.summarize(out["busy"])["ratio_vs_vllm_compiled"] == 2.0
 
@@ -188,14 +197,14 @@ def test_tracing_cost_under_each_condition(monkeypatch: Any, tokenizer: Any) -> 
 
     calls: list[tuple[str, str, bool]] = []
 
-    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int]:
+    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int, int]:
         loops = _busy_loops()
         calls.append((kwargs["trace_detail"], "busy" if loops else "quiet",
                       kwargs["trace_dir"] is not None))  # fmt: skip
         assert kwargs["model"] == "/m" and len(samples) == 2
         # 100 tok/s off; request 2 % slower quiet, 10 % busy; full 20 % slower.
         slow = {"off": 1.0, "request": 0.98 if not loops else 0.9, "full": 0.8}
-        return 1.0, int(100 * slow[kwargs["trace_detail"]])
+        return 1.0, int(100 * slow[kwargs["trace_detail"]]), 0
 
     monkeypatch.setattr(bt, "bench_tracevllm", fake)
     args = argparse.Namespace(tracing_prompts=2, tracing_rounds=2)
@@ -223,11 +232,12 @@ def test_bench_throughput_smoke(
     model has taken a minute): argparse, the floor, the summary and the JSON."""
     loops: list[int] = []
 
-    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int]:
+    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int, int]:
         loops.append(_busy_loops())
         assert kwargs == {"model": tiny_model_dir} and len(samples) == 2
-        # 2 s, then 4 s: tok/s of each run, and their mean, known by hand.
-        return 2.0 * len(loops), sum(s.expected_output_len for s in samples)
+        # 2 s, then 4 s: tok/s of each run, and their mean, known by hand;
+        # 3 prompt tokens from the prefix cache each time.
+        return 2.0 * len(loops), sum(s.expected_output_len for s in samples), 3
 
     monkeypatch.setattr(bt, "bench_tracevllm", fake)
     monkeypatch.delenv("VLLM_VENV", raising=False)
@@ -251,19 +261,24 @@ def test_bench_throughput_smoke(
     gflops = res["sgemm"]["gflops"]
     floor_s = res["floor"]["seconds"]
     assert math.isclose(floor_s, res["floor"]["linear_flops"] / (gflops * 1e9))
+    # Each run's floor: the workload's less the 3 cached prompt tokens' 2 x 73728 FLOP.
+    ran_s = floor_s - 2 * 73728 * 3 / (gflops * 1e9)
     runs = res["conditions"]["busy"]["runs"]
     assert [r["key"] for r in runs] == ["tracevllm", "tracevllm"]
     assert [r["seconds"] for r in runs] == [2.0, 4.0]
     for r in runs:
-        assert r["tokens"] == asked
-        assert math.isclose(r["floor_share"], floor_s / r["seconds"])
+        assert r["tokens"] == asked and r["cached_tokens"] == 3
+        assert math.isclose(r["floor_s"], ran_s)
+        assert math.isclose(r["floor_share"], ran_s / r["seconds"])
         assert r["load_start"] >= 0 and r["load_end"] >= 0
     summary = res["conditions"]["busy"]["summary"]
     assert math.isclose(summary["tracevllm_tok_s"], (asked / 2 + asked / 4) / 2)
-    assert math.isclose(summary["floor_share"], (floor_s / 2 + floor_s / 4) / 2)
+    assert math.isclose(summary["floor_share"], (ran_s / 2 + ran_s / 4) / 2)
+    assert math.isclose(summary["floor_s"], ran_s)
     assert "tracing" not in res
     assert "one busy core" in stdout and "linear-FLOP floor" in stdout
-    assert f"{floor_s:.2f} s" in stdout
+    assert f"{floor_s:.2f} s with no prefix-cache hits" in stdout
+    assert "3 prompt tokens from the prefix cache" in stdout
 
 
 def test_bench_throughput_rejects_bad_flags(capsys: Any) -> None:
@@ -274,3 +289,36 @@ def test_bench_throughput_rejects_bad_flags(capsys: Any) -> None:
             bt.main(argv)
         assert e.value.code == 2
         assert msg in capsys.readouterr().err
+
+
+def test_engines_count_their_prefix_cache_hits(monkeypatch: Any) -> None:
+    """tracevllm's and vLLM's timed outputs' ``num_cached_tokens``, summed; vLLM's
+    may be None, and then the count is unknown (None), not 0."""
+    import vllm_offline
+
+    import tracevllm
+    import tracevllm.benchmarks.throughput as throughput
+
+    class Out:
+        def __init__(self, generated: int, cached: int | None) -> None:
+            self.outputs = [argparse.Namespace(token_ids=[0] * generated)]
+            self.num_cached_tokens = cached
+
+    class FakeLLM:
+        def __init__(self, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> FakeLLM:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    outs = [Out(4, 16), Out(2, 0), Out(3, 5)]
+    monkeypatch.setattr(tracevllm, "LLM", FakeLLM)
+    monkeypatch.setattr(throughput, "run_tracevllm", lambda llm, samples, **kw: (1.5, outs))
+    samples = [argparse.Namespace(expected_output_len=n) for n in (4, 2, 3)]
+    assert bt.bench_tracevllm(samples, model="/m") == (1.5, 9, 21)
+    assert vllm_offline.cached_tokens(outs) == 21
+    assert vllm_offline.cached_tokens([Out(4, 16), Out(2, None)]) is None
+    assert vllm_offline.cached_tokens([]) == 0
