@@ -19,7 +19,8 @@ all start at once, since start-up is most of the run on a busy machine, and
 the idle ones wait on their queues):
 
 - ``one engine``: ``tracevllm serve`` alone with ``--one-threads`` torch
-  threads (default: the machine's CPUs, both here);
+  threads (default: the split's two engines' together, 2 x ``--pd-threads``,
+  at most the CPUs this process may run on: 2 at the default ``--pd-threads``);
 - ``P/D split``: a prefill server (``kv_role="kv_producer"``) and a decode
   server (``kv_consumer``), both ``tracevllm serve`` with ``--pd-threads``
   torch threads each (default 1: a CPU each, the same two CPUs split in
@@ -420,7 +421,15 @@ def print_table(configs: list[dict[str, Any]]) -> None:
         )
 
 
-def main() -> int:
+def default_one_threads(pd_threads: int) -> int:
+    """``--one-threads``' default: the split's two engines' threads together,
+    capped at the CPUs this process may run on (its affinity, which a
+    container's or taskset's limit narrows; ``os.cpu_count()`` does not)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(2 * pd_threads, usable or 1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: tracevllm's default model")
     parser.add_argument("--connector", default="NixlConnector",
@@ -438,18 +447,25 @@ def main() -> int:
     parser.add_argument(
         "--one-threads",
         type=int,
-        default=os.cpu_count() or 1,
-        help="the one engine's TRACEVLLM_NUM_THREADS (default: the machine's CPUs, the "
-        "split's two engines' together at --pd-threads 1 on two CPUs)",
+        default=None,
+        help="the one engine's TRACEVLLM_NUM_THREADS (default: the split's two engines' "
+        "together, 2 x --pd-threads, at most the CPUs this process may run on)",
     )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--output-json", default=RESULT)
     parser.add_argument(
         "--log", default=None, help="append the servers' output here (default: shown on failure)"
     )
-    args = parser.parse_args()
-    if args.pd_threads < 1 or args.one_threads < 1:
+    args = parser.parse_args(argv)
+    if args.one_threads is None and args.pd_threads >= 1:
+        args.one_threads = default_one_threads(args.pd_threads)
+    if args.pd_threads < 1 or args.one_threads is None or args.one_threads < 1:
         parser.error("--pd-threads and --one-threads must be at least 1")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
 
     import torch
     from transformers import AutoTokenizer

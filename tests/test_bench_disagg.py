@@ -107,8 +107,10 @@ def test_each_configuration_counts_its_requests(smoke: tuple[dict, str]) -> None
     assert prefill["vllm:prompt_tokens_total"] > prompt_tokens
     assert prefill[by.format("external_kv_transfer")] == 0
     # Each configuration's engines ran a fixed thread count, recorded: the
-    # one engine the machine's CPUs (the default), each split engine 1.
-    assert one["threads"] == {"one": {"TRACEVLLM_NUM_THREADS": os.cpu_count()}}
+    # one engine the split's two together (the default: 2 x --pd-threads 1,
+    # at most the CPUs this process may use), each split engine 1.
+    one_threads = min(2, len(os.sched_getaffinity(0)))
+    assert one["threads"] == {"one": {"TRACEVLLM_NUM_THREADS": one_threads}}
     assert split["threads"] == {
         "prefill": {"TRACEVLLM_NUM_THREADS": 1},
         "decode": {"TRACEVLLM_NUM_THREADS": 1},
@@ -144,6 +146,25 @@ def test_every_engine_gets_a_fixed_thread_count(monkeypatch: pytest.MonkeyPatch)
     ports = [port for _, _, port in commands.values()]
     assert len(set(ports)) == 4
     assert all(str(port) in cmd for cmd, _, port in commands.values())
+
+
+def test_one_threads_default_is_the_splits_two_engines_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--one-threads defaults to 2 x --pd-threads, capped at the CPUs this
+    process may run on (its affinity, not os.cpu_count()); given, it is kept."""
+    bench = _bench()
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: set(range(6)))
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 64)
+    assert bench.parse_args([]).one_threads == 2
+    assert bench.parse_args(["--pd-threads", "2"]).one_threads == 4
+    assert bench.parse_args(["--pd-threads", "4"]).one_threads == 6  # the affinity's 6
+    assert bench.parse_args(["--pd-threads", "4", "--one-threads", "3"]).one_threads == 3
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0})
+    assert bench.parse_args([]).one_threads == 1
+    for bad in (["--pd-threads", "0"], ["--one-threads", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
 
 
 def test_h100_arithmetic_by_hand() -> None:
