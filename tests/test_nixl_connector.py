@@ -318,31 +318,29 @@ def test_an_unreachable_producer_fails_only_its_request_under_fail(
 def test_unread_blocks_are_freed_after_the_timeout_and_a_dead_producer_is_recomputed(
     model_dir: str, consumer: LLM, prompts: list[list[int]], baseline: list[list[int]]
 ) -> None:
-    timeout = 45  # the one read below must end within 45 - 3 (the margin) s
+    timeout = 45
     env = _port_env(_free_port(), TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT=str(timeout))
     with _engine(model_dir, "kv_producer", env) as short:
+        # A throwaway read first: the consumer's handshake with this producer
+        # (which the dead-producer part below needs) comes before the clock
+        # below starts, so nothing asserted depends on how long a cold
+        # handshake takes. On a machine too slow to read within the expiry
+        # the prompt is recomputed and its blocks expire instead: the same
+        # tokens, and the pool is empty either way. (Whether a reader's
+        # notification frees the blocks is checked on the module's producer,
+        # whose 480 s timeout cannot be mistaken for it.)
+        (warm,) = _prefill(short, prompts[:1])
+        (read,) = consumer.generate(
+            _inputs(prompts[:1]), [_greedy(warm, max_tokens=4)], use_tqdm=False
+        )
+        assert list(read.outputs[0].token_ids) == baseline[0][:4]
+        assert _wait_pool_free(short, timeout=90)["used"] == 0
         # Before the prefill: the producer's expiry counts from its request's end.
         start = time.monotonic()
         params = _prefill(short, prompts[1:3])
         assert _stats(short)["used"] == sum(len(p["remote_block_ids"]) for p in params)
-        # One more prompt, read at once (its own 45 s from now): the handshake
-        # the dead-producer part below needs. Whether the reader's notification
-        # frees the blocks is checked on the module's producer, whose 480 s
-        # timeout cannot be mistaken for it.
-        (first,) = _prefill(short, prompts[:1])
-        (read,) = consumer.generate(
-            _inputs(prompts[:1]), [_greedy(first, max_tokens=4)], use_tqdm=False
-        )
-        # Loaded, not recomputed: a machine too slow to read within the
-        # producer's expiry fails here, saying so.
-        assert read.num_cached_tokens == len(prompts[0]), (
-            f"the read did not load within {timeout} s of its prefill, less the "
-            f"consumer's 3 s margin (took {time.monotonic() - start:.0f} s from the first "
-            "prefill): too slow a machine for this test"
-        )
-        assert list(read.outputs[0].token_ids) == baseline[0][:4]
-        # The two never read are freed after the timeout, not before
-        # (mutation caught: no expiry, never freed).
+        # Never read: freed after the timeout, not before (mutation caught:
+        # no expiry, never freed).
         assert _wait_pool_free(short, timeout=90)["used"] == 0
         assert time.monotonic() - start >= timeout - 1
 
