@@ -295,6 +295,33 @@ def test_hostile_kv_transfer_params_are_computed_locally(
     assert _wait_pool_free(consumer)["used"] == 0
 
 
+@pytest.mark.timeout(300)
+def test_an_engine_serves_on_after_a_remote_prefill_aborted_before_it_was_scheduled(
+    model_dir: str, prompts: list[list[int]], baseline: list[list[int]]
+) -> None:
+    """A request with do_remote_prefill alone, aborted before the scheduler
+    saw it (in one engine core, in process, so that the add and the abort
+    come before the step for sure): the next step runs and the engine
+    serves on. Before, Scheduler.schedule() raised KeyError
+    'remote_block_ids' from build_connector_meta, which in a server kills
+    the engine core (mutation caught: the old unchecked request_finished and
+    build_connector_meta)."""
+    with LLM(
+        model=model_dir,
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks_override=NUM_BLOCKS,
+        enable_multiprocessing=False,
+        kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_consumer"},
+    ) as llm:
+        engine = llm.llm_engine
+        engine.add_request(
+            "gone", {"prompt_token_ids": prompts[0]}, _greedy({"do_remote_prefill": True})
+        )
+        engine.abort_request(["gone"])
+        (output,) = llm.generate(_inputs(prompts[1:2]), _greedy(max_tokens=4), use_tqdm=False)
+        assert list(output.outputs[0].token_ids) == baseline[1][:4]
+
+
 @pytest.mark.timeout(600)
 def test_an_unreachable_producer_fails_only_its_request_under_fail(
     producer: LLM, failing_consumer: LLM, prompts: list[list[int]], baseline: list[list[int]]
