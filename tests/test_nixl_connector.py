@@ -886,6 +886,15 @@ def test_notifications_are_parsed_defensively_and_need_the_requests_token(
     assert "early2" in sending
     sending, _ = producer.worker.get_finished()
     assert "early2" not in sending
+    # A notification is bounded in bytes (so the early ones are): a long
+    # request id is dropped (mutation caught: no length check -> parsed).
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
+        MAX_NOTIF_BYTES,
+        parse_notif,
+    )
+
+    assert parse_notif(f"r:{token}:1".encode()) == ("r", token)
+    assert parse_notif(b"r" * MAX_NOTIF_BYTES + f":{token}:1".encode()) is None
 
 
 @pytest.mark.timeout(120)

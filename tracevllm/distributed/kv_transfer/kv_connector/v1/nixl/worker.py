@@ -56,7 +56,7 @@ Where tracevllm departs from vLLM, and why:
   dropped, not raised in the engine's step. One for a request the worker has
   not heard of yet (a fast reader) is kept for the request, if its token has
   the producer's form (32 hex digits), and at most ``MAX_EARLY_NOTIFS`` of
-  them (10 000, the oldest dropped).
+  them (10 000, the oldest dropped), each at most ``MAX_NOTIF_BYTES`` long.
 - Only a producer (``kv_producer``, ``kv_both``) serves the side channel,
   which hands its agent metadata and memory layout to anyone who connects
   (so keep ``TRACEVLLM_NIXL_SIDE_CHANNEL_HOST`` on a private address; it
@@ -113,6 +113,9 @@ HANDSHAKE_TIMEOUT_MS = 5000
 # Notifications kept for requests this worker has not heard of yet (the
 # oldest dropped past it): anyone who reaches the agent can send them.
 MAX_EARLY_NOTIFS = 10_000
+# A notification longer than this is dropped, so early ones are bounded in
+# bytes too (a request id of the OpenAI server is a few dozen characters).
+MAX_NOTIF_BYTES = 4096
 # A notification token as the producer's scheduler makes it (secrets.token_hex(16)).
 _NOTIF_TOKEN_LEN = 32
 _HEX_DIGITS = frozenset("0123456789abcdef")
@@ -140,7 +143,10 @@ def make_notif(request_id: str, notif_token: str) -> bytes:
 def parse_notif(notif: bytes) -> tuple[ReqId, str] | None:
     """(request id, token) of a notification, or None for anything else: a
     notification comes from whoever can reach this agent, so a malformed
-    one is dropped, never raised inside the engine's step."""
+    one is dropped, never raised inside the engine's step, and so is one
+    over ``MAX_NOTIF_BYTES``."""
+    if not isinstance(notif, bytes) or len(notif) > MAX_NOTIF_BYTES:
+        return None
     try:
         msg = notif.decode("utf-8")
     except (UnicodeDecodeError, AttributeError):
