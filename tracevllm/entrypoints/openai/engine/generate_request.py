@@ -28,10 +28,11 @@ once. The checks, each so that a request is never served other than it asked:
   proxy sends one prompt with ``n`` = 1).
 - On a prefill server (``kv_role`` ``kv_producer``), ``do_remote_decode``
   with ``max_tokens`` other than 1 is a 400 naming the field
-  (``check_kv_transfer_params_producer``): such a request's blocks are held
-  for a decode server once it finishes, so a longer completion would only
-  pin them longer, and vLLM's disaggregation proxy always sends 1. vLLM
-  takes it.
+  (``check_kv_transfer_params_producer``): the role says the server only
+  computes prompts for decode servers (with the NixlConnector, a finished
+  request's blocks are held for the reader, so a longer completion would
+  only pin them longer), and vLLM's disaggregation proxy always sends 1.
+  vLLM takes it.
 """
 
 from __future__ import annotations
@@ -91,11 +92,13 @@ def check_kv_transfer_params_producer(
     kv_transfer_config: KVTransferConfig | None,
     parameter: str = "max_tokens",
 ) -> None:
-    """On a prefill server (``kv_role`` ``kv_producer``), a request with
-    ``do_remote_decode`` asks for ``max_tokens`` = 1 (``parameter``: the
-    field that set it). Not on ``kv_both`` (vLLM's ``is_kv_producer`` counts
-    it): the OffloadingConnector and ExampleConnector run as ``kv_both`` and
-    hold nothing for a reader, so there the request is served as vLLM does."""
+    """On a prefill server (``kv_role`` ``kv_producer``, whatever its
+    connector), a request with ``do_remote_decode`` asks for ``max_tokens`` =
+    1 (``parameter``: the field that set it): the role says the server only
+    computes prompts for decode servers. Not on ``kv_both`` (vLLM's
+    ``is_kv_producer`` counts it), which also serves whole completions (the
+    OffloadingConnector's role); there the NixlConnector itself holds blocks
+    only for a request that generated at most one token."""
     if (
         kv_transfer_config is None
         or kv_transfer_config.kv_connector is None
@@ -106,8 +109,8 @@ def check_kv_transfer_params_producer(
         return
     raise VLLMValidationError(
         f"kv_transfer_params with do_remote_decode on a prefill server (kv_role "
-        f"kv_producer) needs {parameter} = 1, got {max_tokens}: the "
-        "prompt's blocks are held for the decode server, which generates the completion.",
+        f"kv_producer) needs {parameter} = 1, got {max_tokens}: a prefill server computes "
+        "the prompt and its first token; the decode server generates the completion.",
         parameter=parameter,
     )
 
