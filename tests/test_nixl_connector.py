@@ -587,6 +587,28 @@ class _Side:
         signed_expires_in is given: a client's change)."""
         from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlConnectorMetadata,
+        )
+
+        meta = NixlConnectorMetadata()
+        meta.reqs_to_recv[req_id] = self.req_meta(
+            req_id, producer, local, remote, token, expires_in, engine_id, signed_expires_in
+        )
+        self.worker.start_load_kv(meta)
+
+    @staticmethod
+    def req_meta(
+        req_id: str,
+        producer: _Side,
+        local: list[int],
+        remote: list[int],
+        token: str,
+        expires_in: float = 300.0,
+        engine_id: str = "P",
+        signed_expires_in: float | None = None,
+        forged: bool = False,
+    ) -> Any:
+        """One request's entry in a consumer's metadata (forged: any MAC)."""
+        from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             RemoteMeta,
             ReqMeta,
             compute_params_mac,
@@ -596,8 +618,8 @@ class _Side:
         expiration_time = now + expires_in
         signed = now + signed_expires_in if signed_expires_in is not None else expiration_time
         remote_req_id = f"remote-{req_id}"
-        meta = NixlConnectorMetadata()
-        meta.reqs_to_recv[req_id] = ReqMeta(
+        mac = compute_params_mac(producer.params_key, remote_req_id, remote, signed, token)
+        return ReqMeta(
             local_block_ids=local,
             remote=RemoteMeta(
                 block_ids=remote,
@@ -607,12 +629,9 @@ class _Side:
                 request_id=remote_req_id,
                 expiration_time=expiration_time,
                 notif_token=token,
-                params_mac=compute_params_mac(
-                    producer.params_key, remote_req_id, remote, signed, token
-                ),
+                params_mac="0" * 64 if forged else mac,
             ),
         )
-        self.worker.start_load_kv(meta)
 
     def until_read(self, req_id: str, timeout: float = 60.0) -> set[int]:
         """Step until req_id's read is reported; the block ids marked invalid."""
@@ -630,6 +649,24 @@ class _Side:
                 return invalid
             time.sleep(0.05)
         raise AssertionError(f"{req_id}'s read never ended")
+
+    def until_all_read(self, req_ids: set[str], timeout: float = 60.0) -> set[int]:
+        """Step until every one of req_ids is reported; the block ids marked invalid."""
+        from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlConnectorMetadata,
+        )
+
+        invalid: set[int] = set()
+        pending = set(req_ids)
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            self.worker.start_load_kv(NixlConnectorMetadata())
+            _, recving = self.worker.get_finished()
+            invalid |= self.worker.get_block_ids_with_load_errors()
+            pending -= recving
+            time.sleep(0.05)
+        assert not pending, f"{pending}'s reads never ended"
+        return invalid
 
     def until_sent(self, req_id: str, timeout: float = 30.0) -> bool:
         """Step until the producer frees req_id's blocks (False if it does not)."""
@@ -743,14 +780,18 @@ def test_worker_refuses_params_the_producer_did_not_sign(
 
 
 @pytest.mark.timeout(300)
-def test_a_stale_or_empty_params_key_is_fetched_again() -> None:
+def test_a_stale_or_empty_params_key_is_fetched_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A consumer that handshakes before the producer's first step gets no
-    params key (and one that handshook before a producer's new key has the
-    old one): the read fails its MAC, but the next request to that producer
-    handshakes again and reads, without the agent being added again
-    (mutations caught: the key not forgotten on a mismatch, or a handshake
-    only for an unknown agent -> every later read fails, {1, 2} marked
-    invalid; the agent added again on each such handshake)."""
+    params key: the read fails its MAC, but the next request to that producer
+    handshakes again and reads. One that handshook before a producer's new key
+    has the old one: the first read signed with the new key fetches the key
+    again and, checked once more, reads; the agent is not added again
+    (mutations caught: a handshake only for an unknown agent -> every later
+    read fails, {1, 2} marked invalid; no refresh on a mismatch -> "stale"
+    fails, {5, 6}; the agent added again on each such handshake)."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as nixl_worker
+
+    monkeypatch.setattr(nixl_worker, "PARAMS_KEY_REFRESH_INTERVAL_S", 0.0)
     producer = _Side("kv_producer", "P3", seed=3, send_key=False)
     consumer = _Side("kv_consumer", "C4")
     try:
@@ -764,8 +805,9 @@ def test_a_stale_or_empty_params_key_is_fetched_again() -> None:
         assert _same(consumer.blocks([1, 2]), producer.blocks([3, 4]))
         assert producer.until_sent("remote-later")
 
-        # A new key on the producer: the first read signed with it fails (the
-        # consumer cannot tell a stale key from a forged MAC), the next loads.
+        # A new key on the producer: the first read signed with it mismatches
+        # the consumer's key (a stale key or a forged MAC), so the consumer
+        # fetches the key again and reads it.
         added: list[bytes] = []
         wrapper = consumer.worker.nixl_wrapper
         real_add = wrapper.add_remote_agent
@@ -776,13 +818,77 @@ def test_a_stale_or_empty_params_key_is_fetched_again() -> None:
 
         wrapper.add_remote_agent = add_remote_agent  # this consumer is shut down below
         producer.send_key(os.urandom(32))
-        for req_id, token, expected in (("stale", "tok13", {5, 6}), ("fresh", "tok14", set())):
+        for req_id, token, expected in (("stale", "tok13", set()), ("fresh", "tok14", set())):
             producer.hold(f"remote-{req_id}", token)
             consumer.read(req_id, producer, [5, 6], [7, 8], token, engine_id="P3")
             assert consumer.until_read(req_id) == expected, req_id
         assert _same(consumer.blocks([5, 6]), producer.blocks([7, 8]))
         assert producer.until_sent("remote-fresh")
         assert added == []  # the same agent: only its key was fetched again
+    finally:
+        consumer.worker.shutdown()
+        producer.worker.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_forged_mac_fails_only_its_own_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client of the decode server can send well-formed params naming a real
+    producer with any MAC. The consumer keeps the producer's key for every
+    other request and checks only the mismatching one again, after fetching
+    the key once more (at most every PARAMS_KEY_REFRESH_INTERVAL_S): an honest
+    read queued behind a forged one in the same step loads, on a cold
+    handshake and on a warm key alike (mutation caught: the key dropped at
+    the mismatch -> the honest request's blocks marked invalid too,
+    {1, 2, 5, 6})."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as nixl_worker
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NixlConnectorMetadata,
+    )
+
+    producer = _Side("kv_producer", "P5", seed=5)
+    consumer = _Side("kv_consumer", "C5")
+    handshakes: list[int] = []
+    real_handshake = consumer.worker._nixl_handshake
+
+    def counting_handshake(*args: Any) -> str:
+        handshakes.append(1)
+        return real_handshake(*args)
+
+    consumer.worker._nixl_handshake = counting_handshake  # type: ignore[method-assign]
+
+    def forged_then_honest(n: int) -> set[int]:
+        bad, good = f"bad{n}", f"good{n}"
+        producer.hold(f"remote-{good}", f"tokg{n}")
+        meta = NixlConnectorMetadata()
+        meta.reqs_to_recv[bad] = _Side.req_meta(
+            bad, producer, [1, 2], [3, 4], f"tokb{n}", engine_id="P5", forged=True
+        )
+        meta.reqs_to_recv[good] = _Side.req_meta(
+            good, producer, [5, 6], [7, 8], f"tokg{n}", engine_id="P5"
+        )
+        consumer.worker.start_load_kv(meta)
+        invalid = consumer.until_all_read({bad, good})
+        assert _same(consumer.blocks([5, 6]), producer.blocks([7, 8])), n
+        assert producer.until_sent(f"remote-{good}"), n
+        for cache in consumer.caches.values():  # so that the next round's read shows
+            cache[5:7].zero_()
+        return invalid
+
+    try:
+        # Cold: both wait on the first handshake; the key is fresh, so the
+        # forged one fails at once, without another handshake.
+        assert forged_then_honest(0) == {1, 2}
+        assert len(handshakes) == 1
+        # Warm, the key fetched just now: the same, no handshake.
+        assert forged_then_honest(1) == {1, 2}
+        assert len(handshakes) == 1
+        # Warm, the key older than the interval: the forged one waits for the
+        # key fetched again, mismatches it too and fails; the honest one is
+        # read with the key kept meanwhile.
+        monkeypatch.setattr(nixl_worker, "PARAMS_KEY_REFRESH_INTERVAL_S", 0.0)
+        assert forged_then_honest(2) == {1, 2}
+        assert len(handshakes) == 2
+        assert consumer.worker._mac_rechecked == set()
     finally:
         consumer.worker.shutdown()
         producer.worker.shutdown()

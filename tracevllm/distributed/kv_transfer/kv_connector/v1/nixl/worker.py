@@ -38,8 +38,12 @@ Where tracevllm departs from vLLM, and why:
   producer may have reused are not cached under the prompt's hashes. The
   reader cannot tell a forged MAC from a key of its own that is stale (the
   producer restarted, or answered the handshake before its first step gave
-  it a key): after a mismatch, the next request to that producer fetches
-  its key again (the agent, and its READs in flight, stay). What
+  it a key): on a mismatch it keeps the key for every other request, fetches
+  it again in the background (at most once per producer every
+  ``PARAMS_KEY_REFRESH_INTERVAL_S``; within that the key is fresh and the
+  request fails at once) and checks that one request once more against the
+  key fetched: it fails if it mismatches that too. So a forged MAC fails
+  only its own request (the agent, and its READs in flight, stay). What
   it cannot catch: another request's params sent unchanged, before they
   expire, with a different prompt. vLLM trusts the client's params.
 - A READ still in progress after ``kv_read_timeout`` seconds (60 s) is
@@ -116,6 +120,9 @@ MAX_EARLY_NOTIFS = 10_000
 # A notification longer than this is dropped, so early ones are bounded in
 # bytes too (a request id of the OpenAI server is a few dozen characters).
 MAX_NOTIF_BYTES = 4096
+# A MAC mismatch fetches the producer's params key again at most this often
+# (a fresher key is not stale: the request fails at once).
+PARAMS_KEY_REFRESH_INTERVAL_S = 5.0
 # A notification token as the producer's scheduler makes it (secrets.token_hex(16)).
 _NOTIF_TOKEN_LEN = 32
 _HEX_DIGITS = frozenset("0123456789abcdef")
@@ -196,6 +203,11 @@ class NixlConnectorWorker:
         # step's metadata). Consumer: each remote engine's, from the handshake.
         self._params_key = b""
         self._remote_params_keys: dict[RemoteAgentKey, bytes] = {}
+        # When each remote engine's key was last fetched (time.monotonic), and
+        # the requests parked on a fetch after their MAC mismatched (checked
+        # once more, against the key fetched).
+        self._params_key_fetched: dict[RemoteAgentKey, float] = {}
+        self._mac_rechecked: set[ReqId] = set()
         # Each remote engine's agent metadata as its handshake gave it: a
         # handshake again (for a params key not known, or no longer right)
         # that gets the same agent only updates the key.
@@ -405,29 +417,49 @@ class NixlConnectorWorker:
         """Keep a remote engine's params key; an empty one (the producer's
         side channel answers before its first step brings its key) is not
         kept, so that the next request to it handshakes again."""
+        self._params_key_fetched[key] = time.monotonic()
         if params_key:
             self._remote_params_keys[key] = params_key
         else:
             self._remote_params_keys.pop(key, None)
 
-    def _forget_remote_params_key(self, key: RemoteAgentKey) -> None:
+    def _refresh_params_key(self, req_id: ReqId, meta: ReqMeta) -> bool:
         """A request's MAC did not match the remote engine's key (or there is
         none): the key may be stale (the producer restarted, or answered
-        before it had one), so the next request to it handshakes again
-        rather than fail for good. The agent stays, with its READs in flight:
-        a client's forged MAC costs one more side-channel round trip."""
+        before it had one). The key stays for every other request; this one
+        is parked on a handshake that fetches the key again (one in flight
+        is shared) and checked once more when it completes. False (the
+        request fails now) if it was checked again already, or the key was
+        fetched less than ``PARAMS_KEY_REFRESH_INTERVAL_S`` ago: forged MACs
+        cannot make this worker handshake at their rate."""
+        key = meta.remote.agent_key
         with self._handshake_lock:
-            self._remote_params_keys.pop(key, None)
+            if req_id in self._mac_rechecked:
+                return False
             future = self._handshake_futures.get(key)
-            if future is not None and future.done():
-                del self._handshake_futures[key]
+            in_flight = future is not None and not future.done()
+            fetched = self._params_key_fetched.get(key)
+            if (
+                not in_flight
+                and fetched is not None
+                and time.monotonic() - fetched < PARAMS_KEY_REFRESH_INTERVAL_S
+            ):
+                return False
+            self._mac_rechecked.add(req_id)
+            self._background_nixl_handshake(req_id, meta, refresh=True)
+        return True
 
-    def _background_nixl_handshake(self, req_id: ReqId, meta: ReqMeta) -> None:
-        """Handshake in the background (once per remote engine); the request's
-        read starts in the step after it completes."""
+    def _background_nixl_handshake(
+        self, req_id: ReqId, meta: ReqMeta, refresh: bool = False
+    ) -> None:
+        """Handshake in the background (once per remote engine, and again for
+        a params key the last one did not bring, or to refresh it); the
+        request's read starts in the step after it completes."""
         remote = meta.remote
         future = self._handshake_futures.get(remote.agent_key)
-        if future is None:
+        if future is None or (
+            future.done() and (refresh or remote.agent_key not in self._remote_params_keys)
+        ):
             future = self._handshake_initiation_executor.submit(
                 self._nixl_handshake, remote.host, remote.port, remote.engine_id
             )
@@ -521,16 +553,23 @@ class NixlConnectorWorker:
         if self._is_expired(req_id, meta):  # the handshake took too long
             return
         if not self._params_mac_ok(remote):
+            if self._refresh_params_key(req_id, meta):
+                logger.warning(
+                    "NixlConnector: request %s's kv_transfer_params do not carry the "
+                    "producer's MAC under this worker's key for it: fetching the key "
+                    "again, then checking once more",
+                    req_id,
+                )
+                return
             logger.error(
                 "NixlConnector: request %s's kv_transfer_params do not carry the producer's "
-                "MAC (changed by the client, not that producer's, or this worker's key "
-                "for it is stale): not read, its blocks marked invalid; the next request "
-                "to it fetches its key again",
+                "MAC (changed by the client, or not that producer's): not read, its blocks "
+                "marked invalid",
                 req_id,
             )
-            self._forget_remote_params_key(remote.agent_key)
             self._handle_failed_transfer(req_id, None)
             return
+        self._mac_rechecked.discard(req_id)
         # A local prefix hit covers the first blocks: read only the rest.
         remote_block_ids = remote.block_ids[-len(local_block_ids) :]
         if len(remote_block_ids) != len(local_block_ids):
@@ -594,6 +633,7 @@ class NixlConnectorWorker:
 
     def _handle_failed_transfer(self, req_id: ReqId, handle: Any) -> None:
         """Mark the request's blocks invalid; report it done (failed)."""
+        self._mac_rechecked.discard(req_id)
         if (meta := self._recving_metadata.get(req_id)) is not None:
             self._invalid_block_ids.put(set(meta.local_block_ids))
             self._failed_recv_reqs.put(req_id)
