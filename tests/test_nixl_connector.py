@@ -1363,6 +1363,27 @@ def test_max_held_fraction_counts_a_shared_prefix_once() -> None:
     assert _finish_for_remote_decode(scheduler, "f", [9]) == (False, None)
 
 
+def test_held_blocks_count_each_block_once_and_not_the_null_block() -> None:
+    """A sliding-window group's block table holds the null block (id 0) once
+    per block outside the window: a hold counts each distinct block once and
+    the null block not at all, and a read leaves nothing counted (mutation
+    caught: the list stored, one decrement per entry -> {0: -2} left, and
+    {0: 1, 5: 1} counted while held)."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+        NixlConnectorScheduler,
+    )
+    from tracevllm.outputs import KVConnectorOutput
+
+    scheduler = NixlConnectorScheduler(_worker_config("kv_producer"), "P", _kv_cache_config(16))
+    assert _finish_for_remote_decode(scheduler, "a", [0, 0, 0, 5])[0] is True
+    assert _finish_for_remote_decode(scheduler, "b", [0, 0, 5, 6, 6])[0] is True
+    assert scheduler._held_block_refs == {5: 2, 6: 1}
+    scheduler.update_connector_output(KVConnectorOutput(finished_sending={"a"}))
+    assert scheduler._held_block_refs == {5: 1, 6: 1}
+    scheduler.update_connector_output(KVConnectorOutput(finished_sending={"b", "a"}))
+    assert scheduler._held_block_refs == {} and scheduler._held_blocks == {}
+
+
 def test_worker_shutdown_shuts_the_processs_kv_connector_down(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

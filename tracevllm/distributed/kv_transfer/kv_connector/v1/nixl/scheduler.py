@@ -68,6 +68,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# BlockPool's null block (the first block it takes from its free queue):
+# a sliding-window group's table holds it, maybe many times, for blocks
+# outside the window. It is never freed, so a hold does not count it.
+NULL_BLOCK_ID = 0
+
 _REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
@@ -213,10 +218,11 @@ class NixlConnectorScheduler:
         # the abort timeout.
         self.max_held_fraction = get_max_held_fraction(extra_config)
         self.max_held_blocks = int(self.max_held_fraction * kv_cache_config.num_blocks)
-        # Each held request's block ids, and how many held requests hold each
-        # block: requests that share a prefix hold its blocks once, so the cap
-        # counts distinct blocks (len(self._held_block_refs)).
-        self._held_blocks: dict[ReqId, list[int]] = {}
+        # Each held request's distinct block ids (the null block left out),
+        # and how many held requests hold each block: requests that share a
+        # prefix hold its blocks once, so the cap counts distinct blocks
+        # (len(self._held_block_refs)).
+        self._held_blocks: dict[ReqId, frozenset[int]] = {}
         self._held_block_refs: Counter[int] = Counter()
         # Producer (tracevllm's): the key of the MAC over each request's
         # params, sent to this engine's worker with every step's metadata
@@ -334,8 +340,10 @@ class NixlConnectorScheduler:
         """The producer's held blocks that were read (or expired) are freed."""
         for req_id in connector_output.finished_sending or ():
             for block_id in self._held_blocks.pop(req_id, ()):
-                self._held_block_refs[block_id] -= 1
-                if not self._held_block_refs[block_id]:
+                # Never below zero: each held request counts each block once.
+                if self._held_block_refs[block_id] > 1:
+                    self._held_block_refs[block_id] -= 1
+                else:
                     del self._held_block_refs[block_id]
 
     def request_finished(
@@ -382,9 +390,11 @@ class NixlConnectorScheduler:
             # Aborted or failed: nothing will read its blocks.
             return False, None
 
-        # Distinct blocks: a prefix shared with requests already held adds none.
+        # Distinct blocks: a prefix shared with requests already held adds
+        # none, and the null block (a sliding window's) is no block of the pool's.
+        held = frozenset(block_ids) - {NULL_BLOCK_ID}
         num_held = len(self._held_block_refs)
-        num_new = len(set(block_ids) - self._held_block_refs.keys())
+        num_new = len(held - self._held_block_refs.keys())
         if block_ids and num_held + num_new > self.max_held_blocks:
             logger.warning(
                 "NixlConnector: request %s's %d blocks would bring the blocks held for "
@@ -406,8 +416,8 @@ class NixlConnectorScheduler:
         # Only a reader given these params can free the blocks early.
         notif_token = secrets.token_hex(16)
         if delay_free_blocks:
-            self._held_blocks[request.request_id] = list(block_ids)
-            self._held_block_refs.update(set(block_ids))
+            self._held_blocks[request.request_id] = held
+            self._held_block_refs.update(held)
             self._reqs_need_send[request.request_id] = (
                 time.perf_counter() + self.abort_request_timeout
             )
