@@ -328,12 +328,21 @@ def test_an_in_process_engine_gives_the_thread_count_back(
     assert engine_runs[name].threads_after == 2
 
 
-def test_overlapping_in_process_workers_give_back_the_count_the_process_had() -> None:
+def test_overlapping_in_process_workers_give_back_the_count_the_process_had(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Two in-process engines overlap: the first sets 1 thread, the second
     starts while it runs (and finds 1), the first shuts down, then the
     second: the process ends at the count it had before either (mutation
     caught: each worker restoring the count it found -> the process ends at 1)."""
-    from tracevllm.worker.worker import claim_process_threads, release_process_threads
+    from tracevllm.worker import worker
+
+    # This process's history (engines of earlier tests) is not the subject.
+    monkeypatch.setattr(worker, "_PROCESS_THREADS", {"live": 0, "before": 0})
+    claim_process_threads, release_process_threads = (
+        worker.claim_process_threads,
+        worker.release_process_threads,
+    )
 
     user = torch.get_num_threads()
     torch.set_num_threads(2)  # the user's process, before either engine

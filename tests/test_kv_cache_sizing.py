@@ -155,6 +155,12 @@ def test_engine_refuses_to_start_when_one_request_cannot_fit(tiny_model_dir: str
     of 16 tokens cannot hold one request of the tiny model's 512 tokens."""
     with pytest.raises(ValueError) as err:
         LLM(model=tiny_model_dir, num_gpu_blocks_override=16, enable_multiprocessing=False)
+    # The failed start shut its worker down: the in-process engine gave the
+    # process its thread count back (mutation caught: no shutdown in
+    # EngineCore.__init__ -> a live worker left counted).
+    from tracevllm.worker.worker import _PROCESS_THREADS
+
+    assert _PROCESS_THREADS["live"] == 0
     message = str(err.value)
     assert "max seq len (512)" in message
     assert "That is 32 KV cache blocks; the pool has 16." in message

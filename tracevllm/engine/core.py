@@ -156,16 +156,23 @@ class EngineCore:
             # vLLM's client passes it in; here the core asks for itself.
             executor_class = Executor.get_class(vllm_config)
         self.model_executor = executor_class(vllm_config)
-        kv_cache_config = self._initialize_kv_caches(vllm_config)
-        self.structured_output_manager = StructuredOutputManager(vllm_config)
-        # Scheduler, or AsyncScheduler with async scheduling (vLLM's choice).
-        scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
-        self.scheduler: Scheduler = scheduler_cls(
-            vllm_config,
-            log_stats=log_stats,
-            structured_output_manager=self.structured_output_manager,
-            kv_cache_config=kv_cache_config,
-        )
+        try:
+            kv_cache_config = self._initialize_kv_caches(vllm_config)
+            self.structured_output_manager = StructuredOutputManager(vllm_config)
+            # Scheduler, or AsyncScheduler with async scheduling (vLLM's choice).
+            scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+            self.scheduler: Scheduler = scheduler_cls(
+                vllm_config,
+                log_stats=log_stats,
+                structured_output_manager=self.structured_output_manager,
+                kv_cache_config=kv_cache_config,
+            )
+        except BaseException:
+            # tracevllm's: a start that fails here (a pool too small for one
+            # request) shuts its workers down, which in-process gives back
+            # what they took from the caller's process (threads, connector).
+            self.model_executor.shutdown()
+            raise
         self.kv_cache_block_limits = get_request_block_limits(vllm_config, kv_cache_config)
 
         # Block hashes are computed as requests arrive (and as tokens are

@@ -65,8 +65,12 @@ class UniProcExecutor(Executor):
                 is_driver_worker=True,
             )
             self.driver_worker.init_worker(all_kwargs=[kwargs])
-            self.driver_worker.init_device()
-        self.driver_worker.load_model()
+            try:
+                self.driver_worker.init_device()
+                self.driver_worker.load_model()
+            except BaseException:
+                self.driver_worker.shutdown()  # what init_device took, given back
+                raise
 
     @property
     def model_runner(self) -> ModelRunner:
