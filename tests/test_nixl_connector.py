@@ -992,15 +992,26 @@ def test_notifications_are_parsed_defensively_and_need_the_requests_token(
     assert "early2" in sending
     sending, _ = producer.worker.get_finished()
     assert "early2" not in sending
-    # A notification is bounded in bytes (so the early ones are): a long
-    # request id is dropped (mutation caught: no length check -> parsed).
+    # An early notification is bounded in bytes: one for an unknown request
+    # with a long id is not kept (mutation caught: no length check -> kept)...
     from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
         MAX_NOTIF_BYTES,
         parse_notif,
     )
 
     assert parse_notif(f"r:{token}:1".encode()) == ("r", token)
-    assert parse_notif(b"r" * MAX_NOTIF_BYTES + f":{token}:1".encode()) is None
+    long_id = "x" * (MAX_NOTIF_BYTES + 1000)  # a client's long X-Request-Id
+    pending.append([f"{long_id}:{token}:1".encode()])
+    producer.worker.get_finished()
+    assert not any(req_id == long_id for req_id, _ in producer.worker._early_notifs)
+    # ...but a held request's is matched whatever its id's length, so that its
+    # reader frees it (mutation caught: the bound in parse_notif, as before ->
+    # its blocks held until the abort timeout).
+    long_held = "cmpl-" + "y" * (MAX_NOTIF_BYTES + 1000) + "-0"
+    producer.hold(long_held, token)
+    pending.append([f"{long_held}:{token}:1".encode()])
+    sending, _ = producer.worker.get_finished()
+    assert long_held in sending and long_held not in producer.worker._reqs_to_send
 
 
 @pytest.mark.timeout(120)

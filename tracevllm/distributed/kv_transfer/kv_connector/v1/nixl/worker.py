@@ -60,7 +60,9 @@ Where tracevllm departs from vLLM, and why:
   dropped, not raised in the engine's step. One for a request the worker has
   not heard of yet (a fast reader) is kept for the request, if its token has
   the producer's form (32 hex digits), and at most ``MAX_EARLY_NOTIFS`` of
-  them (10 000, the oldest dropped), each at most ``MAX_NOTIF_BYTES`` long.
+  them (10 000, the oldest dropped), each at most ``MAX_NOTIF_BYTES`` long
+  (a notification for a request the worker holds is matched whatever its
+  length: the request id is the client's ``X-Request-Id``, unbounded).
 - Only a producer (``kv_producer``, ``kv_both``) serves the side channel,
   which hands its agent metadata and memory layout to anyone who connects
   (so keep ``TRACEVLLM_NIXL_SIDE_CHANNEL_HOST`` on a private address; it
@@ -117,8 +119,10 @@ HANDSHAKE_TIMEOUT_MS = 5000
 # Notifications kept for requests this worker has not heard of yet (the
 # oldest dropped past it): anyone who reaches the agent can send them.
 MAX_EARLY_NOTIFS = 10_000
-# A notification longer than this is dropped, so early ones are bounded in
-# bytes too (a request id of the OpenAI server is a few dozen characters).
+# An early notification (for a request not held yet) longer than this is not
+# kept, so the early ones are bounded in bytes too. One for a held request is
+# matched whatever its length: the OpenAI server's request id carries the
+# client's X-Request-Id, which the server does not bound.
 MAX_NOTIF_BYTES = 4096
 # A MAC mismatch fetches the producer's params key again at most this often
 # (a fresher key is not stale: the request fails at once).
@@ -150,9 +154,8 @@ def make_notif(request_id: str, notif_token: str) -> bytes:
 def parse_notif(notif: bytes) -> tuple[ReqId, str] | None:
     """(request id, token) of a notification, or None for anything else: a
     notification comes from whoever can reach this agent, so a malformed
-    one is dropped, never raised inside the engine's step, and so is one
-    over ``MAX_NOTIF_BYTES``."""
-    if not isinstance(notif, bytes) or len(notif) > MAX_NOTIF_BYTES:
+    one is dropped, never raised inside the engine's step."""
+    if not isinstance(notif, bytes):
         return None
     try:
         msg = notif.decode("utf-8")
@@ -780,7 +783,7 @@ class NixlConnectorWorker:
                     del self._reqs_to_send[req_id]
                     self._finish_send(req_id, None)
                     notified_req_ids.add(req_id)
-                elif is_notif_token(token):
+                elif is_notif_token(token) and len(notif) <= MAX_NOTIF_BYTES:
                     # Read before this worker heard the request finished (or
                     # after it expired): matched in start_load_kv, if it comes.
                     # Bounded, oldest dropped: a peer could send any number.
@@ -790,8 +793,9 @@ class NixlConnectorWorker:
                 else:
                     logger.warning(
                         "NixlConnector: dropped a notification for unknown request %.80r "
-                        "whose token is not one this engine makes",
+                        "whose token is not one this engine makes, or over %d bytes",
                         req_id,
+                        MAX_NOTIF_BYTES,
                     )
         return notified_req_ids
 
