@@ -1289,6 +1289,40 @@ def test_an_aborted_remote_prefill_is_checked_before_its_producer_is_notified(
     assert "remote_expiration_time" in caplog.text
 
 
+def test_a_parked_request_whose_params_fail_the_second_check_is_a_failed_load(
+    sides: tuple[_Side, _Side, _Side], caplog: pytest.LogCaptureFixture
+) -> None:
+    """build_connector_meta checks every queued read's params again. A request
+    already parked for remote KV (local blocks allocated) whose params fail
+    there is reported by the worker as a failed load, its blocks invalid, so
+    the scheduler recomputes (or fails) it, rather than waiting for good
+    (mutation caught: skipped silently, as before -> reqs_to_fail empty, and
+    nothing reported)."""
+    from types import SimpleNamespace
+
+    from tests.test_scheduler import make_request
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+        NixlConnectorScheduler,
+    )
+
+    prompt = list(range(10, 34))
+    connector = NixlConnectorScheduler(_worker_config("kv_consumer"), "C", _kv_cache_config())
+    unchecked = _remote_prefill_params(prompt)
+    del unchecked["remote_expiration_time"]
+    request = make_request("parked", prompt, extra_args={"kv_transfer_params": unchecked})
+    blocks = SimpleNamespace(get_unhashed_block_ids=lambda: [9, 10])
+    connector.update_state_after_alloc(request, blocks, len(prompt))  # type: ignore[arg-type]
+    with caplog.at_level("ERROR"):
+        meta = connector.build_connector_meta(None)  # type: ignore[arg-type]
+    assert meta.reqs_to_recv == {} and meta.reqs_to_fail == {"parked": [9, 10]}
+    assert "reported as a failed load" in caplog.text
+    _, _, consumer = sides
+    consumer.worker.start_load_kv(meta)
+    _, recving = consumer.worker.get_finished()
+    assert "parked" in recving
+    assert consumer.worker.get_block_ids_with_load_errors() == {9, 10}
+
+
 def _kv_cache_config(num_blocks: int = WORKER_BLOCKS) -> Any:
     """A pool of num_blocks for a scheduler-side connector (no tensors)."""
     from tracevllm.kv_cache_interface import KVCacheConfig

@@ -131,6 +131,10 @@ class NixlConnectorMetadata(KVConnectorMetadata):
     def __init__(self) -> None:
         # Consumer: requests whose blocks to read this step.
         self.reqs_to_recv: dict[ReqId, ReqMeta] = {}
+        # Consumer (tracevllm's): requests waiting for remote KV whose params
+        # failed build_connector_meta's check, with their local blocks: the
+        # worker reports each as a failed load, so that it is not stranded.
+        self.reqs_to_fail: dict[ReqId, list[int]] = {}
         # Producer: finished requests whose blocks wait for a reader, with the
         # time (time.perf_counter) after which they are freed unread.
         self.reqs_to_send: dict[ReqId, float] = {}

@@ -310,6 +310,17 @@ class NixlConnectorScheduler:
             # Checked when queued; checked again here (the flag is cleared
             # by now), so that no client field reaches the worker unchecked.
             problem = self._recv_problem(req, {**req.kv_transfer_params, "do_remote_prefill": True})
+            if problem is not None and block_ids:
+                # Waiting for remote KV already (WAITING_FOR_REMOTE_KVS): a
+                # failed load, or it would wait, and hold its blocks, for good.
+                logger.error(
+                    "NixlConnector: request %s's kv_transfer_params are invalid (%s): "
+                    "not read, reported as a failed load",
+                    req_id,
+                    problem,
+                )
+                meta.reqs_to_fail[req_id] = block_ids
+                continue
             if problem is not None:
                 logger.warning(
                     "NixlConnector: request %s's kv_transfer_params are invalid (%s): "

@@ -496,6 +496,11 @@ class NixlConnectorWorker:
         if metadata.params_key and metadata.params_key != self._params_key:
             self._params_key = metadata.params_key
             self._encode_handshake_payload()
+        for req_id, local_block_ids in metadata.reqs_to_fail.items():
+            # Params the scheduler refused after it parked the request: a
+            # failed load (reported by get_finished, its blocks invalid).
+            self._invalid_block_ids.put(set(local_block_ids))
+            self._failed_recv_reqs.put(req_id)
         for req_id, meta in metadata.reqs_to_recv.items():
             if meta.local_block_ids:
                 # Reported through get_finished; an empty list (a full local
@@ -733,8 +738,9 @@ class NixlConnectorWorker:
             failed_recv_reqs.add(self._failed_recv_reqs.get_nowait())
         done_recving |= failed_recv_reqs
         for req_id in done_recving:
-            meta = self._recving_metadata.pop(req_id)
-            self._record_load(req_id, meta, failed=req_id in failed_recv_reqs)
+            meta = self._recving_metadata.pop(req_id, None)
+            if meta is not None:  # None: one of the scheduler's reqs_to_fail
+                self._record_load(req_id, meta, failed=req_id in failed_recv_reqs)
 
         # Blocks no one came for are freed after the timeout.
         now = time.perf_counter()
