@@ -1330,17 +1330,25 @@ def _kv_cache_config(num_blocks: int = WORKER_BLOCKS) -> Any:
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[])
 
 
-def _finish_for_remote_decode(scheduler: Any, req_id: str, block_ids: list[int]) -> Any:
-    """A producer's request sent with do_remote_decode, finished: request_finished's answer."""
+def _finish_for_remote_decode(
+    scheduler: Any, req_id: str, block_ids: list[int], num_output_tokens: int = 0
+) -> Any:
+    """A producer's request sent with do_remote_decode, finished after
+    num_output_tokens tokens: request_finished's answer."""
     from tests.test_scheduler import make_request
     from tracevllm.request import RequestStatus
 
     prompt = list(range(10, 10 + BLOCK_SIZE * len(block_ids)))
     request = make_request(
-        req_id, prompt, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}}
+        req_id,
+        prompt,
+        max_tokens=max(num_output_tokens, 1),
+        extra_args={"kv_transfer_params": {"do_remote_decode": True}},
     )
+    for token in range(num_output_tokens):
+        request.append_output_token_ids(token)
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-    request.num_computed_tokens = len(prompt)
+    request.num_computed_tokens = len(prompt) + max(num_output_tokens - 1, 0)
     return scheduler.request_finished(request, block_ids)
 
 
@@ -1406,6 +1414,39 @@ def test_max_held_fraction_counts_a_shared_prefix_once() -> None:
     assert _finish_for_remote_decode(scheduler, "d", [7])[0] is True  # 5
     assert _finish_for_remote_decode(scheduler, "e", [5, 8])[0] is True  # 6: 5 is held already
     assert _finish_for_remote_decode(scheduler, "f", [9]) == (False, None)
+
+
+def test_only_a_producer_holds_and_only_for_a_prefill(caplog: pytest.LogCaptureFixture) -> None:
+    """Any client can send do_remote_decode. A kv_consumer serves no side
+    channel, so nothing could read what it held (mutation caught: no role
+    check -> held 8 minutes, params returned); a request that generated more
+    than one token (a completion on a kv_both server, which the OpenAI
+    server's one-token rule does not cover) has params no reader accepts
+    (remote_num_tokens is not the prompt's), so its blocks are freed at once
+    with one warning (mutation caught: no length check -> held, with params)."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (
+        NixlConnectorScheduler,
+    )
+
+    def scheduler(role: str) -> Any:
+        return NixlConnectorScheduler(_worker_config(role), "E", _kv_cache_config(16))
+
+    consumer = scheduler("kv_consumer")
+    with caplog.at_level("WARNING"):
+        assert _finish_for_remote_decode(consumer, "a", [1, 2]) == (False, None)
+    assert consumer._held_block_refs == {} and consumer._reqs_need_send == {}
+    assert "kv_consumer" in caplog.text
+    for role in ("kv_both", "kv_producer"):
+        producer = scheduler(role)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            long = _finish_for_remote_decode(producer, "long", [1, 2], num_output_tokens=8)
+        assert long == (False, None), role
+        assert producer._held_block_refs == {} and producer._reqs_need_send == {}, role
+        assert caplog.text.count("generated 8 tokens") == 1, role
+        held, params = _finish_for_remote_decode(producer, "one", [1, 2], num_output_tokens=1)
+        assert held is True and params is not None, role
+        assert params["remote_num_tokens"] == 2 * BLOCK_SIZE  # the prompt's
 
 
 def test_held_blocks_count_each_block_once_and_not_the_null_block() -> None:

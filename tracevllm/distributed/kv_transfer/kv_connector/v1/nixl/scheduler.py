@@ -31,7 +31,11 @@ are checked before use (``remote_prefill_params_problem``), and with
 ``kv_connector_extra_config["allowed_producers"]`` only the listed producer
 addresses are read from (a kv_consumer without the list warns at start-up);
 vLLM checks only that they are a dict. An engine whose role is
-``kv_producer`` ignores ``do_remote_prefill`` (vLLM's reads for any role). A producer
+``kv_producer`` ignores ``do_remote_prefill`` (vLLM's reads for any role),
+and only a producer (``kv_producer``, ``kv_both``) holds blocks for
+``do_remote_decode``, and only for a request that generated at most one
+token (a longer completion's blocks are freed at once, with no params: no
+reader would accept them; vLLM holds for any role and length). A producer
 holds at most ``kv_connector_extra_config["max_held_fraction"]`` (0.5) of
 its pool for readers: past it, a finished request's blocks are freed at once
 and it returns no params, so clients that never read cannot pin the whole
@@ -399,6 +403,27 @@ class NixlConnectorScheduler:
             RequestStatus.FINISHED_STOPPED,
         ):
             # Aborted or failed: nothing will read its blocks.
+            return False, None
+        # tracevllm's (vLLM holds for any role and any length): only a
+        # producer serves the side channel that readers need, and only a
+        # prefill (one token generated) has blocks a reader can use: a
+        # reader refuses params whose remote_num_tokens is not its prompt's.
+        if not self.is_producer:
+            logger.warning(
+                "NixlConnector: request %s asks for a remote decode, but this engine's "
+                "kv_role is kv_consumer: its blocks are freed now, no kv_transfer_params "
+                "returned",
+                request.request_id,
+            )
+            return False, None
+        if request.num_output_tokens > 1:
+            logger.warning(
+                "NixlConnector: request %s asks for a remote decode but generated %d "
+                "tokens (a prefill for a decode server generates one): its blocks are "
+                "freed now, no kv_transfer_params returned",
+                request.request_id,
+                request.num_output_tokens,
+            )
             return False, None
 
         # Distinct blocks: a prefix shared with requests already held adds
