@@ -202,3 +202,21 @@ def test_cache_config_sizes_are_checked_at_the_entry(
     """What sizes the pool is refused before any model loads, naming the field."""
     with pytest.raises(error, match=match):
         CacheConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_failed_start_raises_its_own_error_when_the_shutdown_fails_too(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The workers' shutdown after a failed start is best effort: if it
+    raises, the start's own error still reaches the caller (mutation caught:
+    the shutdown unguarded -> the RuntimeError below instead)."""
+    from tracevllm.executor.uniproc_executor import UniProcExecutor
+    from tracevllm.worker import worker
+
+    def broken_shutdown(self: UniProcExecutor) -> None:
+        worker.release_process_threads()  # what the real one gives back
+        raise RuntimeError("shutdown broke")
+
+    monkeypatch.setattr(UniProcExecutor, "shutdown", broken_shutdown)
+    with pytest.raises(ValueError, match="max seq len"):
+        LLM(model=tiny_model_dir, num_gpu_blocks_override=16, enable_multiprocessing=False)

@@ -171,7 +171,11 @@ class EngineCore:
             # tracevllm's: a start that fails here (a pool too small for one
             # request) shuts its workers down, which in-process gives back
             # what they took from the caller's process (threads, connector).
-            self.model_executor.shutdown()
+            # The start's own error is the one raised.
+            try:
+                self.model_executor.shutdown()
+            except Exception:
+                logger.exception("Shutting the workers down after a failed start failed too")
             raise
         self.kv_cache_block_limits = get_request_block_limits(vllm_config, kv_cache_config)
 

@@ -12,6 +12,7 @@ step is done, so the two do not overlap (the ``mp`` backend's workers do).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,8 @@ from tracevllm.executor.abstract import Executor
 from tracevllm.outputs import AsyncModelRunnerOutput
 from tracevllm.serial_utils import run_method
 from tracevllm.worker.worker_base import WorkerWrapperBase
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
@@ -69,7 +72,10 @@ class UniProcExecutor(Executor):
                 self.driver_worker.init_device()
                 self.driver_worker.load_model()
             except BaseException:
-                self.driver_worker.shutdown()  # what init_device took, given back
+                try:
+                    self.driver_worker.shutdown()  # what init_device took, given back
+                except Exception:
+                    logger.exception("Shutting the worker down after a failed start failed too")
                 raise
 
     @property
