@@ -30,7 +30,7 @@ def run_in_vllm_venv(venv: str, script: str, job: Any) -> Any:
         with open(job_path, "w") as f:
             json.dump(job, f)
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"}
-        python = os.path.join(venv, "bin", "python")
+        python = os.path.join(os.path.abspath(venv), "bin", "python")  # it runs in tmp
         subprocess.run(
             [python, os.path.join(HERE, script), job_path, out_path], check=True, env=env, cwd=tmp
         )

@@ -322,3 +322,18 @@ def test_engines_count_their_prefix_cache_hits(monkeypatch: Any) -> None:
     assert vllm_offline.cached_tokens(outs) == 21
     assert vllm_offline.cached_tokens([Out(4, 16), Out(2, None)]) is None
     assert vllm_offline.cached_tokens([]) == 0
+
+
+def test_a_relative_vllm_venv_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: ``VLLM_VENV=.vllm-venv make bench``. The venv's Python runs in
+    a temporary folder, so a relative VLLM_VENV is taken from the caller's
+    folder (mutation caught: the path joined as given -> FileNotFoundError)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from offline_common import run_in_vllm_venv
+
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    script = tmp_path / "echo_job.py"
+    script.write_text("import shutil, sys\nshutil.copy(sys.argv[1], sys.argv[2])\n")
+    monkeypatch.chdir(tmp_path)
+    assert run_in_vllm_venv("venv", str(script), {"n": 3}) == {"n": 3}
