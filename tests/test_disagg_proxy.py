@@ -342,14 +342,19 @@ def test_one_trace_over_client_proxy_and_both_servers_and_their_cores(cluster: C
     ]
     prefill_pids = {s.proc.pid for s in cluster.prefill}
     decode_pid = cluster.decode.proc.pid
-    # The servers' spans reach the file within the batch processor's delay.
+    # Each process's spans reach the file within its batch processor's delay,
+    # in no fixed order: wait for every process the request went through.
     deadline = time.monotonic() + 120
     while True:
         spans = _trace(path, client.trace_id)
         kinds: dict[str, set[int]] = {}
         for s in spans:
             kinds.setdefault(s.process_kind, set()).add(s.pid)
-        if len(kinds.get("engine_core", ())) == 2 or time.monotonic() > deadline:
+        arrived = all(
+            len(kinds.get(k, ())) == n
+            for k, n in (("proxy", 1), ("frontend", 2), ("engine_core", 2))
+        )
+        if arrived or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert kinds.get("proxy") == {cluster.proxy.proc.pid}
