@@ -571,28 +571,15 @@ class _Side:
         meta.send_meta[req_id] = SendMeta(num_blocks=2, num_tokens=16, notif_token=token)
         self.worker.start_load_kv(meta)
 
-    def read(
-        self,
-        req_id: str,
-        producer: _Side,
-        local: list[int],
-        remote: list[int],
-        token: str,
-        expires_in: float = 300.0,
-        engine_id: str = "P",
-        signed_expires_in: float | None = None,
-    ) -> None:
-        """The consumer's scheduler asks its worker to read a request's blocks,
-        with the producer's MAC over them (over another expiry if
-        signed_expires_in is given: a client's change)."""
+    def read(self, req_id: str, producer: _Side, *args: Any, **kwargs: Any) -> None:
+        """The consumer's scheduler asks its worker to read a request's blocks
+        (the arguments are req_meta's)."""
         from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             NixlConnectorMetadata,
         )
 
         meta = NixlConnectorMetadata()
-        meta.reqs_to_recv[req_id] = self.req_meta(
-            req_id, producer, local, remote, token, expires_in, engine_id, signed_expires_in
-        )
+        meta.reqs_to_recv[req_id] = self.req_meta(req_id, producer, *args, **kwargs)
         self.worker.start_load_kv(meta)
 
     @staticmethod
@@ -607,7 +594,9 @@ class _Side:
         signed_expires_in: float | None = None,
         forged: bool = False,
     ) -> Any:
-        """One request's entry in a consumer's metadata (forged: any MAC)."""
+        """One request's entry in a consumer's metadata, with the producer's MAC
+        over it (over another expiry if signed_expires_in is given: a client's
+        change; forged: any MAC)."""
         from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
             RemoteMeta,
             ReqMeta,
@@ -897,6 +886,47 @@ def test_a_forged_mac_fails_only_its_own_request(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.timeout(300)
+def test_a_failed_key_refresh_counts_toward_the_refresh_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A MAC mismatch fetches the producer's key again at most every
+    PARAMS_KEY_REFRESH_INTERVAL_S, and an attempt whose handshake fails counts
+    too: forged MACs naming a producer the consumer cannot reach again must
+    not make it handshake at their rate (mutation caught: the time recorded
+    only when a key arrives -> a handshake per forged request)."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as nixl_worker
+
+    monkeypatch.setattr(nixl_worker, "PARAMS_KEY_REFRESH_INTERVAL_S", 3600.0)
+    producer = _Side("kv_producer", "P6", seed=6)
+    consumer = _Side("kv_consumer", "C6")
+    try:
+        producer.hold("remote-first", "tok61")
+        consumer.read("first", producer, [1, 2], [3, 4], "tok61", engine_id="P6")
+        assert consumer.until_read("first") == set()  # the key is fetched
+        attempts: list[int] = []
+
+        def unreachable(*args: Any) -> str:
+            attempts.append(1)
+            raise TimeoutError("the producer does not answer")
+
+        consumer.worker._nixl_handshake = unreachable  # type: ignore[method-assign]
+        # The key is older than the interval: the first forged MAC fetches it
+        # again, which fails; the next ones fail at once.
+        consumer.worker._params_key_fetched = {
+            key: t - 7200 for key, t in consumer.worker._params_key_fetched.items()
+        }
+        for n in range(3):
+            consumer.read(
+                f"forged{n}", producer, [5, 6], [7, 8], f"tokf{n}", engine_id="P6", forged=True
+            )
+            assert consumer.until_read(f"forged{n}") == {5, 6}, n
+        assert len(attempts) == 1
+    finally:
+        consumer.worker.shutdown()
+        producer.worker.shutdown()
+
+
+@pytest.mark.timeout(300)
 def test_worker_abandons_a_read_stuck_in_progress(
     sides: tuple[_Side, _Side, _Side], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -994,22 +1024,26 @@ def test_notifications_are_parsed_defensively_and_need_the_requests_token(
     assert "early2" in sending
     sending, _ = producer.worker.get_finished()
     assert "early2" not in sending
-    # An early notification is bounded in bytes: one for an unknown request
-    # with a long id is not kept (mutation caught: no length check -> kept)...
-    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (
-        MAX_NOTIF_BYTES,
-        parse_notif,
-    )
+    # An early notification for a request with a long id (a client's long
+    # X-Request-Id) is kept as a fixed-size digest of the id and matched when
+    # the request comes (before: over 4 KB it was dropped, and the request's
+    # blocks stayed held until the timeout; mutations caught: the long one
+    # dropped -> held; the id itself kept -> its bytes in _early_notifs)...
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import parse_notif
 
     assert parse_notif(f"r:{token}:1".encode()) == ("r", token)
-    long_id = "x" * (MAX_NOTIF_BYTES + 1000)  # a client's long X-Request-Id
+    long_id = "x" * 100_000
     pending.append([f"{long_id}:{token}:1".encode()])
     producer.worker.get_finished()
-    assert not any(req_id == long_id for req_id, _ in producer.worker._early_notifs)
-    # ...but a held request's is matched whatever its id's length, so that its
-    # reader frees it (mutation caught: the bound in parse_notif, as before ->
-    # its blocks held until the abort timeout).
-    long_held = "cmpl-" + "y" * (MAX_NOTIF_BYTES + 1000) + "-0"
+    assert all(len(digest) == 32 for digest, _ in producer.worker._early_notifs)
+    producer.hold(long_id, token)
+    assert long_id not in producer.worker._reqs_to_send
+    sending, _ = producer.worker.get_finished()
+    assert long_id in sending
+    # ...and a held request's is matched whatever its id's length, so that its
+    # reader frees it (mutation caught: a bound in parse_notif -> its blocks
+    # held until the abort timeout).
+    long_held = "cmpl-" + "y" * 100_000 + "-0"
     producer.hold(long_held, token)
     pending.append([f"{long_held}:{token}:1".encode()])
     sending, _ = producer.worker.get_finished()
@@ -1100,7 +1134,9 @@ def test_early_notifications_are_bounded_and_need_a_token_of_the_producers_form(
     assert worker._early_notifs == {}
     pending.append([f"e{i}:{token}:1".encode() for i in range(5)])
     worker.get_finished()
-    assert [req_id for req_id, _ in worker._early_notifs] == ["e2", "e3", "e4"]
+    assert [digest for digest, _ in worker._early_notifs] == [
+        nixl_worker.id_digest(f"e{i}") for i in (2, 3, 4)
+    ]
 
 
 def _remote_prefill_params(prompt: list[int]) -> dict[str, Any]:

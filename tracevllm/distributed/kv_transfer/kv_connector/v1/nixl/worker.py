@@ -60,9 +60,9 @@ Where tracevllm departs from vLLM, and why:
   dropped, not raised in the engine's step. One for a request the worker has
   not heard of yet (a fast reader) is kept for the request, if its token has
   the producer's form (32 hex digits), and at most ``MAX_EARLY_NOTIFS`` of
-  them (10 000, the oldest dropped), each at most ``MAX_NOTIF_BYTES`` long
-  (a notification for a request the worker holds is matched whatever its
-  length: the request id is the client's ``X-Request-Id``, unbounded).
+  them (10 000, the oldest dropped), each kept as a 32-byte digest of its
+  request id (the id is the client's ``X-Request-Id``, of any length), so
+  they are bounded in bytes too.
 - Only a producer (``kv_producer``, ``kv_both``) serves the side channel,
   which hands its agent metadata and memory layout to anyone who connects
   (so keep ``TRACEVLLM_NIXL_SIDE_CHANNEL_HOST`` on a private address; it
@@ -75,6 +75,7 @@ buffers, heartbeats, cross-layer blocks, transfer telemetry and stats.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import logging
 import queue
@@ -119,11 +120,6 @@ HANDSHAKE_TIMEOUT_MS = 5000
 # Notifications kept for requests this worker has not heard of yet (the
 # oldest dropped past it): anyone who reaches the agent can send them.
 MAX_EARLY_NOTIFS = 10_000
-# An early notification (for a request not held yet) longer than this is not
-# kept, so the early ones are bounded in bytes too. One for a held request is
-# matched whatever its length: the OpenAI server's request id carries the
-# client's X-Request-Id, which the server does not bound.
-MAX_NOTIF_BYTES = 4096
 # A MAC mismatch fetches the producer's params key again at most this often
 # (a fresher key is not stale: the request fails at once).
 PARAMS_KEY_REFRESH_INTERVAL_S = 5.0
@@ -134,6 +130,11 @@ _HEX_DIGITS = frozenset("0123456789abcdef")
 
 def is_notif_token(token: str) -> bool:
     return len(token) == _NOTIF_TOKEN_LEN and set(token) <= _HEX_DIGITS
+
+
+def id_digest(req_id: str) -> bytes:
+    """A request id's fixed-size stand-in in the early notifications."""
+    return hashlib.blake2b(req_id.encode(), digest_size=32).digest()
 
 
 def make_zmq_path(scheme: str, host: str, port: int) -> str:
@@ -244,11 +245,11 @@ class NixlConnectorWorker:
         self._recv_posted: dict[ReqId, float] = {}
         # Producer: requests whose blocks wait for a reader, with their
         # expiry (time.perf_counter), oldest first; notifications that came
-        # before the request did (tracevllm's), by (request, token), with
-        # their arrival time.
+        # before the request did (tracevllm's), by (digest of the request
+        # id, token), with their arrival time.
         self._reqs_to_send: dict[ReqId, float] = {}
         self._send_meta: dict[ReqId, SendMeta] = {}
-        self._early_notifs: dict[tuple[ReqId, str], float] = {}
+        self._early_notifs: dict[tuple[bytes, str], float] = {}
         # Requests read before this worker heard of them: reported by the
         # next get_finished, so that the scheduler frees their blocks.
         self._done_sending_early: set[ReqId] = set()
@@ -449,6 +450,10 @@ class NixlConnectorWorker:
             ):
                 return False
             self._mac_rechecked.add(req_id)
+            if not in_flight:
+                # The attempt counts, whether or not the handshake succeeds:
+                # a producer that cannot be reached is not asked again sooner.
+                self._params_key_fetched[key] = time.monotonic()
             self._background_nixl_handshake(req_id, meta, refresh=True)
         return True
 
@@ -521,7 +526,7 @@ class NixlConnectorWorker:
         for req_id, expiration_time in metadata.reqs_to_send.items():
             send = metadata.send_meta[req_id]
             self._send_meta[req_id] = send
-            if self._early_notifs.pop((req_id, send.notif_token), None) is not None:
+            if self._early_notifs.pop((id_digest(req_id), send.notif_token), None) is not None:
                 self._finish_send(req_id, None)  # already read
                 self._done_sending_early.add(req_id)
             else:
@@ -789,19 +794,19 @@ class NixlConnectorWorker:
                     del self._reqs_to_send[req_id]
                     self._finish_send(req_id, None)
                     notified_req_ids.add(req_id)
-                elif is_notif_token(token) and len(notif) <= MAX_NOTIF_BYTES:
+                elif is_notif_token(token):
                     # Read before this worker heard the request finished (or
                     # after it expired): matched in start_load_kv, if it comes.
-                    # Bounded, oldest dropped: a peer could send any number.
+                    # Bounded, oldest dropped: a peer could send any number;
+                    # kept by the id's digest: a client's id can be any length.
                     if len(self._early_notifs) >= MAX_EARLY_NOTIFS:
                         del self._early_notifs[next(iter(self._early_notifs))]
-                    self._early_notifs[(req_id, token)] = time.perf_counter()
+                    self._early_notifs[(id_digest(req_id), token)] = time.perf_counter()
                 else:
                     logger.warning(
                         "NixlConnector: dropped a notification for unknown request %.80r "
-                        "whose token is not one this engine makes, or over %d bytes",
+                        "whose token is not one this engine makes",
                         req_id,
-                        MAX_NOTIF_BYTES,
                     )
         return notified_req_ids
 
