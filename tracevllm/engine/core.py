@@ -428,20 +428,28 @@ class EngineCore:
         the executor runs several batches at once (vLLM picks one of the two
         as ``step_fn`` at start-up)."""
         if self.scheduler.only_waiting_for_grammars() and not self.batch_queue:
+            if self.scheduler.only_waiting_for_remote_kvs():
+                # tracevllm: only KV transfers are left: loads in
+                # WAITING_FOR_REMOTE_KVS, or finished requests whose blocks a
+                # remote reader still holds (up to
+                # TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT). A step only polls the
+                # connector's get_finished then: poll every KV_TRANSFER_POLL_S
+                # instead of spinning a core, as vLLM's loop does. Such a step
+                # schedules nothing, so it makes no span either (48 000 step
+                # spans over one held request's 480 s otherwise); a transfer's
+                # own span, in its request's trace, still records.
+                self._pause_for_transfers()
+                with tracing.untraced():
+                    return self._step()
             # tracevllm: nothing can run before a grammar compiles, so wait
             # for one (50 ms at most: new requests are read between waits)
             # instead of spinning through empty steps, as vLLM does.
-            compiling = self.structured_output_manager.wait_for_grammars(
+            self.structured_output_manager.wait_for_grammars(
                 self.scheduler.skipped_waiting, timeout=0.05
             )
-            if not compiling and self.scheduler.connector is not None:
-                # Only KV transfers are left: loads in WAITING_FOR_REMOTE_KVS,
-                # or finished requests whose blocks a remote reader still
-                # holds (up to TRACEVLLM_NIXL_ABORT_REQUEST_TIMEOUT). A step
-                # only polls the connector's get_finished then: poll every
-                # KV_TRANSFER_POLL_S instead of spinning a core and writing a
-                # step span each turn, as vLLM's loop does (tracevllm's).
-                self._pause_for_transfers()
+        return self._step()
+
+    def _step(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
         if self.batch_queue is not None:
             return self.step_with_batch_queue()
         return self.step()

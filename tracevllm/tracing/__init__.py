@@ -176,6 +176,38 @@ def is_enabled() -> bool:
     return _state.provider is not None
 
 
+# Set inside untraced(): instrumented methods make no span there.
+_untraced: contextvars.ContextVar[bool] = contextvars.ContextVar("untraced", default=False)
+
+
+@contextlib.contextmanager
+def untraced() -> Any:
+    """No span in this block, in this process or in the processes it calls.
+
+    Instrumented methods skip their span (as with tracing off), and the
+    current span is a valid one that is not sampled: a span started under it
+    by the SDK does not record (the default ``ParentBased`` sampler), and the
+    ``traceparent`` it injects (flags ``00``) tells a worker process the same.
+    A span with an explicit parent (a request's, from its trace headers)
+    still records. For the engine's polls of pending KV transfers
+    (``EngineCore.step_fn``), which schedule nothing and would otherwise
+    write a step span every 10 ms.
+    """
+    span_context = trace.SpanContext(
+        trace_id=random.getrandbits(128) or 1,
+        span_id=random.getrandbits(64) or 1,
+        is_remote=False,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
+    )
+    token = otel_context.attach(trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
+    flag = _untraced.set(True)
+    try:
+        yield
+    finally:
+        _untraced.reset(flag)
+        otel_context.detach(token)
+
+
 def is_full_detail() -> bool:
     return _state.detail == "full" and not is_compiling()
 
@@ -318,7 +350,7 @@ def instrument(
 
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                if _state.provider is None:
+                if _state.provider is None or _untraced.get():
                     return await func(*args, **kwargs)
                 with start(*args, **kwargs) as span:
                     result = await func(*args, **kwargs)
@@ -329,7 +361,7 @@ def instrument(
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if _state.provider is None or is_compiling():
+            if _state.provider is None or is_compiling() or _untraced.get():
                 return func(*args, **kwargs)
             with start(*args, **kwargs) as span:
                 result = func(*args, **kwargs)

@@ -1148,6 +1148,21 @@ class Scheduler:
             and all(self._is_blocked_waiting_status(r.status) for r in self.skipped_waiting)
         )
 
+    def only_waiting_for_remote_kvs(self) -> bool:
+        """Nothing to do until a KV transfer finishes: no request to run, the
+        blocked ones all loading (none whose load is in), or only finished
+        requests whose blocks a remote reader holds (tracevllm's, for
+        EngineCore.step_fn)."""
+        return (
+            self.connector is not None
+            and self.only_waiting_for_grammars()
+            and all(
+                r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                and r.request_id not in self.finished_recving_kv_req_ids
+                for r in self.skipped_waiting
+            )
+        )
+
     def has_finished_requests(self) -> bool:
         if self.finished_req_ids:
             return True
