@@ -13,6 +13,7 @@ cannot be reached is recomputed (``recompute``) or fails just its request
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -1048,6 +1049,40 @@ def test_notifications_are_parsed_defensively_and_need_the_requests_token(
     pending.append([f"{long_held}:{token}:1".encode()])
     sending, _ = producer.worker.get_finished()
     assert long_held in sending and long_held not in producer.worker._reqs_to_send
+
+
+def test_warnings_about_what_a_peer_sends_are_rate_limited(
+    sides: tuple[_Side, _Side, _Side],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer can send wrong-token, unknown and malformed notifications as
+    fast as it likes: each kind is logged once per interval, with the count
+    of those left out (mutation caught: a warning per notification -> 200
+    lines in the log)."""
+    from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl import worker as nixl_worker
+
+    producer, _, _ = sides
+    worker = producer.worker
+    pending: list[list[bytes]] = []
+    monkeypatch.setattr(
+        worker.nixl_wrapper, "get_new_notifs", lambda: {"a": pending.pop(0)} if pending else {}
+    )
+    monkeypatch.setattr(worker, "_peer_warnings", nixl_worker._PeerWarnings())  # earlier tests'
+    producer.hold("held-w", "good")
+    pending.append([b"held-w:bad:1", b"u:t:1", b"\xff"] * 200)
+    with caplog.at_level(logging.WARNING):
+        worker.get_finished()
+    lines = [r.getMessage() for r in caplog.records if "NixlConnector" in r.getMessage()]
+    assert len(lines) == 3, lines
+    caplog.clear()
+    monkeypatch.setattr(worker._peer_warnings, "interval", 0.0)
+    pending.append([b"held-w:bad:1"])
+    with caplog.at_level(logging.WARNING):
+        worker.get_finished()
+    (line,) = [r.getMessage() for r in caplog.records if "wrong token" in r.getMessage()]
+    assert "and 199 more like it" in line
+    assert "held-w" in worker._reqs_to_send
 
 
 @pytest.mark.timeout(120)

@@ -128,6 +128,30 @@ _NOTIF_TOKEN_LEN = 32
 _HEX_DIGITS = frozenset("0123456789abcdef")
 
 
+class _PeerWarnings:
+    """Warnings about what a peer sent (malformed side-channel messages and
+    notifications), at most one per kind every ``interval`` seconds with the
+    count of those left out: anyone who reaches the side channel or the
+    agent can send them, as fast as they like."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._left_out: dict[str, int] = defaultdict(int)
+
+    def warn(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval:
+            self._left_out[kind] += 1
+            return
+        self._last[kind] = now
+        left_out = self._left_out.pop(kind, 0)
+        if left_out:
+            msg += f" (and {left_out} more like it in the last {self.interval:.0f} s)"
+        logger.warning(msg, *args)
+
+
 def is_notif_token(token: str) -> bool:
     return len(token) == _NOTIF_TOKEN_LEN and set(token) <= _HEX_DIGITS
 
@@ -250,6 +274,7 @@ class NixlConnectorWorker:
         self._reqs_to_send: dict[ReqId, float] = {}
         self._send_meta: dict[ReqId, SendMeta] = {}
         self._early_notifs: dict[tuple[bytes, str], float] = {}
+        self._peer_warnings = _PeerWarnings()
         # Requests read before this worker heard of them: reported by the
         # next get_finished, so that the scheduler frees their blocks.
         self._done_sending_early: set[ReqId] = set()
@@ -343,7 +368,9 @@ class NixlConnectorWorker:
                 if len(frames) != 3:
                     # Not a ROUTER-framed request (a stray peer): drop it and
                     # keep serving, or every later handshake would fail.
-                    logger.warning("NixlConnector: side-channel message of %d frames", len(frames))
+                    self._peer_warnings.warn(
+                        "frames", "NixlConnector: side-channel message of %d frames", len(frames)
+                    )
                     continue
                 identity, _, msg = frames
                 try:
@@ -351,7 +378,9 @@ class NixlConnectorWorker:
                 except msgspec.DecodeError:
                     request = None
                 if not isinstance(request, list) or request[:1] != [GET_META_MSG]:
-                    logger.warning("NixlConnector: unexpected side-channel message %r", msg[:64])
+                    self._peer_warnings.warn(
+                        "message", "NixlConnector: unexpected side-channel message %r", msg[:64]
+                    )
                     sock.send_multipart((identity, b"", b""))
                     continue
                 sock.send_multipart((identity, b"", self._handshake_payload))
@@ -775,7 +804,9 @@ class NixlConnectorWorker:
             for notif in notifs:
                 parsed = parse_notif(notif)
                 if parsed is None:
-                    logger.warning("NixlConnector: dropped a malformed notification %.80r", notif)
+                    self._peer_warnings.warn(
+                        "malformed", "NixlConnector: dropped a malformed notification %.80r", notif
+                    )
                     continue
                 req_id, token = parsed
                 if req_id in self._reqs_to_send:
@@ -785,8 +816,9 @@ class NixlConnectorWorker:
                     ):
                         # Not from a reader given this request's params: it
                         # must not free blocks another reader may be reading.
-                        logger.warning(
-                            "NixlConnector: notification for request %s with the wrong "
+                        self._peer_warnings.warn(
+                            "wrong-token",
+                            "NixlConnector: notification for request %.80r with the wrong "
                             "token: its blocks stay held",
                             req_id,
                         )
@@ -803,7 +835,8 @@ class NixlConnectorWorker:
                         del self._early_notifs[next(iter(self._early_notifs))]
                     self._early_notifs[(id_digest(req_id), token)] = time.perf_counter()
                 else:
-                    logger.warning(
+                    self._peer_warnings.warn(
+                        "unknown",
                         "NixlConnector: dropped a notification for unknown request %.80r "
                         "whose token is not one this engine makes",
                         req_id,
