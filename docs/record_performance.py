@@ -299,6 +299,49 @@ def draw_profile() -> dict[str, Any]:
 
 
 PERF_FACTS = os.path.join(assets.OUT_DIR, "facts.performance.json")
+BENCH_JSON = os.path.join(ROOT, "benchmarks", "results", "bench.json")
+
+
+def bench_facts() -> dict[str, Any]:
+    """``make bench``'s figures (benchmarks/results/bench.json), per condition:
+    tracevllm's mean tok/s, vLLM's, the ratios, the floor share, the cost of
+    tracing; and the run's machine, load and sgemm rate."""
+    with open(BENCH_JSON) as f:
+        res = json.load(f)
+    out: dict[str, Any] = {
+        "command": res["command"],
+        "cpu": res["machine"]["cpu"],
+        "cores": res["machine"]["cores"],
+        "load": " ".join(f"{x:.2f}" for x in res["machine"]["load_average_at_start"]),
+        "sgemm_gflops": round(res["sgemm"]["gflops"], 1),
+        "num_prompts": res["workload"]["num_prompts"],
+        "requested_tokens": res["workload"]["requested_tokens"],
+    }
+    for condition, entry in res["conditions"].items():
+        summary = entry["summary"]
+        c: dict[str, Any] = {
+            "tracevllm_tok_s": round(summary["tracevllm_tok_s"], 1),
+            "tracevllm_runs_tok_s": [
+                round(r["tok_s"], 1) for r in entry["runs"] if r["key"] == "tracevllm"
+            ],
+            "floor_share_pct": round(100 * summary["floor_share"]),
+            "floor_s": round(summary["floor_s"], 2),
+        }
+        for key in ("vllm_compiled", "vllm_eager"):
+            if f"{key}_tok_s" in summary:
+                c[f"{key}_tok_s"] = round(summary[f"{key}_tok_s"], 1)
+                c[f"ratio_vs_{key}"] = round(summary[f"ratio_vs_{key}"], 2)
+        runs = {r["key"]: r for r in entry["runs"]}
+        if "vllm_compiled" in runs:
+            c["vllm_compiled_floor_share_pct"] = round(100 * runs["vllm_compiled"]["floor_share"])
+        tracing = res.get("tracing", {}).get(condition)
+        if tracing:
+            c["tracing_pct"] = {d: round(100 * v, 1) for d, v in tracing["vs_off"].items()}
+            c["tracing_off_tok_s"] = round(statistics.median(tracing["tok_s"]["off"]), 1)
+        out[condition] = c
+    if "tracing" in res:
+        out["tracing_rounds"] = res["tracing"]["rounds"]
+    return out
 
 
 def perf_facts() -> dict[str, Any]:
@@ -335,6 +378,8 @@ def perf_facts() -> dict[str, Any]:
         "request_spans_ms": round(prof["spans"]["request"]["decode"] * 1e3, 2),
         "request_spans_pct_of_best": round(100 * prof["spans"]["request"]["decode"] / best, 1),
     }
+    if os.path.exists(BENCH_JSON):
+        out["bench"] = bench_facts()
     with open(PERF_FACTS, "w") as f:
         f.write(json.dumps({"perf": out}, indent=1, sort_keys=True) + "\n")
     print("  wrote", os.path.relpath(PERF_FACTS, ROOT))
