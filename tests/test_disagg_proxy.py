@@ -350,9 +350,15 @@ def test_one_trace_over_client_proxy_and_both_servers_and_their_cores(cluster: C
         kinds: dict[str, set[int]] = {}
         for s in spans:
             kinds.setdefault(s.process_kind, set()).add(s.pid)
-        arrived = all(
-            len(kinds.get(k, ())) == n
-            for k, n in (("proxy", 1), ("frontend", 2), ("engine_core", 2))
+        names = [s.name for s in spans]
+        arrived = (
+            all(
+                len(kinds.get(k, ())) == n
+                for k, n in (("proxy", 1), ("frontend", 2), ("engine_core", 2))
+            )
+            and {"DisaggProxy.create_chat_completion", "DisaggProxy.prefill", "DisaggProxy.decode"}
+            <= set(names)
+            and names.count("llm_request") >= 2
         )
         if arrived or time.monotonic() > deadline:
             break

@@ -132,6 +132,7 @@ def test_the_step_after_a_load_is_in_is_traced(tiny_model_dir: str) -> None:
     the loaded request is traced like any other: each step that served the
     request has its span (mutation caught: the request whose load is in
     counted as still waiting -> its first step a silent poll, 1 span not 2)."""
+    LoadingConnector.loading.clear()  # a class attribute: a rerun's too
     llm = LLM(
         model=tiny_model_dir,
         enable_multiprocessing=False,

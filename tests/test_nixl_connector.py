@@ -1081,7 +1081,7 @@ def test_warnings_about_what_a_peer_sends_are_rate_limited(
     with caplog.at_level(logging.WARNING):
         worker.get_finished()
     (line,) = [r.getMessage() for r in caplog.records if "wrong token" in r.getMessage()]
-    assert "and 199 more like it" in line
+    assert "and 199 more like it since the last" in line
     assert "held-w" in worker._reqs_to_send
 
 

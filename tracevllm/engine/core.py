@@ -437,7 +437,10 @@ class EngineCore:
                 # instead of spinning a core, as vLLM's loop does. Such a step
                 # schedules nothing, so it makes no span either (48 000 step
                 # spans over one held request's 480 s otherwise); a transfer's
-                # own span, in its request's trace, still records.
+                # own span, in its request's trace, still records. A load
+                # that fails under kv_load_failure_policy="fail" finishes its
+                # request in such a step: the request's span and the failed
+                # transfer's show it, no step span does.
                 self._pause_for_transfers()
                 with tracing.untraced():
                     return self._step()

@@ -178,6 +178,18 @@ def is_enabled() -> bool:
 
 # Set inside untraced(): instrumented methods make no span there.
 _untraced: contextvars.ContextVar[bool] = contextvars.ContextVar("untraced", default=False)
+# untraced()'s parent: one per process, so that the workers' cache of parsed
+# trace contexts (_extract) holds one entry for every poll, not one each.
+_UNSAMPLED = trace.set_span_in_context(
+    trace.NonRecordingSpan(
+        trace.SpanContext(
+            trace_id=random.getrandbits(128) or 1,
+            span_id=random.getrandbits(64) or 1,
+            is_remote=False,
+            trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
+        )
+    )
+)
 
 
 @contextlib.contextmanager
@@ -189,17 +201,14 @@ def untraced() -> Any:
     by the SDK does not record (the default ``ParentBased`` sampler), and the
     ``traceparent`` it injects (flags ``00``) tells a worker process the same.
     A span with an explicit parent (a request's, from its trace headers)
-    still records. For the engine's polls of pending KV transfers
+    still records; one that falls back to the current span (a request
+    without trace headers) does not. With a sampler that ignores the parent
+    (``OTEL_TRACES_SAMPLER=always_on``) a worker's spans still record, under a
+    parent that is not exported. For the engine's polls of pending KV transfers
     (``EngineCore.step_fn``), which schedule nothing and would otherwise
     write a step span every 10 ms.
     """
-    span_context = trace.SpanContext(
-        trace_id=random.getrandbits(128) or 1,
-        span_id=random.getrandbits(64) or 1,
-        is_remote=False,
-        trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
-    )
-    token = otel_context.attach(trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
+    token = otel_context.attach(_UNSAMPLED)
     flag = _untraced.set(True)
     try:
         yield

@@ -132,7 +132,9 @@ class _PeerWarnings:
     """Warnings about what a peer sent (malformed side-channel messages and
     notifications), at most one per kind every ``interval`` seconds with the
     count of those left out: anyone who reaches the side channel or the
-    agent can send them, as fast as they like."""
+    agent can send them, as fast as they like. The side channel's thread and
+    the step's thread use it for different kinds, so no two threads update
+    one kind's entries (no lock)."""
 
     def __init__(self, interval: float = 10.0) -> None:
         self.interval = interval
@@ -148,7 +150,7 @@ class _PeerWarnings:
         self._last[kind] = now
         left_out = self._left_out.pop(kind, 0)
         if left_out:
-            msg += f" (and {left_out} more like it in the last {self.interval:.0f} s)"
+            msg += f" (and {left_out} more like it since the last such warning)"
         logger.warning(msg, *args)
 
 
