@@ -336,8 +336,20 @@ def bench_facts() -> dict[str, Any]:
             c["vllm_compiled_floor_share_pct"] = round(100 * runs["vllm_compiled"]["floor_share"])
         tracing = res.get("tracing", {}).get(condition)
         if tracing:
-            c["tracing_pct"] = {d: round(100 * v, 1) for d, v in tracing["vs_off"].items()}
-            c["tracing_off_tok_s"] = round(statistics.median(tracing["tok_s"]["off"]), 1)
+            # The cost, positive: how much lower than tracing off, in percent.
+            rates = tracing["tok_s"]
+            c["tracing_cost_pct"] = {d: round(-100 * v, 1) for d, v in tracing["vs_off"].items()}
+            c["tracing_cost_rounds_pct"] = {
+                d: [round(100 * (1 - r / off), 1) for r, off in zip(rates[d], rates["off"])]
+                for d in tracing["vs_off"]
+            }
+            c["tracing_off_tok_s"] = round(statistics.median(rates["off"]), 1)
+        if "vllm_compiled" in runs:
+            c["runs_vs_vllm_compiled"] = [
+                round(r["tok_s"] / runs["vllm_compiled"]["tok_s"], 2)
+                for r in entry["runs"]
+                if r["key"] == "tracevllm"
+            ]
         out[condition] = c
     if "tracing" in res:
         out["tracing_rounds"] = res["tracing"]["rounds"]
