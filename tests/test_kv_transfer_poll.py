@@ -50,25 +50,31 @@ class HoldingConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None: ...
 
 
-@pytest.mark.timeout(120)
-def test_a_core_holding_blocks_for_a_reader_polls_instead_of_spinning(
-    tiny_model_dir: str,
-) -> None:
+def _traced_llm(model: str, connector: str, role: str) -> tuple[LLM, InMemorySpanExporter]:
+    """An in-process engine with one of this file's connectors, its spans kept."""
     llm = LLM(
-        model=tiny_model_dir,
+        model=model,
         enable_multiprocessing=False,
         num_gpu_blocks_override=32,
         trace_detail="request",
         kv_transfer_config={
-            "kv_connector": "HoldingConnector",
+            "kv_connector": connector,
             "kv_connector_module_path": "tests.test_kv_transfer_poll",
-            "kv_role": "kv_both",
+            "kv_role": role,
         },
     )
     exporter = InMemorySpanExporter()
     provider = llm.llm_engine.tracer_provider
     assert provider is not None
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return llm, exporter
+
+
+@pytest.mark.timeout(120)
+def test_a_core_holding_blocks_for_a_reader_polls_instead_of_spinning(
+    tiny_model_dir: str,
+) -> None:
+    llm, exporter = _traced_llm(tiny_model_dir, "HoldingConnector", "kv_both")
     try:
         llm.generate([{"prompt_token_ids": list(range(1, 40))}], SamplingParams(max_tokens=2))
         assert _step_spans(exporter) >= 2  # the request's steps are traced
@@ -133,21 +139,7 @@ def test_the_step_after_a_load_is_in_is_traced(tiny_model_dir: str) -> None:
     request has its span (mutation caught: the request whose load is in
     counted as still waiting -> its first step a silent poll, 1 span not 2)."""
     LoadingConnector.loading.clear()  # a class attribute: a rerun's too
-    llm = LLM(
-        model=tiny_model_dir,
-        enable_multiprocessing=False,
-        num_gpu_blocks_override=32,
-        trace_detail="request",
-        kv_transfer_config={
-            "kv_connector": "LoadingConnector",
-            "kv_connector_module_path": "tests.test_kv_transfer_poll",
-            "kv_role": "kv_consumer",
-        },
-    )
-    exporter = InMemorySpanExporter()
-    provider = llm.llm_engine.tracer_provider
-    assert provider is not None
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    llm, exporter = _traced_llm(tiny_model_dir, "LoadingConnector", "kv_consumer")
     try:
         (output,) = llm.generate(
             [{"prompt_token_ids": list(range(1, 40))}],
