@@ -192,6 +192,11 @@ def test_untraced_makes_no_span_here_nor_in_the_process_it_calls(
             worker_span = provider.get_tracer("w").start_span("worker")
             assert not worker_span.is_recording()
             worker_span.end()
+            # A transfer of a request without trace headers gets a trace of
+            # its own, here and in the worker (mutation caught by
+            # test_each_transfer_is_a_span_on_its_engine: the send spans lost).
+            assert tracing.own_trace_if_untraced() is not None
+        assert tracing.own_trace_if_untraced() is not None
         load = provider.get_tracer("t").start_span(
             "kv_load", context=tracing.extract_trace_context(request_headers)
         )
@@ -201,6 +206,7 @@ def test_untraced_makes_no_span_here_nor_in_the_process_it_calls(
     assert not _sampled(traceparent)
     assert [s.name for s in exporter.get_finished_spans()] == ["kv_load", "llm_request"]
     assert _sampled(Traced().call())  # outside the block: traced again
+    assert tracing.own_trace_if_untraced() is None
     assert "Traced.call" in [s.name for s in exporter.get_finished_spans()]
 
 

@@ -178,18 +178,33 @@ def is_enabled() -> bool:
 
 # Set inside untraced(): instrumented methods make no span there.
 _untraced: contextvars.ContextVar[bool] = contextvars.ContextVar("untraced", default=False)
-# untraced()'s parent: one per process, so that the workers' cache of parsed
-# trace contexts (_extract) holds one entry for every poll, not one each.
+# untraced()'s parent, the same in every process ("tracevllm-untrac" as its
+# trace id), so that a worker process can tell it from a request's trace that
+# a sampler dropped, and its cache of parsed trace contexts (_extract) holds
+# one entry for every poll.
+_UNTRACED_TRACE_ID = int.from_bytes(b"tracevllm-untrac", "big")
 _UNSAMPLED = trace.set_span_in_context(
     trace.NonRecordingSpan(
         trace.SpanContext(
-            trace_id=random.getrandbits(128) or 1,
-            span_id=random.getrandbits(64) or 1,
+            trace_id=_UNTRACED_TRACE_ID,
+            span_id=int.from_bytes(b"untraced", "big"),
             is_remote=False,
             trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT),
         )
     )
 )
+
+
+def own_trace_if_untraced() -> Context | None:
+    """The parent of a span that belongs to no request's trace: the current
+    span (None), or inside untraced(), here or in the process it called, a
+    trace of its own (an empty Context), so that the span still records."""
+    if (
+        _untraced.get()
+        or trace.get_current_span().get_span_context().trace_id == _UNTRACED_TRACE_ID
+    ):
+        return Context()
+    return None
 
 
 @contextlib.contextmanager
@@ -201,8 +216,8 @@ def untraced() -> Any:
     by the SDK does not record (the default ``ParentBased`` sampler), and the
     ``traceparent`` it injects (flags ``00``) tells a worker process the same.
     A span with an explicit parent (a request's, from its trace headers)
-    still records; one that falls back to the current span (a request
-    without trace headers) does not. With a sampler that ignores the parent
+    still records; one that would fall back to the current span (a request
+    without trace headers) takes ``own_trace_if_untraced()``. With a sampler that ignores the parent
     (``OTEL_TRACES_SAMPLER=always_on``) a worker's spans still record, under a
     parent that is not exported. For the engine's polls of pending KV transfers
     (``EngineCore.step_fn``), which schedule nothing and would otherwise

@@ -29,6 +29,7 @@ from tracevllm.tracing import (
     extract_trace_context,
     get_tracer,
     is_enabled,
+    own_trace_if_untraced,
 )
 
 
@@ -71,7 +72,9 @@ def record_kv_transfer(record: KVTransferRecord) -> None:
         links.append(Link(trace.get_current_span(remote).get_span_context()))
     span = get_tracer().start_span(
         f"{record.connector}.{method}",
-        context=extract_trace_context(record.trace_headers),
+        # A request without trace headers: the step's span, or in a poll of
+        # pending transfers (which makes none) a trace of the transfer's own.
+        context=extract_trace_context(record.trace_headers) or own_trace_if_untraced(),
         start_time=start_ns,
         links=links,
         attributes={
