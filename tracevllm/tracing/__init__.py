@@ -217,11 +217,11 @@ def untraced() -> Any:
     ``traceparent`` it injects (flags ``00``) tells a worker process the same.
     A span with an explicit parent (a request's, from its trace headers)
     still records; one that would fall back to the current span (a request
-    without trace headers) takes ``own_trace_if_untraced()``. With a sampler that ignores the parent
-    (``OTEL_TRACES_SAMPLER=always_on``) a worker's spans still record, under a
-    parent that is not exported. For the engine's polls of pending KV transfers
-    (``EngineCore.step_fn``), which schedule nothing and would otherwise
-    write a step span every 10 ms.
+    without trace headers) takes ``own_trace_if_untraced()``. With a sampler
+    that ignores the parent (``OTEL_TRACES_SAMPLER=always_on``) a worker's
+    spans still record, under a parent that is not exported. For the
+    engine's polls of pending KV transfers (``EngineCore.step_fn``), which
+    schedule nothing and would otherwise write a step span every 10 ms.
     """
     token = otel_context.attach(_UNSAMPLED)
     flag = _untraced.set(True)
