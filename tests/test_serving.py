@@ -110,6 +110,24 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 
+def test_a_port_in_use_is_refused_before_the_engine_starts(
+    tiny_model_dir: str, server: Server
+) -> None:
+    # The port is bound before the engine starts (vLLM's setup_server), so a
+    # port chosen free cannot be taken by another connection during start-up;
+    # one already taken is an error at once, with no engine started.
+    result = subprocess.run(
+        [sys.executable, "-m", "tracevllm.entrypoints.cli", "serve", tiny_model_dir,
+         "--port", str(server.port)],
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"cannot bind 127.0.0.1:{server.port} (Address already in use)" in result.stderr
+    assert "pick another with --port" in result.stderr
+    assert "EngineCore" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_completion_stream_equals_whole(client: openai.OpenAI) -> None:
     whole = client.completions.create(prompt="The capital of France is", max_tokens=12, **greedy(
         extra_body={"ignore_eos": True}))  # fmt: skip

@@ -201,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the OpenAI API until Ctrl-C or SIGTERM; exit 1 if the engine died."""
     import asyncio
 
-    from tracevllm.entrypoints.openai.api_server import run_server
+    from tracevllm.entrypoints.openai.api_server import BindError, run_server
 
     if args.model_tag is not None:
         args.model = args.model_tag
@@ -213,7 +213,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    return asyncio.run(run_server(args))
+    try:
+        return asyncio.run(run_server(args))
+    except BindError as e:
+        print(f"error: {e.strerror}", file=sys.stderr)
+        return 2
 
 
 def cmd_disagg_proxy(args: argparse.Namespace) -> int:

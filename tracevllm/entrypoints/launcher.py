@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -167,6 +168,7 @@ async def serve_http(
     app: FastAPI,
     engine_client: AsyncLLM,
     *,
+    sock: socket.socket | None = None,
     request_read_timeout: float,
     h11_max_incomplete_event_size: int | None = None,
     **uvicorn_kwargs: Any,
@@ -190,7 +192,7 @@ async def serve_http(
     loop.set_exception_handler(functools.partial(quiet_emfile, guard))
     watchdog = asyncio.create_task(watchdog_loop(server, engine_client))
     try:
-        await server.serve()
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
         watchdog.cancel()
         loop.set_exception_handler(previous_handler)

@@ -21,6 +21,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import socket
 from argparse import Namespace
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from http import HTTPStatus
@@ -348,6 +349,10 @@ async def run_server(args: Namespace, **uvicorn_kwargs: Any) -> int:
     """
     # Before the engine starts, so that its process inherits the limit too.
     set_ulimit()
+    # Bound before the engine starts too, as vLLM's setup_server does: a port
+    # chosen as free is taken now, not after a start-up of a minute in which
+    # any outgoing connection of this machine may be given it.
+    sock = create_server_socket((args.host, args.port))
     vllm_config = EngineArgs.from_cli_args(args).create_engine_config()
     spec = vllm_config.speculative_config
     stat_logger = PrometheusStatLogger(
@@ -363,6 +368,7 @@ async def run_server(args: Namespace, **uvicorn_kwargs: Any) -> int:
         await serve_http(
             app,
             engine_client,
+            sock=sock,
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
@@ -375,7 +381,32 @@ async def run_server(args: Namespace, **uvicorn_kwargs: Any) -> int:
         )
         return 1 if engine_client.errored else 0
     finally:
+        sock.close()
         engine_client.shutdown()
 
 
 # --8<-- [end:run_server]
+
+
+class BindError(OSError):
+    """The server's address cannot be bound (in use, not this machine's, or
+    a port below 1024): ``tracevllm serve`` says so and exits 2."""
+
+
+def create_server_socket(addr: tuple[str, int]) -> socket.socket:
+    """A TCP socket bound to ``addr`` (vLLM's name). SO_REUSEADDR lets a
+    restarted server take its port while the last one's connections are in
+    TIME_WAIT; vLLM sets SO_REUSEPORT too, which would let two servers share
+    one port without an error, so it is left out here."""
+    host, port = addr
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise BindError(
+            e.errno, f"cannot bind {host}:{port} ({e.strerror}): pick another with --port"
+        ) from None
+    return sock
