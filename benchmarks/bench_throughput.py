@@ -21,7 +21,12 @@ tracevllm runs first and again after the others, so each condition's table
 shows how far the machine moved in between (on a shared 2-core machine, runs
 of the same engine differ by 10-20 %); each row's ratio is the mean of the
 two tracevllm runs / that row, and each condition's summary gives tracevllm /
-vLLM compiled and / vLLM eager.
+vLLM compiled and / vLLM eager. tracevllm's default thread count adapts while
+it runs (tracevllm/worker/cpu_threads.py): each of its runs records where the
+count ended and the changes on the way (``Worker.get_cpu_threads``, through
+``LLM.collective_rpc``), and a third tracevllm run with the count fixed at
+torch's (``TRACEVLLM_CPU_ADAPTIVE_THREADS=0``; ``--skip-fixed-threads``
+leaves it out) shows what the adaptation gains in the same run.
 
 The linear-FLOP floor (the issue's goal 3): before anything else, sgemm's
 rate on this machine is measured (``torch.mm`` on fp32 squares, best of 5,
@@ -53,19 +58,20 @@ the machine, the load and what it means, goes to ``--output-json``.
 
 Run: ``make bench`` or ``VLLM_VENV=.vllm-venv make bench`` (or ``python
 benchmarks/bench_throughput.py [--conditions quiet,busy] [--skip-hf]
-[--skip-tracing] [--num-prompts N] [--tracing-prompts N] [--tracing-rounds N]
+[--skip-fixed-threads] [--skip-tracing] [--num-prompts N] [--tracing-prompts N] [--tracing-rounds N]
 [--model DIR] [--output-json PATH]``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -98,9 +104,14 @@ WHAT = {
     "num_cached_tokens; 0 for HF, which has none; null where the engine's outputs do not "
     "say), floor_s = the floor of the prompt tokens it computed (prompt tokens - "
     "cached_tokens; with null, every prompt token) and the generated ones, floor_share = "
-    "floor_s / seconds. Tokens recomputed after a preemption are not counted",
+    "floor_s / seconds. Tokens recomputed after a preemption are not counted. threads (tracevllm "
+    "runs only): its worker's report after the run (Worker.get_cpu_threads): threads = the "
+    "count it ended at, adaptive = whether the count adapted, changes = [old, new] in order, "
+    "probes = how many probes the policy ran; key tracevllm_fixed = tracevllm with "
+    "TRACEVLLM_CPU_ADAPTIVE_THREADS=0 (torch's count, fixed)",
     "summary": "per condition: tracevllm_tok_s = the mean of its two runs (first and after "
-    "the others); ratio_vs_X = tracevllm_tok_s / X's tok/s; floor_share = the mean of "
+    "the others); ratio_vs_X = tracevllm_tok_s / X's tok/s (ratio_vs_tracevllm_fixed: what "
+    "the adaptive thread count gains over the fixed one); floor_share = the mean of "
     "tracevllm's two runs' floor shares (each against its own floor_s), floor_s = the mean "
     "of their floor_s",
     "tracing": "per condition: tok/s of tracing off, request and full detail, back to back "
@@ -122,6 +133,9 @@ class Run:
     floor_share: float | None = None
     cached_tokens: int | None = None  # prompt tokens from the prefix cache; None: not said
     floor_s: float | None = None  # this run's floor: the tokens it computed
+    # tracevllm's worker after the run (Worker.get_cpu_threads): its count,
+    # whether it adapted, the changes made; None for the other engines.
+    threads: dict[str, Any] | None = None
 
     @property
     def tok_s(self) -> float:
@@ -151,23 +165,25 @@ def floor_seconds(flops: float, gflops: float) -> float:
 
 def run_conditions(
     conditions: Sequence[str],
-    engines: Sequence[tuple[str, str, Callable[[], tuple[float, int, int | None]]]],
+    engines: Sequence[tuple[str, str, Callable[[], tuple[Any, ...]]]],
     floor: Callable[[int | None], float] | None = None,
     report: Callable[[str, Run], None] | None = None,
     settle_s: float = SETTLE_S,
 ) -> dict[str, list[Run]]:
     """Each ``(name, key, run)`` of ``engines`` in turn under each condition
     (``run()`` -> (seconds, tokens, prompt tokens from its prefix cache or
-    None)); each run's floor is ``floor(those cached tokens)``. The busy loop,
+    None[, tracevllm's thread report])); each run's floor is ``floor(those
+    cached tokens)``. The busy loop,
     if any, lives exactly as long as one ``run()``."""
     keys = {name: key for name, key, _ in engines}
     out: dict[str, list[Run]] = {c: [] for c in conditions}
     jobs = [(name, run) for name, _, run in engines]
-    for condition, name, (seconds, tokens, cached), load in run_under(conditions, jobs, settle_s):
+    for condition, name, result, load in run_under(conditions, jobs, settle_s):
+        seconds, tokens, cached, *threads = result
         floor_s = floor(cached) if floor is not None else None
         share = floor_s / seconds if floor_s is not None else None
         out[condition].append(Run(name, keys[name], tokens, seconds, load.start, load.end,
-                                  share, cached, floor_s))  # fmt: skip
+                                  share, cached, floor_s, *threads))  # fmt: skip
         if report:
             report(condition, out[condition][-1])
     return out
@@ -204,18 +220,38 @@ def tracing_order(round_: int) -> list[str]:
 
 
 # --------------------------------------------------------------- measuring
-def bench_tracevllm(samples: list[Any], **llm_kwargs: Any) -> tuple[float, int, int]:
+def bench_tracevllm(
+    samples: list[Any], env: dict[str, str] | None = None, **llm_kwargs: Any
+) -> tuple[float, int, int, dict[str, Any]]:
     """(seconds, generated tokens, prompt tokens its prefix cache supplied) of
-    the timed ``generate``."""
+    the timed ``generate``, and its worker's thread report after it
+    (``Worker.get_cpu_threads``). ``env``: set while the engine starts."""
     from tracevllm import LLM
     from tracevllm.benchmarks.throughput import run_tracevllm
 
-    with LLM(**llm_kwargs) as llm:
+    with environ(env or {}), LLM(**llm_kwargs) as llm:
         elapsed, outs = run_tracevllm(llm, samples, num_warmups=2, use_tqdm=False)
+        (threads,) = llm.collective_rpc("get_cpu_threads")
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     asked = sum(s.expected_output_len for s in samples)
     assert generated == asked, (generated, asked)
-    return elapsed, generated, sum(o.num_cached_tokens for o in outs)
+    return elapsed, generated, sum(o.num_cached_tokens for o in outs), threads
+
+
+@contextlib.contextmanager
+def environ(overrides: dict[str, str]) -> Iterator[None]:
+    """``overrides`` in os.environ inside the block (the engine process
+    inherits them), the previous values back after it."""
+    before = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def bench_vllm(venv: str, model_dir: str, samples: list[Any], config: dict[str, Any]) -> dict:
@@ -243,6 +279,16 @@ def _fmt_cached(run: Run) -> str:
     return f"{run.cached_tokens} prompt tokens from the prefix cache"
 
 
+def _fmt_threads(report: dict[str, Any] | None) -> str:
+    if report is None:
+        return ""
+    if not report["adaptive"]:
+        return f", {report['threads']} threads (fixed)"
+    counts = [c[0] for c in report["changes"]] + [report["threads"]]
+    probes = f"{report['probes']} probe{'s' * (report['probes'] != 1)}"
+    return f", threads {' -> '.join(map(str, counts))} (adaptive, {probes})"
+
+
 def _fmt_run(condition: str, run: Run) -> str:
     share = ""
     if run.floor_share is not None and run.floor_s is not None:
@@ -250,7 +296,8 @@ def _fmt_run(condition: str, run: Run) -> str:
                  f"({_fmt_cached(run)})")  # fmt: skip
     return (
         f"  {LABELS[condition]:<13} {run.engine}: {run.tokens} tokens in {run.seconds:.1f} s = "
-        f"{run.tok_s:.1f} tok/s{share}, load {run.load_start:.2f}->{run.load_end:.2f}"
+        f"{run.tok_s:.1f} tok/s{share}{_fmt_threads(run.threads)}, "
+        f"load {run.load_start:.2f}->{run.load_end:.2f}"
     )
 
 
@@ -258,6 +305,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--conditions", default="quiet,busy", help="quiet, busy or both")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--skip-fixed-threads",
+        action="store_true",
+        help="leave out the run with the thread count fixed (adaptive off)",
+    )
     parser.add_argument("--skip-tracing", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--tracing-prompts", type=int, help="default: --num-prompts")
@@ -333,9 +385,16 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     llm_kwargs = {"model": model_dir}
-    engines: list[tuple[str, str, Callable[[], tuple[float, int, int | None]]]] = [
+    engines: list[tuple[str, str, Callable[[], tuple[Any, ...]]]] = [
         ("tracevllm, first run", "tracevllm", lambda: bench_tracevllm(samples, **llm_kwargs))
     ]
+    if not args.skip_fixed_threads:
+        # The same engine with its thread count fixed at torch's (every core):
+        # what the adaptive count gains, in this run.
+        fixed = {"TRACEVLLM_CPU_ADAPTIVE_THREADS": "0"}
+        engines.append((f"tracevllm, {res['machine']['torch_threads']} threads fixed "
+                        "(TRACEVLLM_CPU_ADAPTIVE_THREADS=0)", "tracevllm_fixed",
+                        lambda: bench_tracevllm(samples, fixed, **llm_kwargs)))  # fmt: skip
     if not args.skip_hf:
         engines.append(("HF transformers (static batches of 16)", "hf",
                         lambda: (run_hf(model_dir, samples), asked, 0)))  # fmt: skip
@@ -377,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
         console.print(table)
     summary_table = Table(title="tracevllm against vLLM, by condition (one run, this machine)")
     for col in ("condition", "tracevllm tok/s", "/ vLLM compiled", "/ vLLM eager",
-                "share of floor"):  # fmt: skip
+                "/ its threads fixed", "share of floor"):  # fmt: skip
         summary_table.add_column(col, justify="right" if col != "condition" else "left")
     for condition in conditions:
         s = res["conditions"][condition]["summary"]
@@ -386,6 +445,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['tracevllm_tok_s']:.1f}",
             f"{s['ratio_vs_vllm_compiled']:.2f}x" if "ratio_vs_vllm_compiled" in s else "-",
             f"{s['ratio_vs_vllm_eager']:.2f}x" if "ratio_vs_vllm_eager" in s else "-",
+            f"{s['ratio_vs_tracevllm_fixed']:.2f}x" if "ratio_vs_tracevllm_fixed" in s else "-",
             f"{s['floor_share'] * 100:.0f}% of {s['floor_s']:.2f} s",
         )
     console.print(summary_table)

@@ -327,7 +327,16 @@ def bench_facts() -> dict[str, Any]:
             "floor_share_pct": round(100 * summary["floor_share"]),
             "floor_s": round(summary["floor_s"], 2),
         }
-        for key in ("vllm_compiled", "vllm_eager"):
+        # Where each tracevllm run's thread count ended ("2 -> 1" when it changed).
+        c["tracevllm_runs_threads"] = [
+            " -> ".join(
+                str(n)
+                for n in [*(ch[0] for ch in r["threads"]["changes"]), r["threads"]["threads"]]
+            )  # fmt: skip
+            for r in entry["runs"]
+            if r["key"] == "tracevllm" and r.get("threads")
+        ]
+        for key in ("vllm_compiled", "vllm_eager", "tracevllm_fixed"):
             if f"{key}_tok_s" in summary:
                 c[f"{key}_tok_s"] = round(summary[f"{key}_tok_s"], 1)
                 c[f"ratio_vs_{key}"] = round(summary[f"ratio_vs_{key}"], 2)

@@ -231,13 +231,18 @@ def test_bench_throughput_smoke(
     tracevllm/benchmarks/; on a loaded 2-core machine one start of the tiny
     model has taken a minute): argparse, the floor, the summary and the JSON."""
     loops: list[int] = []
+    envs: list[dict[str, str] | None] = []
 
-    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int, int]:
+    def fake(
+        samples: list[Any], env: dict[str, str] | None = None, **kwargs: Any
+    ) -> tuple[float, int, int, dict[str, Any]]:
         loops.append(_busy_loops())
+        envs.append(env)
         assert kwargs == {"model": tiny_model_dir} and len(samples) == 2
-        # 2 s, then 4 s: tok/s of each run, and their mean, known by hand;
-        # 3 prompt tokens from the prefix cache each time.
-        return 2.0 * len(loops), sum(s.expected_output_len for s in samples), 3
+        # 2 s, 4 s (threads fixed), then 6 s: tok/s of each run, and the
+        # ratios, known by hand; 3 prompt tokens from the prefix cache each time.
+        threads = {"threads": 1, "adaptive": env is None, "probes": 4, "changes": [[2, 1]]}
+        return 2.0 * len(loops), sum(s.expected_output_len for s in samples), 3, threads
 
     monkeypatch.setattr(bt, "bench_tracevllm", fake)
     monkeypatch.delenv("VLLM_VENV", raising=False)
@@ -247,7 +252,8 @@ def test_bench_throughput_smoke(
             "--output-json", str(out)]  # fmt: skip
     bt.main(argv)
     stdout = capsys.readouterr().out
-    assert loops == [1, 1]  # each run beside its own busy loop
+    assert loops == [1, 1, 1]  # each run beside its own busy loop
+    assert envs == [None, {"TRACEVLLM_CPU_ADAPTIVE_THREADS": "0"}, None]
     assert _busy_loops() == 0
     res = json.loads(out.read_text())
     assert set(res["what"]) >= {"sgemm", "floor", "conditions", "summary", "tracing"}
@@ -264,21 +270,24 @@ def test_bench_throughput_smoke(
     # Each run's floor: the workload's less the 3 cached prompt tokens' 2 x 73728 FLOP.
     ran_s = floor_s - 2 * 73728 * 3 / (gflops * 1e9)
     runs = res["conditions"]["busy"]["runs"]
-    assert [r["key"] for r in runs] == ["tracevllm", "tracevllm"]
-    assert [r["seconds"] for r in runs] == [2.0, 4.0]
+    assert [r["key"] for r in runs] == ["tracevllm", "tracevllm_fixed", "tracevllm"]
+    assert [r["seconds"] for r in runs] == [2.0, 4.0, 6.0]
+    assert [r["threads"]["adaptive"] for r in runs] == [True, False, True]
     for r in runs:
         assert r["tokens"] == asked and r["cached_tokens"] == 3
         assert math.isclose(r["floor_s"], ran_s)
         assert math.isclose(r["floor_share"], ran_s / r["seconds"])
         assert r["load_start"] >= 0 and r["load_end"] >= 0
     summary = res["conditions"]["busy"]["summary"]
-    assert math.isclose(summary["tracevllm_tok_s"], (asked / 2 + asked / 4) / 2)
-    assert math.isclose(summary["floor_share"], (ran_s / 2 + ran_s / 4) / 2)
+    assert math.isclose(summary["tracevllm_tok_s"], (asked / 2 + asked / 6) / 2)
+    assert math.isclose(summary["ratio_vs_tracevllm_fixed"], (1 / 2 + 1 / 6) / 2 * 4)
+    assert math.isclose(summary["floor_share"], (ran_s / 2 + ran_s / 6) / 2)
     assert math.isclose(summary["floor_s"], ran_s)
     assert "tracing" not in res
     assert "one busy core" in stdout and "linear-FLOP floor" in stdout
     assert f"{floor_s:.2f} s with no prefix-cache hits" in stdout
     assert "3 prompt tokens from the prefix cache" in stdout
+    assert "threads 2 -> 1 (adaptive, 4 probes)" in stdout and "1 threads (fixed)" in stdout
 
 
 def test_bench_throughput_rejects_bad_flags(capsys: Any) -> None:
@@ -289,6 +298,9 @@ def test_bench_throughput_rejects_bad_flags(capsys: Any) -> None:
             bt.main(argv)
         assert e.value.code == 2
         assert msg in capsys.readouterr().err
+
+
+REPORT = {"threads": 2, "adaptive": True, "changes": [], "probes": 1}
 
 
 def test_engines_count_their_prefix_cache_hits(monkeypatch: Any) -> None:
@@ -314,11 +326,15 @@ def test_engines_count_their_prefix_cache_hits(monkeypatch: Any) -> None:
         def __exit__(self, *exc: object) -> None:
             pass
 
+        def collective_rpc(self, method: str) -> list[dict[str, Any]]:
+            assert method == "get_cpu_threads"
+            return [REPORT]
+
     outs = [Out(4, 16), Out(2, 0), Out(3, 5)]
     monkeypatch.setattr(tracevllm, "LLM", FakeLLM)
     monkeypatch.setattr(throughput, "run_tracevllm", lambda llm, samples, **kw: (1.5, outs))
     samples = [argparse.Namespace(expected_output_len=n) for n in (4, 2, 3)]
-    assert bt.bench_tracevllm(samples, model="/m") == (1.5, 9, 21)
+    assert bt.bench_tracevllm(samples, model="/m") == (1.5, 9, 21, REPORT)
     assert vllm_offline.cached_tokens(outs) == 21
     assert vllm_offline.cached_tokens([Out(4, 16), Out(2, None)]) is None
     assert vllm_offline.cached_tokens([]) == 0
@@ -337,3 +353,17 @@ def test_a_relative_vllm_venv_is_found(tmp_path: Path, monkeypatch: pytest.Monke
     script.write_text("import shutil, sys\nshutil.copy(sys.argv[1], sys.argv[2])\n")
     monkeypatch.chdir(tmp_path)
     assert run_in_vllm_venv("venv", str(script), {"n": 3}) == {"n": 3}
+
+
+def test_environ_sets_then_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fixed-threads run's variable is there while its engine starts, and
+    gone (or as it was) after, even when the run raises."""
+    monkeypatch.delenv("TRACEVLLM_CPU_ADAPTIVE_THREADS", raising=False)
+    monkeypatch.setenv("TRACEVLLM_NUM_THREADS", "3")
+    overrides = {"TRACEVLLM_CPU_ADAPTIVE_THREADS": "0", "TRACEVLLM_NUM_THREADS": "1"}
+    with pytest.raises(RuntimeError), bt.environ(overrides):
+        assert os.environ["TRACEVLLM_CPU_ADAPTIVE_THREADS"] == "0"
+        assert os.environ["TRACEVLLM_NUM_THREADS"] == "1"
+        raise RuntimeError
+    assert "TRACEVLLM_CPU_ADAPTIVE_THREADS" not in os.environ
+    assert os.environ["TRACEVLLM_NUM_THREADS"] == "3"

@@ -250,6 +250,7 @@ class EngineRun(NamedTuple):
     counts: list[int | None]  # tracevllm.num_threads, step span by step span
     policy: Any
     threads_after: int  # the process's torch count once the engine shut down
+    report: dict[str, Any]  # llm.collective_rpc("get_cpu_threads") after the run
 
 
 def _run_engine(tiny_model_dir: str) -> EngineRun:
@@ -266,10 +267,11 @@ def _run_engine(tiny_model_dir: str) -> EngineRun:
         llm.generate(["Hello there, how", "The capital of"], params, use_tqdm=False)
         worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         policy = worker.thread_policy
+        (report,) = llm.collective_rpc("get_cpu_threads")
     steps = [s for s in exporter.get_finished_spans() if s.name == "EngineCore.step"]
     assert steps
     counts = [(s.attributes or {}).get("tracevllm.num_threads") for s in steps]
-    return EngineRun(counts, policy, torch.get_num_threads())
+    return EngineRun(counts, policy, torch.get_num_threads(), report)
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +317,12 @@ def test_engine_step_spans_show_the_count_the_policy_changed_to(
     fixed = engine_runs["fixed"]
     assert fixed.policy is None
     assert set(fixed.counts) == {1}
+    # What the worker reports (make bench records it): the count it ended at
+    # and every change, in order.
+    assert run.report == {"threads": 1, "adaptive": True, "probes": policy.probes,
+                          "changes": [[2, 1], *[list(c) for c in policy.changes[1:]]]}  # fmt: skip
+    assert policy.changes and policy.changes[0] == (2, 1) and policy.changes[-1][1] == 1
+    assert fixed.report == {"threads": 1, "adaptive": False, "changes": [], "probes": 0}
 
 
 @pytest.mark.parametrize("name", ["adaptive", "fixed"])

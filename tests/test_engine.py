@@ -177,6 +177,27 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
+def test_collective_rpc_reaches_the_worker_in_either_mode(mp_llm: LLM, inproc_llm: LLM) -> None:
+    """vLLM's ``LLM.collective_rpc``: a Worker method by name, in the engine
+    process (over ZeroMQ) or this one, returns each rank's answer; a function
+    runs in-process only, and across processes is a TypeError saying why.
+    Mutations caught: EngineCore.collective_rpc dropping ``args`` (the
+    function gets no 5); the policy not recording its changes (the adaptive
+    worker's report stays empty, in test_cpu_threads)."""
+    for llm in (mp_llm, inproc_llm):
+        (report,) = llm.collective_rpc("get_cpu_threads")
+        assert set(report) == {"threads", "adaptive", "changes", "probes"}
+        assert report["threads"] >= 1 and isinstance(report["changes"], list)
+    # In this process: the very worker (its wrapper, as in vLLM), args passed through.
+    wrapper = inproc_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+    got = inproc_llm.collective_rpc(lambda w, x: (w is wrapper, x), args=(5,))
+    assert got == [(True, 5)]
+    with pytest.raises(TypeError, match="name a Worker method"):
+        mp_llm.collective_rpc(lambda w: w)
+    # The engine still serves after the refused call.
+    assert mp_llm.generate(["hi"], _greedy(2), use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_dead_engine_raises_and_shutdown_leaves_nothing(tiny_model_dir: str) -> None:
     before = _children()
     llm = LLM(model=tiny_model_dir, num_gpu_blocks_override=32, enable_multiprocessing=True)

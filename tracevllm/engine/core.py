@@ -481,6 +481,16 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """``method`` on every worker, their results in rank order (vLLM's)."""
+        return list(self.model_executor.collective_rpc(method, timeout, tuple(args), kwargs))
+
     def get_kv_cache_stats(self) -> dict[str, int]:
         """Block counts, for tests and views: free + in use == total."""
         pool = self.scheduler.kv_cache_manager.block_pool

@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -103,6 +104,24 @@ class EngineCoreClient:
     def get_kv_cache_stats(self) -> dict[str, int]:
         return dict(self.call_utility("get_kv_cache_stats"))
 
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """``method`` on every worker of the engine (vLLM's), by name: a
+        function does not cross to the engine process here (vLLM pickles one
+        with cloudpickle only where insecure serialization is allowed)."""
+        if not isinstance(method, str):
+            raise TypeError(
+                "collective_rpc: name a Worker method (a str) when the engine core runs "
+                "in its own process; a function runs only with "
+                "TRACEVLLM_ENABLE_MULTIPROCESSING=0"
+            )
+        return list(self.call_utility("collective_rpc", method, timeout, tuple(args), kwargs))
+
     def shutdown(self) -> None:
         pass
 
@@ -138,6 +157,15 @@ class InprocClient(EngineCoreClient):
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return getattr(self.engine_core, method)(*args)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from tracevllm import envs, tracing
@@ -226,6 +226,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         self._check_not_shut_down()
         return self.engine_core.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        self._check_not_shut_down()
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
     def _check_not_shut_down(self) -> None:
         if self.is_shut_down:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -284,6 +284,21 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         with self._engine_turn():  # not while another thread's generate drives the sockets
             return self.llm_engine.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's: call ``method`` on every worker of the engine; their results,
+        in rank order. ``method`` names a ``Worker`` method
+        (``llm.collective_rpc("get_cpu_threads")``), or, with the engine core in
+        this process (``TRACEVLLM_ENABLE_MULTIPROCESSING=0``), is a function
+        called as ``method(worker, *args, **kwargs)``."""
+        with self._engine_turn():
+            return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
     def shutdown(self) -> None:
         """Stop the engine process and release its sockets.

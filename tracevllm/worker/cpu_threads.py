@@ -124,6 +124,8 @@ class AdaptiveThreadPolicy:
         self.interval = min_interval
         self.steps_to_probe = first_probe
         self.probes = 0
+        # Each decided change, (old, new), in order.
+        self.changes: list[tuple[int, int]] = []
         self._go_up = False  # the direction of the next probe when both are open
         # The probe in progress: its other count, the pairs' ratios, the
         # half-finished pair, and how many steps it has taken.
@@ -240,6 +242,7 @@ class AdaptiveThreadPolicy:
             self.interval = min(wait, self.max_interval)
         else:
             old, self.threads = self.threads, candidate
+            self.changes.append((old, candidate))
             # The probe back waits twice the shortest interval: a switch that
             # noise made is not undone (and redone) at once.
             self.interval = min(2 * self.min_interval, self.max_interval)

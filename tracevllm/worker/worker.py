@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -81,6 +81,18 @@ class Worker(WorkerBase):
         self.model_runner = ModelRunner(self.vllm_config)
 
     # --8<-- [end:init_device]
+
+    def get_cpu_threads(self) -> dict[str, Any]:
+        """tracevllm's: this worker's torch thread count now, whether it adapts,
+        and the changes the policy made, ``[old, new]`` in order (for
+        ``LLM.collective_rpc("get_cpu_threads")``; ``make bench`` records it)."""
+        policy = self.thread_policy
+        return {
+            "threads": torch.get_num_threads(),
+            "adaptive": policy is not None,
+            "changes": [list(c) for c in policy.changes] if policy is not None else [],
+            "probes": policy.probes if policy is not None else 0,
+        }
 
     def load_model(self) -> None:
         assert self.model_runner is not None, "init_device() first"
