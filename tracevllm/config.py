@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 from collections.abc import Iterator
@@ -26,7 +25,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-# vLLM's vllm/config/compilation.py; kept beside the compiler, re-exported here.
 from tracevllm.compilation.config import (  # noqa: F401 (re-exported)
     CompilationConfig,
     CompilationMode,
@@ -37,10 +35,13 @@ from tracevllm.compilation.config import (  # noqa: F401 (re-exported)
 # vLLM's vllm/config/kv_transfer.py; kept beside the KV connectors, re-exported here.
 from tracevllm.distributed.kv_transfer.kv_transfer_config import KVTransferConfig
 
+# vLLM's vllm/config/compilation.py; kept beside the compiler, re-exported here.
+from tracevllm.logger import init_logger
+
 if TYPE_CHECKING:
     from tracevllm.core.sched.scheduler import Scheduler
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class _HFConfigField:

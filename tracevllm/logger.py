@@ -14,8 +14,8 @@ them). ``TRACEVLLM_LOGGING_LEVEL=INFO`` shows, for example, the adaptive CPU
 thread count's changes (``CPU threads: 2 -> 1``).
 
 vLLM's colour, prefix, JSON config file and log-once helpers are left out.
-Modules that call ``logging.getLogger(__name__)`` get the same logger as
-``init_logger(__name__)``: both are children of "tracevllm".
+Every module's logger is ``init_logger(__name__)``, as in vLLM: a child of
+"tracevllm" (``logging.getLogger(__name__)`` would return the same one).
 """
 
 from __future__ import annotations

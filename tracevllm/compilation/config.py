@@ -19,12 +19,13 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import logging
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from tracevllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class CompilationMode(enum.IntEnum):

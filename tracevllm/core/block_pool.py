@@ -13,7 +13,6 @@ stats and views: ``num_cached_blocks``, ``get_num_usable_blocks`` and
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -25,11 +24,12 @@ from tracevllm.core.kv_cache_utils import (
     make_block_hash_with_group_id,
 )
 from tracevllm.labs import lab_hook
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     from tracevllm.request import Request
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class BlockHashToBlockMap:

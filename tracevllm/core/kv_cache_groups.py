@@ -22,7 +22,6 @@ case.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import replace
@@ -33,12 +32,13 @@ from tracevllm.kv_cache_interface import (
     KVCacheSpec,
     UniformTypeKVCacheSpecs,
 )
+from tracevllm.logger import init_logger
 from tracevllm.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def create_kv_cache_group_specs(

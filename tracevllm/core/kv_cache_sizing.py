@@ -23,7 +23,6 @@ layouts and the auto-fit of ``max_model_len = -1``.
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -41,12 +40,13 @@ from tracevllm.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from tracevllm.logger import init_logger
 from tracevllm.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 GiB_bytes = 1 << 30
 

@@ -32,7 +32,6 @@ decode-context-parallel groups, elastic EP, graph capture.
 from __future__ import annotations
 
 import contextlib
-import logging
 import pickle
 import time
 from collections import namedtuple
@@ -46,12 +45,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from tracevllm import tracing
+from tracevllm.logger import init_logger
 from tracevllm.tracing.attributes import SpanAttributes
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # What crosses ahead of a tensor in broadcast/send_tensor_dict, so the
 # receiver can allocate it.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from typing import Any
@@ -36,6 +35,7 @@ from tracevllm.engine.input_processor import InputProcessor, PromptType, request
 from tracevllm.engine.llm_engine import load_tokenizer
 from tracevllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tracevllm.engine.parallel_sampling import ParentRequest
+from tracevllm.logger import init_logger
 from tracevllm.metrics.loggers import StatLoggerBase
 from tracevllm.metrics.stats import IterationStats
 from tracevllm.outputs import RequestOutput
@@ -44,7 +44,7 @@ from tracevllm.tracing import records
 from tracevllm.tracing.kv_transfer import kv_transfer_trace_headers
 from tracevllm.tracing.request_span import llm_request_span, record_request_error
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # Outputs processed between two yields to the event loop (vLLM's
 # VLLM_V1_OUTPUT_PROC_CHUNK_SIZE default).

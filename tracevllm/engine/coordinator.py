@@ -32,7 +32,6 @@ bound; engines subscribe, get READY once all have, then START_DP_WAVE).
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
 import signal
@@ -47,9 +46,10 @@ import zmq
 from tracevllm import tracing
 from tracevllm.config import ParallelConfig
 from tracevllm.engine import EngineCoreOutputs, EngineCoreRequestType
+from tracevllm.logger import init_logger
 from tracevllm.serial_utils import MsgpackDecoder
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # How long the coordinator waits for every engine to subscribe (seconds).
 SUBSCRIBE_TIMEOUT_S = 600.0

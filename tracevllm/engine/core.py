@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import multiprocessing
 import os
 import queue
@@ -58,6 +57,7 @@ from tracevllm.engine import (
 )
 from tracevllm.executor import Executor
 from tracevllm.kv_cache_interface import KVCacheConfig
+from tracevllm.logger import init_logger
 from tracevllm.metrics.stats import SchedulerStats
 from tracevllm.outputs import ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
@@ -67,7 +67,7 @@ from tracevllm.tracing import records
 from tracevllm.tracing.attributes import SpanAttributes
 from tracevllm.utils.gc_utils import freeze_gc_heap
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 # How often an idle engine core wakes to let a signal's handler run (seconds).
 IDLE_WAKEUP_S = 0.2
 # How often a core with only KV transfers pending polls the connector

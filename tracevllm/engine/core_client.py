@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import multiprocessing
 import os
 import queue
@@ -55,9 +54,10 @@ from tracevllm.engine.core import (
     EngineCoreReadyResponse,
 )
 from tracevllm.engine.exceptions import EngineDeadError, describe_exit
+from tracevllm.logger import init_logger
 from tracevllm.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class EngineCoreClient:

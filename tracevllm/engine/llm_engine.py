@@ -12,7 +12,6 @@ merged. Left out: pooling, LoRA, the stat loggers.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,13 +24,14 @@ from tracevllm.engine.core_client import EngineCoreClient
 from tracevllm.engine.input_processor import InputProcessor, PromptType, request_prompt_text
 from tracevllm.engine.output_processor import OutputProcessor
 from tracevllm.engine.parallel_sampling import ParentRequest
+from tracevllm.logger import init_logger
 from tracevllm.metrics.stats import IterationStats, SchedulerStats
 from tracevllm.outputs import RequestOutput
 from tracevllm.sampling_params import SamplingParams
 from tracevllm.tracing.kv_transfer import kv_transfer_trace_headers
 from tracevllm.tracing.request_span import llm_request_span, record_request_error
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def load_tokenizer(path: str) -> Any:

@@ -16,15 +16,15 @@ refuse a bad message the same way, naming what is wrong.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tracevllm.engine.input_processor import check_text
 from tracevllm.exceptions import VLLMValidationError
+from tracevllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # A message the template sees: {"role": ..., "content": ..., and for tool use
 # "tool_calls" / "tool_call_id"} (vLLM's ConversationMessage).

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import os
 import resource
 import socket
@@ -38,11 +37,12 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tracevllm.entrypoints.openai.cli_args import H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     from tracevllm.engine.async_llm import AsyncLLM
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # How often the watchdog looks at the engine (vLLM: VLLM_WATCHDOG_TIME_S).
 WATCHDOG_TIME_S = 5.0

@@ -25,7 +25,6 @@ output aggregation, NUMA binding.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import pickle
 import threading
@@ -45,11 +44,12 @@ from tracevllm.distributed.utils import temporary_file_init_method
 from tracevllm.engine.exceptions import describe_exit
 from tracevllm.executor.abstract import Executor, FailureCallback
 from tracevllm.executor.worker_proc import WorkerProc, WorkerProcHandle
+from tracevllm.logger import init_logger
 
 __all__ = ["FutureWrapper", "MultiprocExecutor", "WorkerProc"]
 from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # How long the workers may take to connect their queues once they are ready.
 _QUEUE_READY_TIMEOUT_S = 60.0

@@ -24,7 +24,6 @@ nsight, ``VLLM_RAY_BUNDLE_INDICES``, elastic expert parallelism.
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -43,10 +42,11 @@ from tracevllm.executor.ray_utils import (
     initialize_ray_cluster,
     release_ray_cluster,
 )
+from tracevllm.logger import init_logger
 from tracevllm.outputs import DraftTokenIds, ModelRunnerOutput
 from tracevllm.utils.network_utils import get_distributed_init_method, get_ip, get_open_port
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 COMPLETED_NONE_FUTURE: Future[ModelRunnerOutput | None] = Future()
 COMPLETED_NONE_FUTURE.set_result(None)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import logging
 import os
 import signal
 import threading
@@ -31,6 +30,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tracevllm import tracing
+from tracevllm.logger import init_logger
 from tracevllm.serial_utils import run_method
 from tracevllm.tracing.ranks import worker_resource_attributes
 from tracevllm.utils.network_utils import get_ip
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput
     from tracevllm.outputs import ModelRunnerOutput
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # How long to wait for a placement group's resources (vLLM's).
 PG_WAIT_TIMEOUT = 1800

@@ -12,18 +12,18 @@ step is done, so the two do not overlap (the ``mp`` backend's workers do).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tracevllm.distributed.utils import temporary_file_init_method
 from tracevllm.executor.abstract import Executor
+from tracevllm.logger import init_logger
 from tracevllm.outputs import AsyncModelRunnerOutput
 from tracevllm.serial_utils import run_method
 from tracevllm.worker.worker_base import WorkerWrapperBase
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 if TYPE_CHECKING:
     from tracevllm.core.sched.output import GrammarOutput, SchedulerOutput

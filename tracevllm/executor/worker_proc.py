@@ -14,7 +14,6 @@ with a dead peer) exits hard rather than live on as an orphan.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import signal
@@ -32,12 +31,13 @@ from tracevllm import tracing
 from tracevllm.config import VllmConfig
 from tracevllm.distributed.device_communicators.shm_broadcast import Handle, MessageQueue
 from tracevllm.engine.exceptions import describe_exit
+from tracevllm.logger import init_logger
 from tracevllm.outputs import AsyncModelRunnerOutput
 from tracevllm.serial_utils import run_method
 from tracevllm.tracing.ranks import worker_resource_attributes
 from tracevllm.worker.worker_base import WorkerWrapperBase
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # How long a worker whose parent is gone may take to leave before it exits hard.
 ORPHAN_GRACE_S = 5.0

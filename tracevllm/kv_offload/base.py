@@ -23,11 +23,12 @@ imports this module.
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NewType
+
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from tracevllm.kv_cache_interface import KVCacheConfig
     from tracevllm.kv_offload.worker.worker import OffloadingHandler
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # A block hash with its KV cache group index, 4 bytes big-endian (vLLM's).
 OffloadKey = NewType("OffloadKey", bytes)

@@ -9,17 +9,17 @@ Mirrors vllm/v1/kv_offload/factory.py. ``kv_connector_extra_config``'s
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tracevllm.kv_offload.base import OffloadingSpec
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
     from tracevllm.kv_cache_interface import KVCacheConfig
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class OffloadingSpecFactory:

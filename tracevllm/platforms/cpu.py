@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 
 import torch
 
 from tracevllm import envs
+from tracevllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # --8<-- [start:tune_malloc]
 # mallopt parameters (glibc's malloc.h).

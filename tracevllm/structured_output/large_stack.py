@@ -25,7 +25,6 @@ xgrammar within 8 MiB.
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import threading
@@ -34,7 +33,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-logger = logging.getLogger(__name__)
+from tracevllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 T = TypeVar("T")
 

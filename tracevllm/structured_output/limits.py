@@ -42,18 +42,18 @@ And every parse or compile of a user's constraint runs on a thread with a
 from __future__ import annotations
 
 import json
-import logging
 import re
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from tracevllm.logger import init_logger
 from tracevllm.structured_output.large_stack import run_with_large_stack
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 MAX_JSON_SCHEMA_DEPTH = 32
 MAX_JSON_SCHEMA_REFS = 1000

@@ -19,7 +19,6 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import logging
 import os
 import random
 import time
@@ -38,9 +37,10 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tracevllm.config import ObservabilityConfig, TraceConfig
+from tracevllm.logger import init_logger
 from tracevllm.tracing.attributes import SpanAttributes
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 SPANS_FILE = "spans.jsonl"
 _propagator = TraceContextTextMapPropagator()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import math
 import os
 import threading
@@ -40,7 +39,9 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import Link, SpanContext
 
-logger = logging.getLogger(__name__)
+from tracevllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class OTLPJsonFileExporter(SpanExporter):

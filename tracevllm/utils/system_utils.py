@@ -8,10 +8,11 @@ leaves the soft limit where it was).
 
 from __future__ import annotations
 
-import logging
 import resource
 
-logger = logging.getLogger(__name__)
+from tracevllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def set_ulimit(target_soft_limit: int = 65535) -> None:

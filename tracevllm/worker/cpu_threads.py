@@ -55,7 +55,6 @@ timing, and so do a run's last bits (on a near-tie, a greedy token): set
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 import time
@@ -64,6 +63,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
+
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     from tracevllm.core.sched.output import SchedulerOutput
@@ -78,7 +79,7 @@ EARLY_SWITCH_PAIRS = 3
 NOISE_SIGMAS = 2.0
 NOISE_SAMPLES = 64
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class StepShape(NamedTuple):

@@ -31,7 +31,6 @@ each step carries the tokens it runs (``new_token_ids``), as vLLM's sync path.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -56,6 +55,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tracevllm.engine import EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
 from tracevllm.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from tracevllm.labs import lab_hook
+from tracevllm.logger import init_logger
 from tracevllm.metrics.stats import PrefixCacheStats, SchedulerStats
 from tracevllm.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from tracevllm.request import Request, RequestStatus
@@ -63,7 +63,7 @@ from tracevllm.spec_decode.metrics import SpecDecodingStats
 from tracevllm.structured_output import StructuredOutputManager
 from tracevllm.tracing import records
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 # --8<-- [start:compute_num_new_tokens]

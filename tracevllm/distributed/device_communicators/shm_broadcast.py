@@ -30,7 +30,6 @@ Departures from vLLM:
 from __future__ import annotations
 
 import contextlib
-import logging
 import pickle
 import threading
 import time
@@ -43,9 +42,10 @@ from typing import Any
 
 import zmq
 
+from tracevllm.logger import init_logger
 from tracevllm.utils.network_utils import get_open_zmq_ipc_path
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # Segment names start with this (so a test can look for leftovers in /dev/shm).
 SHM_NAME_PREFIX = "tracevllm_mq_"

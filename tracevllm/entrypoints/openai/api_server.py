@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import logging
 import socket
 from argparse import Namespace
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -54,10 +53,11 @@ from tracevllm.entrypoints.serve.tokenize.protocol import (
 )
 from tracevllm.entrypoints.serve.tokenize.serving import OpenAIServingTokenization
 from tracevllm.exceptions import VLLMValidationError
+from tracevllm.logger import init_logger
 from tracevllm.metrics.loggers import PrometheusStatLogger
 from tracevllm.utils.system_utils import set_ulimit
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 # --8<-- [start:with_cancellation]

@@ -22,7 +22,6 @@ nothing to wait for. Left out: offloaded blocks larger than the engine's
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 import time
@@ -32,8 +31,9 @@ import torch
 
 from tracevllm.kv_offload.base import BlockIDsLoadStoreSpec
 from tracevllm.kv_offload.worker.worker import OffloadingHandler, TransferResult, TransferSpec
+from tracevllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def canonical_kv_caches(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:

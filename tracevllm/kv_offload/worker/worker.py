@@ -11,13 +11,13 @@ by the time the next step is scheduled.
 
 from __future__ import annotations
 
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from tracevllm.kv_offload.base import LoadStoreSpec
+from tracevllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # A transfer: (source spec, destination spec).
 TransferSpec = tuple[LoadStoreSpec, LoadStoreSpec]

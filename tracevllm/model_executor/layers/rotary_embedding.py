@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 from typing import Any
 
@@ -26,8 +25,9 @@ import torch
 from torch import nn
 
 from tracevllm.config import get_current_vllm_config
+from tracevllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class RotaryEmbedding(nn.Module):

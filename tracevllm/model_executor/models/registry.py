@@ -22,17 +22,18 @@ normalisation across runner types.
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     from torch import nn
 
     from tracevllm.config import ModelConfig
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # --8<-- [start:text_generation_models]
 _TEXT_GENERATION_MODELS: dict[str, tuple[str, str]] = {

@@ -12,7 +12,6 @@ a connector on a model with several KV cache groups: ``create_connector``).
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,13 +19,14 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
 )
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     from tracevllm.config import VllmConfig
     from tracevllm.distributed.kv_transfer.kv_transfer_config import KVTransferConfig
     from tracevllm.kv_cache_interface import KVCacheConfig
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 class KVConnectorFactory:

@@ -15,14 +15,15 @@ body passes, are in generate_request.py.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-logger = logging.getLogger(__name__)
+from tracevllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def random_uuid() -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 from collections.abc import Mapping
 from http import HTTPStatus
@@ -37,6 +36,7 @@ from tracevllm.entrypoints.openai.engine.protocol import (
     random_uuid,
 )
 from tracevllm.exceptions import VLLMValidationError
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from tracevllm.engine.async_llm import AsyncLLM
     from tracevllm.entrypoints.openai.models.serving import OpenAIServingModels
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # A "required" tool choice's reply: a JSON list of {"name", "parameters"}.
 _FUNCTION_LIST = TypeAdapter(list[FunctionDefinition])

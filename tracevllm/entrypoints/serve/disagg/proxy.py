@@ -42,7 +42,6 @@ import contextlib
 import functools
 import itertools
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from http import HTTPStatus
@@ -58,8 +57,9 @@ from starlette.types import Receive, Scope, Send
 
 from tracevllm import tracing
 from tracevllm.entrypoints.openai.engine.protocol import ErrorInfo, ErrorResponse
+from tracevllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # What the prefill server is told (vLLM's toy proxy sends the same): compute
 # the prompt, keep its KV for a decode server to take, answer one token.

@@ -37,9 +37,10 @@ metrics, KV cache events, worker-to-scheduler metadata.
 from __future__ import annotations
 
 import enum
-import logging
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
+
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from tracevllm.outputs import KVConnectorOutput
     from tracevllm.request import Request
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def require_one_worker(vllm_config: VllmConfig, message: str) -> None:

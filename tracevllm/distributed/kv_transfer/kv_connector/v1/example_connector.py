@@ -44,7 +44,6 @@ Left out: multimodal hashes, MLA layouts, tensor and pipeline parallelism
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     require_one_worker,
 )
+from tracevllm.logger import init_logger
 from tracevllm.tracing import kv_transfer as kv_transfer_tracing
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from tracevllm.kv_cache_interface import KVCacheConfig
     from tracevllm.request import Request
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # Written last into a folder: its files are all there.
 COMPLETE_MARKER = "complete"

@@ -46,7 +46,6 @@ transfers, Mamba and sliding-window clipping, connector stats.
 
 from __future__ import annotations
 
-import logging
 import math
 import secrets
 import time
@@ -60,6 +59,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     SendMeta,
     compute_params_mac,
 )
+from tracevllm.logger import init_logger
 from tracevllm.tracing import kv_transfer as kv_transfer_tracing
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from tracevllm.outputs import KVConnectorOutput
     from tracevllm.request import Request
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # BlockPool's null block (the first block it takes from its free queue):
 # a sliding-window group's table holds it, maybe many times, for blocks

@@ -77,7 +77,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import logging
 import queue
 import threading
 import time
@@ -105,6 +104,7 @@ from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     compute_params_mac,
 )
 from tracevllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import get_seconds
+from tracevllm.logger import init_logger
 from tracevllm.tracing import kv_transfer as kv_transfer_tracing
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ if TYPE_CHECKING:
 
     from tracevllm.config import VllmConfig
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 CONNECTOR_NAME = "NixlConnector"
 # A dead or absent side channel fails the handshake after this long.

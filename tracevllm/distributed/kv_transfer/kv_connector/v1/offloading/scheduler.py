@@ -50,7 +50,6 @@ cache queries and hits are in the connector's ``get_kv_connector_stats``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -69,13 +68,14 @@ from tracevllm.kv_offload.base import (
     make_offload_key,
 )
 from tracevllm.labs import lab_hook
+from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
     from tracevllm.core.kv_cache_manager import KVCacheBlocks
     from tracevllm.core.sched.output import SchedulerOutput
     from tracevllm.request import Request
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 @dataclass(slots=True)
