@@ -179,11 +179,12 @@ def run_conditions(
     out: dict[str, list[Run]] = {c: [] for c in conditions}
     jobs = [(name, run) for name, _, run in engines]
     for condition, name, result, load in run_under(conditions, jobs, settle_s):
-        seconds, tokens, cached, *threads = result
+        seconds, tokens, cached = result[:3]
         floor_s = floor(cached) if floor is not None else None
         share = floor_s / seconds if floor_s is not None else None
+        threads = result[3] if len(result) > 3 else None
         out[condition].append(Run(name, keys[name], tokens, seconds, load.start, load.end,
-                                  share, cached, floor_s, *threads))  # fmt: skip
+                                  share, cached, floor_s, threads=threads))  # fmt: skip
         if report:
             report(condition, out[condition][-1])
     return out
@@ -389,11 +390,12 @@ def main(argv: list[str] | None = None) -> None:
         ("tracevllm, first run", "tracevllm", lambda: bench_tracevllm(samples, **llm_kwargs))
     ]
     if not args.skip_fixed_threads:
-        # The same engine with its thread count fixed at torch's (every core):
-        # what the adaptive count gains, in this run.
+        # The same engine with its thread count fixed where the adaptive one
+        # starts (torch's, or what TRACEVLLM_NUM_THREADS / _RESERVED_CPU say,
+        # which also turn the adaptation off): what adapting gains, in this run.
         fixed = {"TRACEVLLM_CPU_ADAPTIVE_THREADS": "0"}
-        engines.append((f"tracevllm, {res['machine']['torch_threads']} threads fixed "
-                        "(TRACEVLLM_CPU_ADAPTIVE_THREADS=0)", "tracevllm_fixed",
+        engines.append(("tracevllm, thread count fixed (TRACEVLLM_CPU_ADAPTIVE_THREADS=0)",
+                        "tracevllm_fixed",
                         lambda: bench_tracevllm(samples, fixed, **llm_kwargs)))  # fmt: skip
     if not args.skip_hf:
         engines.append(("HF transformers (static batches of 16)", "hf",
@@ -483,7 +485,7 @@ def measure_tracing(
         for round_ in range(args.tracing_rounds):
             for detail in tracing_order(round_):
                 with tempfile.TemporaryDirectory() as d, under(condition, settle_s) as load:
-                    t, n, _ = bench_tracevllm(samples, trace_detail=detail,
+                    t, n, *_ = bench_tracevllm(samples, trace_detail=detail,
                                            trace_dir=None if detail == "off" else d,
                                            **llm_kwargs)  # fmt: skip
                 rates[detail].append(n / t)

@@ -197,14 +197,15 @@ def test_tracing_cost_under_each_condition(monkeypatch: Any, tokenizer: Any) -> 
 
     calls: list[tuple[str, str, bool]] = []
 
-    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int, int]:
+    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int, int, dict[str, Any]]:
         loops = _busy_loops()
         calls.append((kwargs["trace_detail"], "busy" if loops else "quiet",
                       kwargs["trace_dir"] is not None))  # fmt: skip
         assert kwargs["model"] == "/m" and len(samples) == 2
         # 100 tok/s off; request 2 % slower quiet, 10 % busy; full 20 % slower.
         slow = {"off": 1.0, "request": 0.98 if not loops else 0.9, "full": 0.8}
-        return 1.0, int(100 * slow[kwargs["trace_detail"]]), 0
+        # As bench_tracevllm's: the worker's thread report last.
+        return 1.0, int(100 * slow[kwargs["trace_detail"]]), 0, REPORT
 
     monkeypatch.setattr(bt, "bench_tracevllm", fake)
     args = argparse.Namespace(tracing_prompts=2, tracing_rounds=2)

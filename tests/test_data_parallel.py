@@ -105,6 +105,8 @@ def offline(model: str, dp: str) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
         preemptions = llm.llm_engine.num_preemptions
         states = _dp_states(llm) if int(dp) > 1 else []
+        # vLLM's LLM.collective_rpc: every worker of every engine answers.
+        workers = llm.collective_rpc("get_cpu_threads")
         # Both engines idle: the second of these goes where the first went (the
         # least loaded is the first engine again), and finds its prefix cached.
         # (Idle as the balancer sees it: the coordinator has said so.)
@@ -119,6 +121,7 @@ def offline(model: str, dp: str) -> None:
             states=states,
             cached=hit.num_cached_tokens,
             idle=idle,
+            workers=len(workers),
         )
     finally:
         llm.shutdown()
@@ -299,6 +302,7 @@ def test_dp2_greedy_equals_dp1_and_spreads_requests(
 ) -> None:
     dp2 = _run("offline", tiny_model_dir, "2")
     assert dp2["tokens"] == dp1["tokens"]
+    assert (dp1["workers"], dp2["workers"]) == (1, 2)  # collective_rpc reached both engines
     # The workload had what it should: preemptions, and a prefix hit on its engine.
     assert dp1["preemptions"] > 0 and dp2["preemptions"] > 0
     # (At least the 20 shared tokens; its own earlier blocks too if they are

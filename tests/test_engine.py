@@ -194,7 +194,15 @@ def test_collective_rpc_reaches_the_worker_in_either_mode(mp_llm: LLM, inproc_ll
     assert got == [(True, 5)]
     with pytest.raises(TypeError, match="name a Worker method"):
         mp_llm.collective_rpc(lambda w: w)
-    # The engine still serves after the refused call.
+    # args and kwargs cross ZeroMQ to the method (which takes neither).
+    with pytest.raises(Exception, match="positional argument"):
+        mp_llm.collective_rpc("get_cpu_threads", args=(1,))
+    with pytest.raises(Exception, match="unexpected keyword argument 'x'"):
+        mp_llm.collective_rpc("get_cpu_threads", kwargs={"x": 1})
+    # A result that cannot cross back (the model) fails the call, not the engine.
+    with pytest.raises(Exception, match="Call to collective_rpc method failed"):
+        mp_llm.collective_rpc("get_model")
+    # The engine still serves after the refused calls.
     assert mp_llm.generate(["hi"], _greedy(2), use_tqdm=False)[0].outputs[0].token_ids
 
 

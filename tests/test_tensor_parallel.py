@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from tests.reference import assert_lossless, hf_greedy
-from tests.tp_probes import rank_shards
+from tests.tp_probes import rank_shards, sleep_then
 from tracevllm import LLM, SamplingParams
 from tracevllm.executor.multiproc_executor import MultiprocExecutor
 from tracevllm.sampling_params import StructuredOutputsParams
@@ -216,6 +216,18 @@ def tiny_tp(request: pytest.FixtureRequest, tiny_model_dir: str) -> Iterator[tup
     with _llm(tiny_model_dir, request.param, **TINY_ENGINE) as llm:
         assert isinstance(_executor(llm), MultiprocExecutor)
         yield request.param, llm
+
+
+def test_a_late_reply_is_not_taken_for_the_next_calls(tiny_tp: tuple[int, LLM]) -> None:
+    """LLM.collective_rpc (vLLM's) with a timeout: every rank still answers the
+    call that timed out, later; that answer is dropped, not returned to the
+    next call. Mutation caught: the stale replies not drained (the next call
+    returns "late" from each rank)."""
+    tp, llm = tiny_tp
+    with pytest.raises(TimeoutError, match="timed out"):
+        llm.collective_rpc(sleep_then, timeout=0.2, args=(1.5, "late"))
+    assert llm.collective_rpc(sleep_then, args=(0.0, "next")) == ["next"] * tp
+    assert llm.collective_rpc("get_cpu_threads", kwargs={}) == llm.collective_rpc("get_cpu_threads")
 
 
 def test_tiny_greedy_equals_t1_with_chunks_prefix_hits_and_preemption(

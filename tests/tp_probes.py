@@ -58,3 +58,11 @@ def rank_shards(worker: Any) -> dict[str, Any]:
         ],
         "kv_heads": sorted({spec.num_kv_heads for spec in specs.values()}),
     }
+
+
+def sleep_then(worker: Any, seconds: float, value: Any) -> Any:
+    """``value``, after ``seconds``: a call that outlasts its timeout."""
+    import time
+
+    time.sleep(seconds)
+    return value

@@ -713,8 +713,13 @@ class EngineCoreProc(EngineCore):
             output = UtilityOutput(call_id)
             try:
                 output.result = getattr(self, method_name)(*args)
+                # Encoded here as well as in the output thread: a result that
+                # cannot cross (a tensor, a model from collective_rpc) fails this
+                # call instead of that thread, which would take the engine down.
+                MsgpackEncoder().encode(output)
             except Exception as e:
                 logger.exception("Utility call %s failed", method_name)
+                output.result = None
                 output.failure_message = f"Call to {method_name} method failed: {e}"
             self.output_queue.put_nowait((client_index, EngineCoreOutputs(utility_output=output)))
         elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:

@@ -843,6 +843,20 @@ class DPLBSyncMPClient(SyncMPClient):
         """The first engine's answer (as vLLM's DP clients); every engine is called."""
         return self.call_utility_all(method, *args)[0]
 
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Every worker of every engine: DP rank 0's workers' answers first
+        (vLLM's LLM drives one engine, so its list is one engine's)."""
+        if not isinstance(method, str):
+            return super().collective_rpc(method)  # the TypeError
+        answers = self.call_utility_all("collective_rpc", method, timeout, tuple(args), kwargs)
+        return [a for engine in answers for a in engine]
+
     def call_utility_all(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every engine; their answers in DP rank order."""
         futures = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import resource
 import socket
@@ -186,7 +187,7 @@ async def serve_http(
         or H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT,
         **uvicorn_kwargs,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     loop = asyncio.get_running_loop()
     previous_handler = loop.get_exception_handler()
     loop.set_exception_handler(functools.partial(quiet_emfile, guard))
@@ -196,6 +197,21 @@ async def serve_http(
     finally:
         watchdog.cancel()
         loop.set_exception_handler(previous_handler)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which says where it listens on a socket given to it
+    too (uvicorn does only for a socket it binds itself)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets and self.started:
+            host, port = sockets[0].getsockname()[:2]
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                f"[{host}]" if ":" in host else host,
+                port,
+            )
 
 
 def quiet_emfile(

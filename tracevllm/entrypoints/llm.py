@@ -293,10 +293,15 @@ class LLM:
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """vLLM's: call ``method`` on every worker of the engine; their results,
-        in rank order. ``method`` names a ``Worker`` method
-        (``llm.collective_rpc("get_cpu_threads")``), or, with the engine core in
-        this process (``TRACEVLLM_ENABLE_MULTIPROCESSING=0``), is a function
-        called as ``method(worker, *args, **kwargs)``."""
+        in rank order (with data parallelism, engine by engine). ``method``
+        names a ``Worker`` method (``llm.collective_rpc("get_cpu_threads")``),
+        or, with the engine core in this process
+        (``TRACEVLLM_ENABLE_MULTIPROCESSING=0``), is a function called as
+        ``method(worker, *args, **kwargs)``: with worker processes (tensor or
+        pipeline parallel) it travels pickled, so it must be importable (a
+        module's function, not a lambda). A result must cross back by
+        msgpack from an engine process (no tensors); one that cannot fails
+        the call, not the engine. ``timeout`` (seconds) raises TimeoutError."""
         with self._engine_turn():
             return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 

@@ -30,7 +30,7 @@ import pickle
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from contextlib import suppress
@@ -115,6 +115,9 @@ class MultiprocExecutor(Executor):
         self._monitor_thread: threading.Thread | None = None
         self.workers: list[WorkerProcHandle] = []
         self.response_mqs: list[MessageQueue] = []
+        # Per rank: replies still owed to calls that timed out (tracevllm's;
+        # vLLM's next call would read such a reply as its own).
+        self._stale_replies: Counter[int] = Counter()
         self.world_size = self.parallel_config.world_size
         tp_size = self.parallel_config.tensor_parallel_size
         # EngineCore's process is a daemon (so that the frontend's exit ends
@@ -246,17 +249,27 @@ class MultiprocExecutor(Executor):
             self.rpc_broadcast_mq.enqueue(message, timeout=timeout)
         except RuntimeError as e:  # cancelled: a worker died meanwhile
             raise self._failure_error() from e
-        response_mqs = self.response_mqs
+        ranks = list(range(len(self.response_mqs)))
         if unique_reply_rank is not None:
-            response_mqs = [response_mqs[unique_reply_rank]]
+            ranks = [unique_reply_rank]
 
         def get_response() -> Any:
             responses = []
-            for mq in response_mqs:
+            for i, rank in enumerate(ranks):
+                mq = self.response_mqs[rank]
                 left = None if deadline is None else deadline - time.monotonic()
                 try:
+                    # Replies to calls that timed out come first: dropped.
+                    while self._stale_replies[rank]:
+                        mq.dequeue(timeout=left)
+                        self._stale_replies[rank] -= 1
+                        left = None if deadline is None else deadline - time.monotonic()
                     status, result = mq.dequeue(timeout=left)
                 except TimeoutError as e:
+                    # This rank and those not read yet will still answer this
+                    # call; the next call must not take that answer for its own.
+                    for late in ranks[i:]:
+                        self._stale_replies[late] += 1
                     raise TimeoutError(f"RPC call to {method} timed out.") from e
                 except RuntimeError as e:
                     raise self._failure_error() from e

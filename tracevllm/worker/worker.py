@@ -83,12 +83,13 @@ class Worker(WorkerBase):
     # --8<-- [end:init_device]
 
     def get_cpu_threads(self) -> dict[str, Any]:
-        """tracevllm's: this worker's torch thread count now, whether it adapts,
-        and the changes the policy made, ``[old, new]`` in order (for
+        """tracevllm's: this worker's thread count (the adaptive policy's
+        choice, not a probe's count in passing), whether it adapts, and the
+        changes the policy made, ``[old, new]`` in order (for
         ``LLM.collective_rpc("get_cpu_threads")``; ``make bench`` records it)."""
         policy = self.thread_policy
         return {
-            "threads": torch.get_num_threads(),
+            "threads": policy.threads if policy is not None else torch.get_num_threads(),
             "adaptive": policy is not None,
             "changes": [list(c) for c in policy.changes] if policy is not None else [],
             "probes": policy.probes if policy is not None else 0,

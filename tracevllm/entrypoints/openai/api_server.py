@@ -18,8 +18,10 @@ the Responses, embeddings and other APIs, multiple API-server processes.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import hmac
+import os
 import socket
 from argparse import Namespace
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -352,37 +354,34 @@ async def run_server(args: Namespace, **uvicorn_kwargs: Any) -> int:
     # Bound before the engine starts too, as vLLM's setup_server does: a port
     # chosen as free is taken now, not after a start-up of a minute in which
     # any outgoing connection of this machine may be given it.
-    sock = create_server_socket((args.host, args.port))
-    vllm_config = EngineArgs.from_cli_args(args).create_engine_config()
-    spec = vllm_config.speculative_config
-    stat_logger = PrometheusStatLogger(
-        model_name=served_names(args)[0],
-        num_speculative_tokens=(spec.num_speculative_tokens or 0) if spec else 0,
-        max_model_len=vllm_config.model_config.get_max_model_len(),
-    )
-    engine_client = AsyncLLM(vllm_config, stat_loggers=[stat_logger])
-    try:
-        app = build_app(args)
-        app.state.stat_logger = stat_logger
-        init_app_state(engine_client, app.state, args)
-        await serve_http(
-            app,
-            engine_client,
-            sock=sock,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
-            timeout_keep_alive=envs.TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE,
-            timeout_graceful_shutdown=5,
-            limit_concurrency=args.limit_concurrency,
-            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-            request_read_timeout=args.request_read_timeout,
-            **uvicorn_kwargs,
+    with create_server_socket((args.host, args.port)) as sock:
+        vllm_config = EngineArgs.from_cli_args(args).create_engine_config()
+        spec = vllm_config.speculative_config
+        stat_logger = PrometheusStatLogger(
+            model_name=served_names(args)[0],
+            num_speculative_tokens=(spec.num_speculative_tokens or 0) if spec else 0,
+            max_model_len=vllm_config.model_config.get_max_model_len(),
         )
-        return 1 if engine_client.errored else 0
-    finally:
-        sock.close()
-        engine_client.shutdown()
+        engine_client = AsyncLLM(vllm_config, stat_loggers=[stat_logger])
+        try:
+            app = build_app(args)
+            app.state.stat_logger = stat_logger
+            init_app_state(engine_client, app.state, args)
+            await serve_http(
+                app,
+                engine_client,
+                sock=sock,
+                log_level=args.uvicorn_log_level,
+                timeout_keep_alive=envs.TRACEVLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+                timeout_graceful_shutdown=5,
+                limit_concurrency=args.limit_concurrency,
+                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                request_read_timeout=args.request_read_timeout,
+                **uvicorn_kwargs,
+            )
+            return 1 if engine_client.errored else 0
+        finally:
+            engine_client.shutdown()
 
 
 # --8<-- [end:run_server]
@@ -394,19 +393,29 @@ class BindError(OSError):
 
 
 def create_server_socket(addr: tuple[str, int]) -> socket.socket:
-    """A TCP socket bound to ``addr`` (vLLM's name). SO_REUSEADDR lets a
-    restarted server take its port while the last one's connections are in
-    TIME_WAIT; vLLM sets SO_REUSEPORT too, which would let two servers share
-    one port without an error, so it is left out here."""
+    """A TCP socket bound to ``addr`` (vLLM's name): the first address the
+    host resolves to ("" is every IPv4 interface, as in vLLM; "::1" or
+    "[::1]" IPv6). SO_REUSEADDR lets a restarted server take its port while
+    the last one's connections are in TIME_WAIT; vLLM sets SO_REUSEPORT too,
+    which would let two servers share one port without an error, so it is
+    left out here. A forked child (the engine, with
+    TRACEVLLM_WORKER_MULTIPROC_METHOD=fork) closes its copy, so the port
+    does not outlive this process there."""
     host, port = addr
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family=family, type=socket.SOCK_STREAM)
+    bare = host.strip("[]")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            bare or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as e:
+        raise BindError(e.errno, f"cannot resolve --host {host!r} ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(addr)
+        sock.bind(address)
     except OSError as e:
         sock.close()
-        raise BindError(
-            e.errno, f"cannot bind {host}:{port} ({e.strerror}): pick another with --port"
-        ) from None
+        hint = "pick another with --port" if e.errno == errno.EADDRINUSE else "check --host"
+        raise BindError(e.errno, f"cannot bind {host}:{port} ({e.strerror}): {hint}") from None
+    os.register_at_fork(after_in_child=sock.close)
     return sock
