@@ -48,6 +48,16 @@ outputs do not say (``num_cached_tokens`` None) is measured against the
 workload's floor, and its line says so. A run's share is its floor / its
 measured seconds.
 
+The linear floor ignores memory: a decode step of a small batch waits on
+reading the weights, not on its FLOPs. The roofline floor counts both: the
+memory bandwidth is measured too (a streaming read of 256 MiB,
+roofline.py's ``measure_bandwidth``), and the workload is laid out in the
+fewest steps it can take (every prompt in one step, then one decode step
+per generated position with the requests still running), each step at
+max(its FLOPs at sgemm's rate, its bytes at the read rate)
+(``roofline_seconds``; attention's FLOPs and the K/V traffic counted). Each
+run's share of it is printed beside its share of the linear floor.
+
 Then the cost of each tracing level on the same workload (or
 ``--tracing-prompts N`` of its kind), under each condition: off, request and
 full back to back in each of ``--tracing-rounds`` rounds (default 3, the
@@ -109,6 +119,16 @@ WHAT = {
     "count it ended at, adaptive = whether the count adapted, changes = [old, new] in order, "
     "probes = how many probes the policy ran; key tracevllm_fixed = tracevllm with "
     "TRACEVLLM_CPU_ADAPTIVE_THREADS=0 (torch's count, fixed)",
+    "bandwidth": "memory bandwidth in this process, before any engine, quiet "
+    "(roofline.py's measure_bandwidth: 256 MiB fp32, best of 7): read_gbps = a streaming "
+    "read (sum), copy_gbps = a copy, read and write counted",
+    "roofline_floor": "the workload in the fewest steps (every prompt in one step, then "
+    "one decode step per generated position with the requests still running), each step "
+    "at max(its FLOPs at sgemm's gflops, its bytes at bandwidth read_gbps) "
+    "(roofline.py's step_cost: linears, LM head and attention; weights read once a step, "
+    "K/V read and written); conditions' roofline_s leaves out each run's cached_tokens "
+    "from the prompt step, roofline_share = roofline_s / seconds, summary roofline_share = "
+    "the mean of tracevllm's two runs'",
     "summary": "per condition: tracevllm_tok_s = the mean of its two runs (first and after "
     "the others); ratio_vs_X = tracevllm_tok_s / X's tok/s (ratio_vs_tracevllm_fixed: what "
     "the adaptive thread count gains over the fixed one); floor_share = the mean of "
@@ -136,6 +156,11 @@ class Run:
     # tracevllm's worker after the run (Worker.get_cpu_threads): its count,
     # whether it adapted, the changes made; None for the other engines.
     threads: dict[str, Any] | None = None
+    roofline_s: float | None = None  # this run's roofline floor (its cached tokens out)
+
+    @property
+    def roofline_share(self) -> float | None:
+        return None if self.roofline_s is None else self.roofline_s / self.seconds
 
     @property
     def tok_s(self) -> float:
@@ -158,6 +183,36 @@ def linear_flops(
     return total - step_cost(m, cached_tokens, 0, 0, 0)[0]
 
 
+def roofline_seconds(
+    m: dict[str, Any],
+    requests: Sequence[tuple[int, int]],
+    gflops: float,
+    gbps: float,
+    cached_tokens: int = 0,
+) -> float:
+    """The workload's roofline floor: the fewest steps it can run in, each at
+    max(its FLOPs at ``gflops``, its bytes at ``gbps``) (roofline.step_cost:
+    linears, LM head and attention; the weights read once a step, K/V read
+    and written). Every prompt in one step (less ``cached_tokens`` from a
+    prefix cache), then one decode step per generated position with the
+    requests still running: request i takes part in decode steps 1 to
+    generated_i - 1. Unlike the linear floor, a step cannot beat reading
+    the weights, which is what a small decode batch waits on."""
+    from roofline import step_cost
+
+    def step_s(flops: float, nbytes: float) -> float:
+        return max(flops / (gflops * 1e9), nbytes / (gbps * 1e9))
+
+    prompts = sum(p for p, _ in requests)
+    pairs = sum(p * (p + 1) // 2 for p, _ in requests)
+    total = step_s(*step_cost(m, prompts - cached_tokens, len(requests), pairs, 0))
+    for k in range(1, max((g for _, g in requests), default=0)):
+        running = [p + k for p, g in requests if g > k]
+        ctx = sum(running)
+        total += step_s(*step_cost(m, len(running), len(running), ctx, ctx))
+    return total
+
+
 def floor_seconds(flops: float, gflops: float) -> float:
     """What ``flops`` take at ``gflops`` GFLOP/s."""
     return flops / (gflops * 1e9)
@@ -169,6 +224,7 @@ def run_conditions(
     floor: Callable[[int | None], float] | None = None,
     report: Callable[[str, Run], None] | None = None,
     settle_s: float = SETTLE_S,
+    roofline: Callable[[int | None], float] | None = None,
 ) -> dict[str, list[Run]]:
     """Each ``(name, key, run)`` of ``engines`` in turn under each condition
     (``run()`` -> (seconds, tokens, prompt tokens from its prefix cache or
@@ -183,8 +239,10 @@ def run_conditions(
         floor_s = floor(cached) if floor is not None else None
         share = floor_s / seconds if floor_s is not None else None
         threads = result[3] if len(result) > 3 else None
+        roofline_s = roofline(cached) if roofline is not None else None
         out[condition].append(Run(name, keys[name], tokens, seconds, load.start, load.end,
-                                  share, cached, floor_s, threads=threads))  # fmt: skip
+                                  share, cached, floor_s, threads=threads,
+                                  roofline_s=roofline_s))  # fmt: skip
         if report:
             report(condition, out[condition][-1])
     return out
@@ -198,6 +256,10 @@ def summarize(runs: Sequence[Run]) -> dict[str, Any]:
     summary["floor_share"] = statistics.mean(shares) if shares else None
     floors = [r.floor_s for r in ours if r.floor_s is not None]
     summary["floor_s"] = statistics.mean(floors) if floors else None
+    rooflines = [r for r in ours if r.roofline_s is not None]
+    summary["roofline_share"] = (
+        statistics.mean(r.roofline_s / r.seconds for r in rooflines) if rooflines else None  # type: ignore[operator]
+    )
     for r in runs:
         if r.key != "tracevllm":
             summary[f"{r.key}_tok_s"] = r.tok_s
@@ -332,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     from rich.console import Console
     from rich.table import Table
-    from roofline import measure_sgemm_squares, model_shapes
+    from roofline import measure_bandwidth, measure_sgemm_squares, model_shapes
     from transformers import AutoTokenizer
 
     from tracevllm.benchmarks.datasets import chat_samples
@@ -354,6 +416,9 @@ def main(argv: list[str] | None = None) -> None:
     squares = measure_sgemm_squares(tuple(int(n) for n in args.sgemm_sizes.split(",")))
     gflops = max(s["gflops"] for s in squares)
     res["sgemm"] = {"squares": squares, "gflops": gflops}
+    console.print("memory bandwidth (quiet, before any engine):")
+    res["bandwidth"] = measure_bandwidth()
+    gbps = res["bandwidth"]["read_gbps"]
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     samples = chat_samples(tokenizer, args.num_prompts)
@@ -368,21 +433,30 @@ def main(argv: list[str] | None = None) -> None:
         of them where the engine does not say) and the generated ones."""
         return floor_seconds(linear_flops(shapes, requests, cached or 0), gflops)
 
+    def roofline(cached: int | None) -> float:
+        """A run's roofline floor, its prefix-cache hits left out as for ``floor``."""
+        return roofline_seconds(shapes, requests, gflops, gbps, cached or 0)
+
     res["model"] = {"name": shapes["name"], "linear_params": shapes["linear_params"],
                     "lm_head_params": shapes["lm_head_params"]}  # fmt: skip
     res["workload"] = {
         "num_prompts": len(samples),
         "prompt_tokens": sum(len(s.prompt_token_ids) for s in samples),
         "requested_tokens": asked,
+        "requests": [list(r) for r in requests],  # (prompt tokens, max_tokens) each
     }
     res["floor"] = {"linear_flops": flops, "seconds": floor_s}
+    res["roofline_floor"] = {"seconds": roofline(0), "read_gbps": gbps}
     console.print(
         f"workload: {len(samples)} chat prompts ({res['workload']['prompt_tokens']} prompt "
         f"tokens), max_tokens 16-128 (seed 0), {asked} requested tokens, greedy, ignore_eos, "
         f"fp32; conditions: {', '.join(LABELS[c] for c in conditions)}\n"
         f"linear-FLOP floor: {flops / 1e9:.1f} GFLOP at the measured sgemm {gflops:.1f} "
         f"GFLOP/s = {floor_s:.2f} s with no prefix-cache hits; each run's floor leaves out "
-        f"the prompt tokens its engine's prefix cache supplied"
+        f"the prompt tokens its engine's prefix cache supplied\n"
+        f"roofline floor: {res['roofline_floor']['seconds']:.2f} s (every prompt in one step, "
+        f"then a decode step per generated position, each at max(FLOPs at sgemm's rate, "
+        f"bytes at the streaming read's {gbps:.1f} GB/s))"
     )
 
     llm_kwargs = {"model": model_dir}
@@ -415,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     engines.append(("tracevllm, second run (after the others)", "tracevllm", engines[0][2]))
     console.print("measuring (each run under its condition):")
     by_condition = run_conditions(
-        conditions, engines, floor, lambda c, r: console.print(_fmt_run(c, r))
+        conditions, engines, floor, lambda c, r: console.print(_fmt_run(c, r)), roofline=roofline
     )
     res["conditions"] = {}
     for condition, runs in by_condition.items():
@@ -426,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
         table = Table(title=f"Offline throughput (generated tokens / s), {LABELS[condition]}")
         for col in ("engine", "tokens", "seconds", "tok/s", "load start->end",
                     "prefix-cache hits", "its floor", "share of floor",
-                    "tracevllm (mean of 2) / this"):  # fmt: skip
+                    "share of roofline floor", "tracevllm (mean of 2) / this"):  # fmt: skip
             table.add_column(col, justify="right" if col != "engine" else "left")
         for r in runs:
             table.add_row(r.engine, str(r.tokens), f"{r.seconds:.1f}", f"{r.tok_s:.1f}",
@@ -434,11 +508,12 @@ def main(argv: list[str] | None = None) -> None:
                           "not reported" if r.cached_tokens is None else str(r.cached_tokens),
                           f"{r.floor_s:.2f} s" if r.floor_s is not None else "",
                           f"{r.floor_share * 100:.0f}%" if r.floor_share is not None else "",
+                          f"{r.roofline_share * 100:.0f}%" if r.roofline_share is not None else "",
                           f"{ours / r.tok_s:.2f}x")  # fmt: skip
         console.print(table)
     summary_table = Table(title="tracevllm against vLLM, by condition (one run, this machine)")
     for col in ("condition", "tracevllm tok/s", "/ vLLM compiled", "/ vLLM eager",
-                "/ its threads fixed", "share of floor"):  # fmt: skip
+                "/ its threads fixed", "share of floor", "of roofline floor"):  # fmt: skip
         summary_table.add_column(col, justify="right" if col != "condition" else "left")
     for condition in conditions:
         s = res["conditions"][condition]["summary"]
@@ -449,6 +524,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['ratio_vs_vllm_eager']:.2f}x" if "ratio_vs_vllm_eager" in s else "-",
             f"{s['ratio_vs_tracevllm_fixed']:.2f}x" if "ratio_vs_tracevllm_fixed" in s else "-",
             f"{s['floor_share'] * 100:.0f}% of {s['floor_s']:.2f} s",
+            f"{s['roofline_share'] * 100:.0f}%" if s["roofline_share"] is not None else "-",
         )
     console.print(summary_table)
     if not venv:

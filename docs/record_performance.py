@@ -314,6 +314,10 @@ def bench_facts() -> dict[str, Any]:
         "cores": res["machine"]["cores"],
         "load": " ".join(f"{x:.2f}" for x in res["machine"]["load_average_at_start"]),
         "sgemm_gflops": round(res["sgemm"]["gflops"], 1),
+        "read_gbps": round(res["bandwidth"]["read_gbps"], 1) if "bandwidth" in res else None,
+        "roofline_floor_s": round(res["roofline_floor"]["seconds"], 2)
+        if "roofline_floor" in res
+        else None,
         "num_prompts": res["workload"]["num_prompts"],
         "requested_tokens": res["workload"]["requested_tokens"],
     }
@@ -343,6 +347,13 @@ def bench_facts() -> dict[str, Any]:
         runs = {r["key"]: r for r in entry["runs"]}
         if "vllm_compiled" in runs:
             c["vllm_compiled_floor_share_pct"] = round(100 * runs["vllm_compiled"]["floor_share"])
+        if summary.get("roofline_share") is not None:
+            c["roofline_share_pct"] = round(100 * summary["roofline_share"])
+            if "vllm_compiled" in runs:
+                compiled = runs["vllm_compiled"]
+                c["vllm_compiled_roofline_share_pct"] = round(
+                    100 * compiled["roofline_s"] / compiled["seconds"]
+                )
         tracing = res.get("tracing", {}).get(condition)
         if tracing:
             # The cost, positive: how much lower than tracing off, in percent.

@@ -46,6 +46,22 @@ def test_linear_flops_by_hand() -> None:
     assert math.isclose(bt.floor_seconds(37600, 0.0376), 1e-3)
 
 
+def test_roofline_floor_by_hand() -> None:
+    """Two requests, (prompt 3, generate 3) and (2, 1), at 1000 FLOP/s and
+    1000 B/s, weights 4000 B, K/V 10 B a token. The prompt step: 2 x (1000 x 5
+    + 300 x 2) + 7 x (6 + 3) pairs = 11263 FLOP (11.263 s) against 4050 B;
+    decode step 1, the first request alone at context 4: 2628 FLOP against
+    4000 + 10 x 5 B (4.05 s, memory-bound); step 2 at context 5: 4.06 s. The
+    second request, one token, never decodes. Two cached prompt tokens take
+    2 x (1000 x 2 + 0) FLOP off the prompt step. Mutations caught: max
+    turned into the compute term alone (the decode steps at 2.6 s)."""
+    m = {**HAND, "weight_bytes": 4000, "kv_bytes_per_token": 10}
+    reqs = [(3, 3), (2, 1)]
+    assert bt.roofline_seconds(m, reqs, 1e-6, 1e-6) == pytest.approx(11.263 + 4.05 + 4.06)
+    assert bt.roofline_seconds(m, reqs, 1e-6, 1e-6, 2) == pytest.approx(7.263 + 4.05 + 4.06)
+    assert bt.roofline_seconds(m, [], 1e-6, 1e-6) == pytest.approx(4.0)  # an empty step
+
+
 def test_tiny_model_shapes_by_hand(tiny_model_dir: str, tokenizer: Any) -> None:
     """The tiny Llama (hidden 64, intermediate 128, 4 query / 2 KV heads of 16, 2 layers):
     qkv 128 x 64 + o 64 x 64 + gate_up 256 x 64 + down 64 x 128 = 36864 a layer, 73728
@@ -246,6 +262,9 @@ def test_bench_throughput_smoke(
         return 2.0 * len(loops), sum(s.expected_output_len for s in samples), 3, threads
 
     monkeypatch.setattr(bt, "bench_tracevllm", fake)
+    import roofline
+
+    monkeypatch.setattr(roofline, "measure_bandwidth", lambda: {"read_gbps": 10.0})
     monkeypatch.delenv("VLLM_VENV", raising=False)
     out = tmp_path / "bench.json"
     argv = ["--model", tiny_model_dir, "--conditions", "busy", "--num-prompts", "2",
@@ -279,7 +298,13 @@ def test_bench_throughput_smoke(
         assert math.isclose(r["floor_s"], ran_s)
         assert math.isclose(r["floor_share"], ran_s / r["seconds"])
         assert r["load_start"] >= 0 and r["load_end"] >= 0
+    # The roofline floor: the workload's, and each run's share of its own.
+    requests = [tuple(r) for r in res["workload"]["requests"]]
+    roof = bt.roofline_seconds(model_shapes(tiny_model_dir), requests, gflops, 10.0, 3)
+    assert res["roofline_floor"]["read_gbps"] == 10.0
+    assert [r["roofline_s"] for r in runs] == pytest.approx([roof] * 3)
     summary = res["conditions"]["busy"]["summary"]
+    assert summary["roofline_share"] == pytest.approx((roof / 2 + roof / 6) / 2)
     assert math.isclose(summary["tracevllm_tok_s"], (asked / 2 + asked / 6) / 2)
     assert math.isclose(summary["ratio_vs_tracevllm_fixed"], (1 / 2 + 1 / 6) / 2 * 4)
     assert math.isclose(summary["floor_share"], (ran_s / 2 + ran_s / 6) / 2)
