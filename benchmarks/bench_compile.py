@@ -8,9 +8,11 @@ fresh engine. Prints each run's tok/s over the timed ``generate`` and its
 wall time with start-up, so the compile's cost shows beside its gain: the
 first compiled start compiles (or reads the compile cache left by an earlier
 run: clear ``TRACEVLLM_CACHE_DIR`` for a cold start), the second reads the
-cache. Quiet machine only; compare within one run.
+cache. ``--conditions quiet,busy`` repeats the four runs beside one
+busy-loop process (benchmarks/busy.py, as ``make bench``); compare within
+one run.
 
-    python benchmarks/bench_compile.py [--num-prompts N] [--output-json F]
+    python benchmarks/bench_compile.py [--num-prompts N] [--conditions C] [--output-json F]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--conditions", default="quiet", help="quiet, busy or both")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
@@ -39,19 +42,29 @@ def main() -> None:
 
     model = resolve_model(None)
     samples = chat_samples(AutoTokenizer.from_pretrained(model), args.num_prompts)
+    conditions = busy.parse_conditions(args.conditions)
     res: dict = {"machine": busy.machine(), "num_prompts": len(samples), "runs": []}
-    for mode in ("eager", "compiled", "eager", "compiled"):
-        start = time.perf_counter()
-        seconds, tokens, _ = bench_tracevllm(samples, model=model, enforce_eager=mode == "eager")
-        wall = time.perf_counter() - start
-        res["runs"].append({"mode": mode, "tok_s": tokens / seconds, "seconds": seconds,
-                            "wall_with_start_s": wall})  # fmt: skip
-        print(f"{mode:>8}: {tokens / seconds:.1f} tok/s ({seconds:.1f} s timed, "
-              f"{wall:.1f} s with start-up)", flush=True)  # fmt: skip
-    mean = {m: sum(r["tok_s"] for r in res["runs"] if r["mode"] == m) / 2
-            for m in ("eager", "compiled")}  # fmt: skip
-    res["compiled_over_eager"] = mean["compiled"] / mean["eager"]
-    print(f"compiled / eager (mean of two runs each): {res['compiled_over_eager']:.2f}x")
+    for condition in conditions:
+        for mode in ("eager", "compiled", "eager", "compiled"):
+            start = time.perf_counter()
+            with busy.under(condition) as load:
+                seconds, tokens, _, threads = bench_tracevllm(
+                    samples, model=model, enforce_eager=mode == "eager"
+                )
+            wall = time.perf_counter() - start
+            res["runs"].append({"condition": condition, "mode": mode, "tok_s": tokens / seconds,
+                                "seconds": seconds, "wall_with_start_s": wall,
+                                "threads": threads, "load": [load.start, load.end]})  # fmt: skip
+            print(f"{busy.LABELS[condition]:<13} {mode:>8}: {tokens / seconds:.1f} tok/s "
+                  f"({seconds:.1f} s timed, {wall:.1f} s with start-up), threads "
+                  f"{threads['threads']}, {load}", flush=True)  # fmt: skip
+    res["compiled_over_eager"] = {}
+    for condition in conditions:
+        runs = [r for r in res["runs"] if r["condition"] == condition]
+        mean = {m: sum(r["tok_s"] for r in runs if r["mode"] == m) / 2
+                for m in ("eager", "compiled")}  # fmt: skip
+        res["compiled_over_eager"][condition] = ratio = mean["compiled"] / mean["eager"]
+        print(f"{busy.LABELS[condition]}: compiled / eager (mean of two runs each): {ratio:.2f}x")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=1)

@@ -393,3 +393,34 @@ def test_environ_sets_then_restores(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RuntimeError
     assert "TRACEVLLM_CPU_ADAPTIVE_THREADS" not in os.environ
     assert os.environ["TRACEVLLM_NUM_THREADS"] == "3"
+
+
+def test_bench_compile_alternates_modes_and_divides_by_hand(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any
+) -> None:
+    """benchmarks/bench_compile.py's main with a stand-in engine: eager,
+    compiled, eager, compiled under each condition, a busy loop beside the
+    busy ones; compiled / eager from the means (eager 2 s and 4 s, compiled
+    1 s and 2 s: 1.5x the tok/s)."""
+    import bench_compile
+
+    calls: list[tuple[bool, int]] = []
+
+    def fake(samples: list[Any], **kwargs: Any) -> tuple[float, int, int, dict[str, Any]]:
+        calls.append((kwargs["enforce_eager"], _busy_loops()))
+        eager = [c for c, _ in calls].count(kwargs["enforce_eager"])
+        seconds = (2.0 if kwargs["enforce_eager"] else 1.0) * (1 if eager % 2 else 2)
+        return seconds, 100, 0, REPORT
+
+    monkeypatch.setattr(bt, "bench_tracevllm", fake)
+    out = tmp_path / "compile.json"
+    monkeypatch.setattr(sys, "argv", ["bench_compile.py", "--num-prompts", "2",
+                                      "--conditions", "quiet,busy", "--output-json", str(out)])  # fmt: skip
+    bench_compile.main()
+    assert calls == [(True, 0), (False, 0), (True, 0), (False, 0),
+                     (True, 1), (False, 1), (True, 1), (False, 1)]  # fmt: skip
+    res = json.loads(out.read_text())
+    want = ((100 / 1 + 100 / 2) / 2) / ((100 / 2 + 100 / 4) / 2)
+    assert res["compiled_over_eager"] == pytest.approx({"quiet": want, "busy": want})
+    assert [r["threads"] for r in res["runs"]] == [REPORT] * 8
+    assert "one busy core: compiled / eager" in capsys.readouterr().out
