@@ -183,6 +183,7 @@ def linear_flops(
     return total - step_cost(m, cached_tokens, 0, 0, 0)[0]
 
 
+# --8<-- [start:roofline_seconds]
 def roofline_seconds(
     m: dict[str, Any],
     requests: Sequence[tuple[int, int]],
@@ -211,6 +212,9 @@ def roofline_seconds(
         ctx = sum(running)
         total += step_s(*step_cost(m, len(running), len(running), ctx, ctx))
     return total
+
+
+# --8<-- [end:roofline_seconds]
 
 
 def floor_seconds(flops: float, gflops: float) -> float:

@@ -17,11 +17,13 @@ two things vLLM's CPU backend does before its worker runs a step.
   and 128: neither fixed count wins both, so the default times steps at
   its count and one fewer now and then and keeps the faster
   (``make bench-threads`` measures the three side by side). Those figures
-  are the two fixed counts'. The adaptive policy's own gain is not yet
-  measured against vLLM on a quiet machine: in an unrecorded first try
-  under heavy sharing its first version lost to one reserved CPU, and the
-  reworked probes (cpu_threads.py) have figures only from a machine busy
-  with other work (README, ``make bench-threads``). vLLM also pins
+  are the two fixed counts'. The adaptive count's own, from ``make bench``
+  (one run, 2026-12-03, benchmarks/results/bench.json, which also runs
+  the count fixed): beside one busy process it dropped to one thread and
+  did 114 tok/s where both cores fixed did 48 (2.39x); quiet it kept both
+  and matched the fixed count (1.02x). vLLM compiled, one thread on one
+  core, did 125 in both conditions: under load tracevllm's one eager
+  thread was the slower (0.91x; 1.33x in the run before). vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.
 - vllm/v1/worker/cpu_worker.py (``init_device``) warns when tcmalloc is not
