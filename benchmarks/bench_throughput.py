@@ -75,15 +75,15 @@ benchmarks/bench_throughput.py [--conditions quiet,busy] [--skip-hf]
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -296,29 +296,15 @@ def bench_tracevllm(
     from tracevllm import LLM
     from tracevllm.benchmarks.throughput import run_tracevllm
 
-    with environ(env or {}), LLM(**llm_kwargs) as llm:
+    # patch.dict: the variables set while the engine starts (its process
+    # inherits them), os.environ as it was after.
+    with mock.patch.dict(os.environ, env or {}), LLM(**llm_kwargs) as llm:
         elapsed, outs = run_tracevllm(llm, samples, num_warmups=2, use_tqdm=False)
         (threads,) = llm.collective_rpc("get_cpu_threads")
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     asked = sum(s.expected_output_len for s in samples)
     assert generated == asked, (generated, asked)
     return elapsed, generated, sum(o.num_cached_tokens for o in outs), threads
-
-
-@contextlib.contextmanager
-def environ(overrides: dict[str, str]) -> Iterator[None]:
-    """``overrides`` in os.environ inside the block (the engine process
-    inherits them), the previous values back after it."""
-    before = {k: os.environ.get(k) for k in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def bench_vllm(venv: str, model_dir: str, samples: list[Any], config: dict[str, Any]) -> dict:

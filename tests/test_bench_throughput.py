@@ -342,9 +342,11 @@ def test_engines_count_their_prefix_cache_hits(monkeypatch: Any) -> None:
             self.outputs = [argparse.Namespace(token_ids=[0] * generated)]
             self.num_cached_tokens = cached
 
+    seen_env: list[str | None] = []
+
     class FakeLLM:
         def __init__(self, **kwargs: Any) -> None:
-            pass
+            seen_env.append(os.environ.get("TRACEVLLM_CPU_ADAPTIVE_THREADS"))
 
         def __enter__(self) -> FakeLLM:
             return self
@@ -361,6 +363,10 @@ def test_engines_count_their_prefix_cache_hits(monkeypatch: Any) -> None:
     monkeypatch.setattr(throughput, "run_tracevllm", lambda llm, samples, **kw: (1.5, outs))
     samples = [argparse.Namespace(expected_output_len=n) for n in (4, 2, 3)]
     assert bt.bench_tracevllm(samples, model="/m") == (1.5, 9, 21, REPORT)
+    # The fixed-count run: its variable set while the engine starts, gone after.
+    monkeypatch.delenv("TRACEVLLM_CPU_ADAPTIVE_THREADS", raising=False)
+    bt.bench_tracevllm(samples, {"TRACEVLLM_CPU_ADAPTIVE_THREADS": "0"}, model="/m")
+    assert seen_env[-1] == "0" and "TRACEVLLM_CPU_ADAPTIVE_THREADS" not in os.environ
     assert vllm_offline.cached_tokens(outs) == 21
     assert vllm_offline.cached_tokens([Out(4, 16), Out(2, None)]) is None
     assert vllm_offline.cached_tokens([]) == 0
@@ -379,20 +385,6 @@ def test_a_relative_vllm_venv_is_found(tmp_path: Path, monkeypatch: pytest.Monke
     script.write_text("import shutil, sys\nshutil.copy(sys.argv[1], sys.argv[2])\n")
     monkeypatch.chdir(tmp_path)
     assert run_in_vllm_venv("venv", str(script), {"n": 3}) == {"n": 3}
-
-
-def test_environ_sets_then_restores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fixed-threads run's variable is there while its engine starts, and
-    gone (or as it was) after, even when the run raises."""
-    monkeypatch.delenv("TRACEVLLM_CPU_ADAPTIVE_THREADS", raising=False)
-    monkeypatch.setenv("TRACEVLLM_NUM_THREADS", "3")
-    overrides = {"TRACEVLLM_CPU_ADAPTIVE_THREADS": "0", "TRACEVLLM_NUM_THREADS": "1"}
-    with pytest.raises(RuntimeError), bt.environ(overrides):
-        assert os.environ["TRACEVLLM_CPU_ADAPTIVE_THREADS"] == "0"
-        assert os.environ["TRACEVLLM_NUM_THREADS"] == "1"
-        raise RuntimeError
-    assert "TRACEVLLM_CPU_ADAPTIVE_THREADS" not in os.environ
-    assert os.environ["TRACEVLLM_NUM_THREADS"] == "3"
 
 
 def test_bench_compile_alternates_modes_and_divides_by_hand(
@@ -414,8 +406,9 @@ def test_bench_compile_alternates_modes_and_divides_by_hand(
 
     monkeypatch.setattr(bt, "bench_tracevllm", fake)
     out = tmp_path / "compile.json"
-    monkeypatch.setattr(sys, "argv", ["bench_compile.py", "--num-prompts", "2",
-                                      "--conditions", "quiet,busy", "--output-json", str(out)])  # fmt: skip
+    argv = ["bench_compile.py", "--num-prompts", "2", "--conditions", "quiet,busy",
+            "--output-json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
     bench_compile.main()
     assert calls == [(True, 0), (False, 0), (True, 0), (False, 0),
                      (True, 1), (False, 1), (True, 1), (False, 1)]  # fmt: skip
