@@ -332,14 +332,19 @@ def _fmt_cached(run: Run) -> str:
     return f"{run.cached_tokens} prompt tokens from the prefix cache"
 
 
+def thread_path(report: dict[str, Any]) -> str:
+    """Where a worker's thread count went: "2", or "2 -> 1" after a change."""
+    counts = [c[0] for c in report["changes"]] + [report["threads"]]
+    return " -> ".join(map(str, counts))
+
+
 def _fmt_threads(report: dict[str, Any] | None) -> str:
     if report is None:
         return ""
     if not report["adaptive"]:
         return f", {report['threads']} threads (fixed)"
-    counts = [c[0] for c in report["changes"]] + [report["threads"]]
     probes = f"{report['probes']} probe{'s' * (report['probes'] != 1)}"
-    return f", threads {' -> '.join(map(str, counts))} (adaptive, {probes})"
+    return f", threads {thread_path(report)} (adaptive, {probes})"
 
 
 def _fmt_run(condition: str, run: Run) -> str:

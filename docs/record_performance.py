@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "docs"))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import record_assets as assets  # noqa: E402
+from bench_throughput import thread_path  # noqa: E402
 from recording import external  # noqa: E402
 
 NAME = "latency"
@@ -333,10 +334,7 @@ def bench_facts() -> dict[str, Any]:
         }
         # Where each tracevllm run's thread count ended ("2 -> 1" when it changed).
         c["tracevllm_runs_threads"] = [
-            " -> ".join(
-                str(n)
-                for n in [*(ch[0] for ch in r["threads"]["changes"]), r["threads"]["threads"]]
-            )  # fmt: skip
+            thread_path(r["threads"])
             for r in entry["runs"]
             if r["key"] == "tracevllm" and r.get("threads")
         ]
@@ -344,16 +342,20 @@ def bench_facts() -> dict[str, Any]:
             if f"{key}_tok_s" in summary:
                 c[f"{key}_tok_s"] = round(summary[f"{key}_tok_s"], 1)
                 c[f"ratio_vs_{key}"] = round(summary[f"ratio_vs_{key}"], 2)
-        runs = {r["key"]: r for r in entry["runs"]}
-        if "vllm_compiled" in runs:
-            c["vllm_compiled_floor_share_pct"] = round(100 * runs["vllm_compiled"]["floor_share"])
         if summary.get("roofline_share") is not None:
             c["roofline_share_pct"] = round(100 * summary["roofline_share"])
-            if "vllm_compiled" in runs:
-                compiled = runs["vllm_compiled"]
+        compiled = next((r for r in entry["runs"] if r["key"] == "vllm_compiled"), None)
+        if compiled is not None:
+            c["vllm_compiled_floor_share_pct"] = round(100 * compiled["floor_share"])
+            if compiled.get("roofline_s") is not None:
                 c["vllm_compiled_roofline_share_pct"] = round(
                     100 * compiled["roofline_s"] / compiled["seconds"]
                 )
+            c["runs_vs_vllm_compiled"] = [
+                round(r["tok_s"] / compiled["tok_s"], 2)
+                for r in entry["runs"]
+                if r["key"] == "tracevllm"
+            ]
         tracing = res.get("tracing", {}).get(condition)
         if tracing:
             # The cost, positive: how much lower than tracing off, in percent.
@@ -364,12 +366,6 @@ def bench_facts() -> dict[str, Any]:
                 for d in tracing["vs_off"]
             }
             c["tracing_off_tok_s"] = round(statistics.median(rates["off"]), 1)
-        if "vllm_compiled" in runs:
-            c["runs_vs_vllm_compiled"] = [
-                round(r["tok_s"] / runs["vllm_compiled"]["tok_s"], 2)
-                for r in entry["runs"]
-                if r["key"] == "tracevllm"
-            ]
         out[condition] = c
     if "tracing" in res:
         out["tracing_rounds"] = res["tracing"]["rounds"]

@@ -111,19 +111,25 @@ class EngineCoreClient:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """``method`` on every worker of the engine (vLLM's), by name: a
-        function does not cross to the engine process here (vLLM pickles one
-        with cloudpickle only where insecure serialization is allowed)."""
-        if not isinstance(method, str):
-            raise TypeError(
-                "collective_rpc: name a Worker method (a str) when the engine core runs "
-                "in its own process; a function runs only with "
-                "TRACEVLLM_ENABLE_MULTIPROCESSING=0"
-            )
-        return list(self.call_utility("collective_rpc", method, timeout, tuple(args), kwargs))
+        """``method`` on every worker of the engine (vLLM's), by name."""
+        name = _method_name(method)
+        return list(self.call_utility("collective_rpc", name, timeout, tuple(args), kwargs))
 
     def shutdown(self) -> None:
         pass
+
+
+def _method_name(method: str | Callable[..., Any]) -> str:
+    """collective_rpc's method as it crosses to an engine process: a name. A
+    function does not cross here (vLLM pickles one with cloudpickle only where
+    insecure serialization is allowed)."""
+    if not isinstance(method, str):
+        raise TypeError(
+            "collective_rpc: name a Worker method (a str) when the engine core runs "
+            "in its own process; a function runs only with "
+            "TRACEVLLM_ENABLE_MULTIPROCESSING=0"
+        )
+    return method
 
 
 class InprocClient(EngineCoreClient):
@@ -852,9 +858,8 @@ class DPLBSyncMPClient(SyncMPClient):
     ) -> list[Any]:
         """Every worker of every engine: DP rank 0's workers' answers first
         (vLLM's LLM drives one engine, so its list is one engine's)."""
-        if not isinstance(method, str):
-            return super().collective_rpc(method)  # the TypeError
-        answers = self.call_utility_all("collective_rpc", method, timeout, tuple(args), kwargs)
+        name = _method_name(method)
+        answers = self.call_utility_all("collective_rpc", name, timeout, tuple(args), kwargs)
         return [a for engine in answers for a in engine]
 
     def call_utility_all(self, method: str, *args: Any) -> list[Any]:

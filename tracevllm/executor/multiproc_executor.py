@@ -257,14 +257,14 @@ class MultiprocExecutor(Executor):
             responses = []
             for i, rank in enumerate(ranks):
                 mq = self.response_mqs[rank]
-                left = None if deadline is None else deadline - time.monotonic()
                 try:
                     # Replies to calls that timed out come first: dropped.
-                    while self._stale_replies[rank]:
-                        mq.dequeue(timeout=left)
-                        self._stale_replies[rank] -= 1
+                    while True:
                         left = None if deadline is None else deadline - time.monotonic()
-                    status, result = mq.dequeue(timeout=left)
+                        status, result = mq.dequeue(timeout=left)
+                        if not self._stale_replies[rank]:
+                            break
+                        self._stale_replies[rank] -= 1
                 except TimeoutError as e:
                     # This rank and those not read yet will still answer this
                     # call; the next call must not take that answer for its own.

@@ -88,11 +88,18 @@ class Worker(WorkerBase):
         changes the policy made, ``[old, new]`` in order (for
         ``LLM.collective_rpc("get_cpu_threads")``; ``make bench`` records it)."""
         policy = self.thread_policy
+        if policy is None:
+            return {
+                "threads": torch.get_num_threads(),
+                "adaptive": False,
+                "changes": [],
+                "probes": 0,
+            }
         return {
-            "threads": policy.threads if policy is not None else torch.get_num_threads(),
-            "adaptive": policy is not None,
-            "changes": [list(c) for c in policy.changes] if policy is not None else [],
-            "probes": policy.probes if policy is not None else 0,
+            "threads": policy.threads,
+            "adaptive": True,
+            "changes": [list(c) for c in policy.changes],
+            "probes": policy.probes,
         }
 
     def load_model(self) -> None:
