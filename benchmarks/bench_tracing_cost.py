@@ -38,9 +38,17 @@ Then where the tracing samples fell (the innermost tracing frame), and the
 wall-clock throughput of each run for reference. Tracing off is run as a
 control: its tracing share must be about zero.
 
+Under each of ``make bench``'s conditions (benchmarks/busy.py): quiet, and
+one busy-loop process beside the engine, started before the worker starts
+(so the engine's adaptive thread count meets it from the first step) and
+stopped after the worker has exited. Counted shares do not drown in the
+spread that a busy core gives wall time. Results go to
+``benchmarks/results/tracing_cost.json``.
+
     make bench-tracing
-    python benchmarks/bench_tracing_cost.py [--num-prompts 64] [--rate 100] [--rounds 1]
-        [--details off request full] [--samples-dir DIR]
+    python benchmarks/bench_tracing_cost.py [--conditions quiet,busy] [--num-prompts 64]
+        [--rate 100] [--rounds 1] [--details off request full] [--samples-dir DIR]
+        [--output-json PATH]
 
 Needs py-spy (``make bench-tracing`` installs it; pip install py-spy==0.4.3),
 which attaches to the running worker: on Linux with Yama's ptrace_scope at 1
@@ -60,18 +68,22 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+import busy  # benchmarks/: the quiet and busy conditions
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "tracing_cost.json")
 DETAILS = ("off", "request", "full")
 # py-spy writes a frame as "function (path:line)"; a prefix ending in a space
 # matches one function's name and no longer one.
 TRACING_FUNCTIONS = ("Attention._forward_traced ",)  # outside tracing/, the spans' own work
 # Where tracing code hands back to the engine: the method a tracing wrapper
 # wraps (the frame below the wrapper), and the kernels the attention spans
-# are around.
+# are around (_kernel_frames).
 WRAPPERS = ("instrument.<locals>.decorator.<locals>.wrapper ",
             "instrument.<locals>.decorator.<locals>.async_wrapper ",
             "_instrument_async_generator.<locals>.wrapper ")  # fmt: skip
-KERNELS = ("unified_kv_cache_update ", "unified_attention_with_output ")
 # Below a wrapper, the span's own ``with`` (contextlib), not the method.
 SPAN_WITH = ("_GeneratorContextManager.__enter__ ", "_GeneratorContextManager.__exit__ ")
 
@@ -85,6 +97,17 @@ def _tracing_dirs() -> tuple[str, ...]:
     package = os.path.dirname(os.path.abspath(tracevllm.__file__))
     otel = tuple(os.path.abspath(p) + os.sep for p in opentelemetry.__path__)
     return (os.path.join(package, "tracing") + os.sep, *otel)
+
+
+def _kernel_frames() -> tuple[str, ...]:
+    """How py-spy names the two calls ``Attention._forward_traced`` makes
+    inside its spans: each function's code object's qualified name, so a
+    decorator's wrapper (the KV connector's ``maybe_transfer_kv_layer`` around
+    the read) is named as it runs, not as the function it wraps."""
+    from tracevllm.model_executor.layers import attention
+
+    calls = (attention.unified_kv_cache_update, attention.unified_attention_with_output)
+    return tuple(f"{call.__code__.co_qualname} " for call in calls)
 
 
 # --- the worker: one LLM at one detail level, timed generate on cue -----------
@@ -136,10 +159,13 @@ def thread_kind(frames: list[str]) -> str:
     return "other"
 
 
-def tracing_frame(frames: list[str], tracing: tuple[str, ...]) -> str | None:
+def tracing_frame(
+    frames: list[str], tracing: tuple[str, ...], kernels: tuple[str, ...]
+) -> str | None:
     """The innermost tracing frame of a sample that is tracing's, else None.
 
-    ``tracing``: the source directories of tracing code (_tracing_dirs).
+    ``tracing``: the source directories of tracing code (_tracing_dirs);
+    ``kernels``: the attention spans' calls (_kernel_frames).
     Read from the outermost frame in: a sample becomes
     tracing's at the first frame of tracing code (or of TRACING_FUNCTIONS),
     and everything it calls stays tracing's (an engine helper a ``record``
@@ -157,7 +183,7 @@ def tracing_frame(frames: list[str], tracing: tuple[str, ...]) -> str | None:
             above = frames[i - 1]
             if (
                 above.startswith(WRAPPERS) and not is_tracing and not frame.startswith(SPAN_WITH)
-            ) or (above.startswith(TRACING_FUNCTIONS) and frame.startswith(KERNELS)):
+            ) or (above.startswith(TRACING_FUNCTIONS) and frame.startswith(kernels)):
                 where = None
                 continue
         if is_tracing:
@@ -168,7 +194,7 @@ def tracing_frame(frames: list[str], tracing: tuple[str, ...]) -> str | None:
 def read_samples(path: str, count: Count) -> None:
     """py-spy's raw format: one line per distinct stack, frames separated by ';'
     (outermost first, after the process and thread), then the sample count."""
-    tracing = _tracing_dirs()
+    tracing, kernels = _tracing_dirs(), _kernel_frames()
     with open(path) as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
@@ -177,14 +203,16 @@ def read_samples(path: str, count: Count) -> None:
             frames = stack.split(";")
             kind = thread_kind(frames)
             count.samples[kind] += int(n)
-            frame = tracing_frame(frames, tracing)
+            frame = tracing_frame(frames, tracing, kernels)
             if frame is not None:
                 count.tracing[kind] += int(n)
                 count.where[frame.split(" (")[0]] += int(n)
 
 
 # --- one level under py-spy -----------------------------------------------------
-def measure(detail: str, round_: int, args: argparse.Namespace, py_spy: str, count: Count) -> None:
+def measure(
+    condition: str, detail: str, round_: int, args: argparse.Namespace, py_spy: str, count: Count
+) -> None:
     cmd = [sys.executable, __file__, "--worker", detail, "--num-prompts", str(args.num_prompts)]
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdin is not None and child.stdout is not None
@@ -222,7 +250,8 @@ def measure(detail: str, round_: int, args: argparse.Namespace, py_spy: str, cou
             read_samples(raw, count)
             if args.samples_dir:  # py-spy's raw format: flamegraph.pl or speedscope read it
                 os.makedirs(args.samples_dir, exist_ok=True)
-                shutil.copy(raw, os.path.join(args.samples_dir, f"{detail}-{round_}.txt"))
+                name = f"{condition}-{detail}-{round_}.txt"
+                shutil.copy(raw, os.path.join(args.samples_dir, name))
         child.stdin.write("exit\n")
         child.stdin.flush()
         child.wait(timeout=120)
@@ -232,40 +261,16 @@ def measure(detail: str, round_: int, args: argparse.Namespace, py_spy: str, cou
                 process.kill()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--rate", type=int, default=100, help="py-spy samples a second")
-    parser.add_argument("--rounds", type=int, default=1, help="runs of each level, summed")
-    parser.add_argument("--samples-dir", help="keep py-spy's samples here (raw format)")
-    parser.add_argument("--details", nargs="+", choices=DETAILS, default=list(DETAILS))
-    parser.add_argument("--worker", choices=DETAILS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        worker(args.worker, args.num_prompts)
-        return
-    for flag in ("num_prompts", "rate", "rounds"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
-    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
-    if py_spy is None:
-        raise SystemExit(
-            "py-spy is not installed: pip install py-spy==0.4.3 (or make bench-tracing)"
-        )
-
-    from rich.console import Console
+def report(
+    console: Any, condition: str, counts: dict[str, Count], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Print one condition's tables; return its results, per detail level."""
     from rich.table import Table
 
-    console = Console()
-    counts = {detail: Count() for detail in args.details}
-    for round_ in range(args.rounds):
-        for detail in args.details:
-            console.print(f"round {round_ + 1}/{args.rounds}: tracing {detail} ...")
-            measure(detail, round_, args, py_spy, counts[detail])
-
     table = Table(
-        title=f"What tracing costs, counted ({args.num_prompts} prompts, py-spy at "
-        f"{args.rate}/s, {args.rounds} round(s)): tracing samples over the engine thread's"
+        title=f"What tracing costs, counted, {busy.LABELS[condition]} ({args.num_prompts} "
+        f"prompts, py-spy at {args.rate}/s, {args.rounds} round(s)): tracing samples over "
+        "the engine thread's"
     )
     columns = ("detail", "tok/s", "engine samples", "engine thread", "all tracing",
                "frontend", "exporters")  # fmt: skip
@@ -294,16 +299,67 @@ def main() -> None:
             *(f"{share * 100:.2f} %" for share in shares.values()),
         )
     console.print(table)
-    for detail in set(args.details) - {"off"}:
-        where = Table(title=f"Where {detail}'s tracing samples fall (innermost tracing frame)")
+    for detail in [d for d in counts if d != "off"]:
+        where = Table(
+            title=f"Where {detail}'s tracing samples fall, {busy.LABELS[condition]} "
+            "(innermost tracing frame)"
+        )
         where.add_column("function")
         where.add_column("samples", justify="right")
         for function, n in counts[detail].where.most_common(10):
             where.add_row(function, str(n))
         console.print(where)
-    os.makedirs("bench-results", exist_ok=True)
-    with open(os.path.join("bench-results", "tracing_cost.json"), "w") as f:
-        json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=1)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--conditions", default="quiet,busy", help="quiet, busy or quiet,busy")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples a second")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each level, summed")
+    parser.add_argument("--samples-dir", help="keep py-spy's samples here (raw format)")
+    parser.add_argument("--details", nargs="+", choices=DETAILS, default=list(DETAILS))
+    parser.add_argument("--output-json", default=RESULTS)
+    parser.add_argument("--worker", choices=DETAILS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.num_prompts)
+        return
+    for flag in ("num_prompts", "rate", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    try:
+        conditions = busy.parse_conditions(args.conditions)
+    except ValueError as e:
+        parser.error(str(e))
+    py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+    if py_spy is None:
+        raise SystemExit(
+            "py-spy is not installed: pip install py-spy==0.4.3 (or make bench-tracing)"
+        )
+
+    from rich.console import Console
+
+    console = Console()
+    out: dict[str, Any] = {"command": " ".join(sys.argv), "machine": busy.machine()}
+    for condition in conditions:
+        counts = {detail: Count() for detail in args.details}
+        loads = []
+        for round_ in range(args.rounds):
+            for detail in args.details:
+                console.print(
+                    f"{busy.LABELS[condition]}, round {round_ + 1}/{args.rounds}: "
+                    f"tracing {detail} ..."
+                )
+                with busy.under(condition) as load:
+                    measure(condition, detail, round_, args, py_spy, counts[detail])
+                loads.append([detail, load.start, load.end])
+        out[condition] = {"results": report(console, condition, counts, args), "loads": loads}
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+    with open(args.output_json, "w") as f:
+        json.dump(out, f, indent=1)
+    console.print(f"results: {args.output_json}")
 
 
 if __name__ == "__main__":

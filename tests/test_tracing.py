@@ -800,6 +800,8 @@ def test_tracing_cost_bench_counts_only_tracing_code(tmp_path: Any) -> None:
     start_span = f"Tracer.start_span ({otel}sdk/trace/__init__.py:1200)"
     contextlib_exit = "_GeneratorContextManager.__exit__ (/usr/lib/contextlib.py:1)"
     _attention, _wrapper = "Attention._forward_traced", bench.WRAPPERS[0].strip()
+    read_frame = "maybe_transfer_kv_layer.<locals>.wrapper "
+    assert read_frame in bench._kernel_frames()
     stacks = {
         # The engine's method inside instrument's wrapper, in torch: the engine's.
         (*engine, torch_frame): ("engine core", None),
@@ -823,10 +825,12 @@ def test_tracing_cost_bench_counts_only_tracing_code(tmp_path: Any) -> None:
             None,
         ),
         (*engine, wrapper, contextlib_exit): ("engine core", _wrapper),
-        (*engine, attention, f"unified_attention_with_output ({package}x.py:9)", torch_frame): (
+        (*engine, attention, f"unified_kv_cache_update ({package}x.py:9)", torch_frame): (
             "engine core",
             None,
         ),
+        # The read runs inside the KV connector's wrapper, which py-spy names.
+        (*engine, attention, f"{read_frame}({package}x.py:9)", torch_frame): ("engine core", None),
         (
             'process 1:"python bench"',
             "thread (1): MainThread",
