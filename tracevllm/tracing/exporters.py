@@ -14,13 +14,18 @@ thread), OTel's encoder took 0.82-1.10 s of CPU to write the spans and
 ``encode_spans`` 0.14-0.23 s, against 20-24 s for the generate itself: it
 saves 3.2-3.8 % of the generate's CPU (``python
 benchmarks/bench_span_export.py --detail request``, four runs on a shared
-2-core machine, 2026-12-02, load 1.3 to 6). That is the only hand code
-kept: the line's structure written as text, each attribute's value still
-made an OTLP AnyValue dict (``_encode_value``) for ``json``. Two finer cuts
-it once had were taken out: at ``request`` they saved 0.07 % (each repeated
-attribute encoded once) and 0.23 % (lists of ints and strings joined as
-text) of the generate's CPU; they paid at ``full`` only (9 against 19 µs a
-span there).
+2-core machine, 2026-12-02, load 1.3 to 6). The line's structure is
+written as text, and each attribute's value made an OTLP AnyValue dict
+(``_encode_value``) for ``json``, but for lists of ints or strings, which
+are joined as text (``_value_json``): the engine's spans carry a dozen such
+lists a step (token ids, slots, positions, request ids). Encoding every
+attribute of a ``request`` generate of that workload took 0.233 s that way
+and takes 0.102 s joined (best of five, replayed from its spans.jsonl,
+2026-12-03); under load the exporter's thread pays about twice that
+(py-spy: 0.46 s in ``_key_value`` on a 47 s generate), and with the
+exporter at about half of tracing's cost this kept ``request`` within its
+3 % (``make bench-tracing``). One finer cut was taken out: each repeated
+attribute encoded once saved 0.07 % at ``request``.
 """
 
 from __future__ import annotations
@@ -248,7 +253,24 @@ def _attribute_list(attributes: Mapping[str, Any] | None) -> str:
 
 def _key_value(key: str, value: Any) -> str:
     """One OTLP KeyValue."""
-    return f'{{"key":{_string(key)},"value":{_dumps(_encode_value(value))}}}'
+    return f'{{"key":{_string(key)},"value":{_value_json(value)}}}'
+
+
+def _value_json(value: Any) -> str:
+    """An OTLP AnyValue's JSON. A list of ints or of strings (the engine's
+    token ids, slots, positions, request ids) is joined as text, an element
+    at a time, instead of made into dicts for ``json`` (see the module
+    docstring for what that saves); anything else goes through
+    ``_encode_value``."""
+    if isinstance(value, (tuple, list)) and value:
+        if all(type(v) is int for v in value):  # not bool: type, not isinstance
+            items = [f'{{"intValue":"{v}"}}' for v in value]
+        elif all(type(v) is str for v in value):
+            items = [f'{{"stringValue":{_string(v)}}}' for v in value]
+        else:
+            return _dumps(_encode_value(value))
+        return '{"arrayValue":{"values":[' + ",".join(items) + "]}}"
+    return _dumps(_encode_value(value))
 
 
 def _encode_value(value: Any) -> dict[str, Any]:
