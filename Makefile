@@ -103,7 +103,9 @@ bench: setup
 
 # What each tracing level costs on make bench's workload, counted by py-spy
 # (a sampling profiler, outside the engine) rather than timed: tracing's share
-# of the engine thread, and all tracing samples against it. About 10 minutes.
+# of the engine thread, and all tracing samples against it, quiet and with one
+# busy core; to benchmarks/results/tracing_cost.json. About 8 minutes
+# (ARGS="--conditions quiet" for one condition, "--rounds 3" for more samples).
 bench-tracing: setup
 	$(PY) -m pip install -q py-spy==0.4.3
 	$(PY) benchmarks/bench_tracing_cost.py $(ARGS)

@@ -301,6 +301,7 @@ def draw_profile() -> dict[str, Any]:
 
 PERF_FACTS = os.path.join(assets.OUT_DIR, "facts.performance.json")
 BENCH_JSON = os.path.join(ROOT, "benchmarks", "results", "bench.json")
+TRACING_COST_JSON = os.path.join(ROOT, "benchmarks", "results", "tracing_cost.json")
 
 
 def bench_facts() -> dict[str, Any]:
@@ -372,6 +373,56 @@ def bench_facts() -> dict[str, Any]:
     return out
 
 
+def one_thread_lead(matmul_share: float) -> dict[str, Any]:
+    """What leading vLLM compiled by 1.2x beside a busy process would take.
+
+    Both engines then compute on one thread. Take tracevllm's busy runs'
+    mean time, split it as the one-thread profile splits a decode step
+    (``matmul_share`` of it matmuls, an estimate for the whole run), keep the
+    matmuls, and see what the rest must shrink to for the run to take vLLM
+    compiled's busy time / 1.2."""
+    with open(BENCH_JSON) as f:
+        runs = json.load(f)["conditions"]["busy"]["runs"]
+    ours = statistics.mean(r["seconds"] for r in runs if r["key"] == "tracevllm")
+    vllm = next(r["seconds"] for r in runs if r["key"] == "vllm_compiled")
+    target = vllm / 1.2
+    matmuls = matmul_share * ours
+    return {
+        "tracevllm_s": round(ours, 1),
+        "vllm_compiled_s": round(vllm, 1),
+        "target_s": round(target, 1),
+        "matmuls_s": round(matmuls, 1),
+        "rest_s": round(ours - matmuls, 1),
+        "rest_target_s": round(target - matmuls, 1),
+        "rest_target_pct": round(100 * (target - matmuls) / (ours - matmuls)),
+    }
+
+
+def tracing_cost_facts() -> dict[str, Any]:
+    """``make bench-tracing``'s counted shares (benchmarks/results/tracing_cost.json),
+    per condition and detail level, in percent of the engine thread's samples."""
+    with open(TRACING_COST_JSON) as f:
+        res = json.load(f)
+    out: dict[str, Any] = {
+        "command": res["command"],
+        "load": " ".join(f"{x:.2f}" for x in res["machine"]["load_average_at_start"]),
+    }
+    for condition in ("quiet", "busy"):
+        if condition in res:
+            out[condition] = {
+                detail: {
+                    "tok_s": round(r["tok_s"], 1),
+                    "engine_samples": r["samples"].get("engine core", 0),
+                    **{
+                        f"{key.replace(' ', '_')}_pct": round(100 * r[key], 2)
+                        for key in ("engine thread", "all tracing", "frontend", "exporters")
+                    },
+                }
+                for detail, r in res[condition]["results"].items()
+            }
+    return out
+
+
 def perf_facts() -> dict[str, Any]:
     """The chapter's comparisons, in facts.performance.json (key ``perf``):
     the latency run's two rows, a step of 16 against a step of 1 in it and in
@@ -406,8 +457,15 @@ def perf_facts() -> dict[str, Any]:
         "request_spans_ms": round(prof["spans"]["request"]["decode"] * 1e3, 2),
         "request_spans_pct_of_best": round(100 * prof["spans"]["request"]["decode"] / best, 1),
     }
+    parts = prof["decode"]["parts_s"]
+    matmul_share = parts["matmuls (oneDNN linear + LM head)"] / prof["decode"]["step_s"]
+    out["profile"]["threads"] = prof["threads"]
+    out["profile"]["matmul_pct"] = round(100 * matmul_share)
     if os.path.exists(BENCH_JSON):
         out["bench"] = bench_facts()
+        out["one_thread_lead"] = one_thread_lead(matmul_share)
+    if os.path.exists(TRACING_COST_JSON):
+        out["tracing_cost"] = tracing_cost_facts()
     with open(PERF_FACTS, "w") as f:
         f.write(json.dumps({"perf": out}, indent=1, sort_keys=True) + "\n")
     print("  wrote", os.path.relpath(PERF_FACTS, ROOT))
