@@ -342,11 +342,12 @@ def main() -> None:
     from rich.console import Console
 
     console = Console()
-    # The command as run, less where the samples went (a path of this machine).
-    argv = [a for a in sys.argv[1:] if not a.startswith("--samples-dir")]
-    if args.samples_dir and args.samples_dir in argv:
-        argv.remove(args.samples_dir)
-    command = " ".join(["python benchmarks/bench_tracing_cost.py", *argv])
+    # The run's settings, without the paths (where the samples and results went).
+    command = (
+        f"python benchmarks/bench_tracing_cost.py --conditions {args.conditions} "
+        f"--num-prompts {args.num_prompts} --rate {args.rate} --rounds {args.rounds} "
+        f"--details {' '.join(args.details)}"
+    )
     out: dict[str, Any] = {"command": command, "machine": busy.machine()}
     for condition in conditions:
         counts = {detail: Count() for detail in args.details}

@@ -7,8 +7,8 @@ and stopped after it, so that every engine of a comparison (tracevllm, vLLM
 eager and compiled, HF) meets the same load. "Quiet" is only as quiet as the
 machine is: the 1-minute load average is read as each run starts and ends,
 and saved beside its figure. Standard library only; shared by
-bench_throughput.py, bench_serve.py and bench_threads.py (the CPU's name is
-roofline.py's).
+bench_throughput.py, bench_serve.py, bench_threads.py, bench_compile.py and
+bench_tracing_cost.py (the CPU's name is roofline.py's).
 """
 
 from __future__ import annotations

@@ -405,6 +405,7 @@ def tracing_cost_facts() -> dict[str, Any]:
         res = json.load(f)
     out: dict[str, Any] = {
         "command": res["command"],
+        "cpu": res["machine"]["cpu"],
         "load": " ".join(f"{x:.2f}" for x in res["machine"]["load_average_at_start"]),
     }
     for condition in ("quiet", "busy"):
@@ -459,8 +460,6 @@ def perf_facts() -> dict[str, Any]:
     }
     parts = prof["decode"]["parts_s"]
     matmul_share = parts["matmuls (oneDNN linear + LM head)"] / prof["decode"]["step_s"]
-    out["profile"]["threads"] = prof["threads"]
-    out["profile"]["matmul_pct"] = round(100 * matmul_share)
     if os.path.exists(BENCH_JSON):
         out["bench"] = bench_facts()
         out["one_thread_lead"] = one_thread_lead(matmul_share)

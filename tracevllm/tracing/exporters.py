@@ -21,10 +21,11 @@ are joined as text (``_value_json``): the engine's spans carry a dozen such
 lists a step (token ids, slots, positions, request ids). Encoding every
 attribute of a ``request`` generate of that workload took 0.233 s that way
 and takes 0.102 s joined (best of five, replayed from its spans.jsonl,
-2026-12-03); under load the exporter's thread pays about twice that
-(py-spy: 0.46 s in ``_key_value`` on a 47 s generate), and with the
-exporter at about half of tracing's cost this kept ``request`` within its
-3 % (``make bench-tracing``). One finer cut was taken out: each repeated
+2026-12-03). In the engine, beside the model, the exporter's thread paid
+about twice the replay: py-spy counted 0.46 s in ``_key_value`` on a 47 s
+generate (quiet ``make bench-tracing``, before this change), when
+``request`` stood at 3.09 % of the engine thread, half of it the exporter;
+with the lists joined, 2.26 %. One finer cut was taken out: each repeated
 attribute encoded once saved 0.07 % at ``request``.
 """
 
