@@ -225,6 +225,13 @@ def draw_roofline() -> dict[str, Any]:
     }
 
 
+def matmul_share(step: dict[str, Any]) -> float:
+    """The share of a profiled step's time (profile_step.json's "decode" or
+    "prefill") spent in its matmuls."""
+    part = next(k for k in step["parts_s"] if k.startswith("matmuls"))
+    return step["parts_s"][part] / step["step_s"]
+
+
 def draw_profile() -> dict[str, Any]:
     with open(PROFILE_JSON) as f:
         res = json.load(f)
@@ -279,7 +286,6 @@ def draw_profile() -> dict[str, Any]:
     assets.write_text("profile-ops.md", "\n".join(ops) + "\n")
     matmul = next(k for k in shares if k.startswith("matmuls"))
     attn = next(k for k in shares if k.startswith("attention"))
-    pmat = 100 * pre["parts_s"][matmul] / pre["step_s"]
     rest = next(k for k in shares if k.startswith("rest of the forward"))
     return {
         "command": res["command"],
@@ -292,7 +298,7 @@ def draw_profile() -> dict[str, Any]:
         "decode_outside_forward_pct": round(100 - shares[matmul] - shares[attn] - shares[rest], 1),
         "ipc_us": round(res["ipc"]["seconds"] * 1e6),
         "ipc_bytes": res["ipc"]["bytes"],
-        "prefill_matmul_pct": round(pmat),
+        "prefill_matmul_pct": round(100 * matmul_share(pre)),
         "top_op": res["ops"][0]["op"],
         "top_op_pct": round(100 * res["ops"][0]["share"]),
         "op_pct": {op["op"].split("::")[-1]: round(100 * op["share"], 1) for op in res["ops"]},
@@ -304,12 +310,10 @@ BENCH_JSON = os.path.join(ROOT, "benchmarks", "results", "bench.json")
 TRACING_COST_JSON = os.path.join(ROOT, "benchmarks", "results", "tracing_cost.json")
 
 
-def bench_facts() -> dict[str, Any]:
-    """``make bench``'s figures (benchmarks/results/bench.json), per condition:
-    tracevllm's mean tok/s, vLLM's, the ratios, the floor share, the cost of
-    tracing; and the run's machine, load and sgemm rate."""
-    with open(BENCH_JSON) as f:
-        res = json.load(f)
+def bench_facts(res: dict[str, Any]) -> dict[str, Any]:
+    """``make bench``'s figures (``res``: benchmarks/results/bench.json), per
+    condition: tracevllm's mean tok/s, vLLM's, the ratios, the floor share,
+    the cost of tracing; and the run's machine, load and sgemm rate."""
     out: dict[str, Any] = {
         "command": res["command"],
         "cpu": res["machine"]["cpu"],
@@ -373,20 +377,18 @@ def bench_facts() -> dict[str, Any]:
     return out
 
 
-def one_thread_lead(matmul_share: float) -> dict[str, Any]:
+def one_thread_lead(busy_runs: list[dict[str, Any]], matmuls_share: float) -> dict[str, Any]:
     """What leading vLLM compiled by 1.2x beside a busy process would take.
 
     Both engines then compute on one thread. Take tracevllm's busy runs'
     mean time, split it as the one-thread profile splits a decode step
-    (``matmul_share`` of it matmuls, an estimate for the whole run), keep the
-    matmuls, and see what the rest must shrink to for the run to take vLLM
-    compiled's busy time / 1.2."""
-    with open(BENCH_JSON) as f:
-        runs = json.load(f)["conditions"]["busy"]["runs"]
-    ours = statistics.mean(r["seconds"] for r in runs if r["key"] == "tracevllm")
-    vllm = next(r["seconds"] for r in runs if r["key"] == "vllm_compiled")
+    (``matmuls_share`` of it matmuls, an estimate for the whole run), keep
+    the matmuls, and see what the rest must shrink to for the run to take
+    vLLM compiled's busy time / 1.2. ``busy_runs``: bench.json's busy runs."""
+    ours = statistics.mean(r["seconds"] for r in busy_runs if r["key"] == "tracevllm")
+    vllm = next(r["seconds"] for r in busy_runs if r["key"] == "vllm_compiled")
     target = vllm / 1.2
-    matmuls = matmul_share * ours
+    matmuls = matmuls_share * ours
     return {
         "tracevllm_s": round(ours, 1),
         "vllm_compiled_s": round(vllm, 1),
@@ -458,11 +460,12 @@ def perf_facts() -> dict[str, Any]:
         "request_spans_ms": round(prof["spans"]["request"]["decode"] * 1e3, 2),
         "request_spans_pct_of_best": round(100 * prof["spans"]["request"]["decode"] / best, 1),
     }
-    parts = prof["decode"]["parts_s"]
-    matmul_share = parts["matmuls (oneDNN linear + LM head)"] / prof["decode"]["step_s"]
     if os.path.exists(BENCH_JSON):
-        out["bench"] = bench_facts()
-        out["one_thread_lead"] = one_thread_lead(matmul_share)
+        with open(BENCH_JSON) as f:
+            bench = json.load(f)
+        out["bench"] = bench_facts(bench)
+        busy_runs = bench["conditions"]["busy"]["runs"]
+        out["one_thread_lead"] = one_thread_lead(busy_runs, matmul_share(prof["decode"]))
     if os.path.exists(TRACING_COST_JSON):
         out["tracing_cost"] = tracing_cost_facts()
     with open(PERF_FACTS, "w") as f:
