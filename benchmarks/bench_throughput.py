@@ -58,6 +58,15 @@ max(its FLOPs at sgemm's rate, its bytes at the read rate)
 (``roofline_seconds``; attention's FLOPs and the K/V traffic counted). Each
 run's share of it is printed beside its share of the linear floor.
 
+How close the matmuls themselves can come to the linear floor is measured
+too, before any engine starts (``linears_at_shapes``): the model's linears,
+packed for oneDNN as the engine's, every layer its own weights (so a
+forward reads them from memory, as the engine's does), timed at each step's
+shape of the roofline floor's fewest steps. The linear floor over that time
+is the most of the floor an engine with these matmuls could reach if nothing
+else took time. ``--floors-only`` measures the floors and this, writes
+them, and runs no engine (about a minute).
+
 Then the cost of each tracing level on the same workload (or
 ``--tracing-prompts N`` of its kind), under each condition: off, request and
 full back to back in each of ``--tracing-rounds`` rounds (default 3, the
@@ -69,7 +78,7 @@ the machine, the load and what it means, goes to ``--output-json``.
 Run: ``make bench`` or ``VLLM_VENV=.vllm-venv make bench`` (or ``python
 benchmarks/bench_throughput.py [--conditions quiet,busy] [--skip-hf]
 [--skip-fixed-threads] [--skip-tracing] [--num-prompts N] [--tracing-prompts N] [--tracing-rounds N]
-[--model DIR] [--output-json PATH]``).
+[--model DIR] [--output-json PATH] [--floors-only]``).
 """
 
 from __future__ import annotations
@@ -122,6 +131,14 @@ WHAT = {
     "bandwidth": "memory bandwidth in this process, before any engine, quiet "
     "(roofline.py's measure_bandwidth: 256 MiB fp32, best of 7): read_gbps = a streaming "
     "read (sum), copy_gbps = a copy, read and write counted",
+    "linears_at_shapes": "the workload's linears in the roofline floor's fewest steps, each "
+    "step's timed at its own shape (roofline.py's linears_seconds: the step's rows through "
+    "every layer's four linears in turn, each layer its own weights as in the model, so "
+    "they come from memory, then its logits rows through the LM head; packed for oneDNN "
+    "as the engine's, random weights and inputs, best of 3, this process's threads, quiet, "
+    "before any engine ran): seconds, and floor_share_ceiling = floor seconds / these "
+    "seconds, the most of the linear floor an engine with these matmuls can reach if "
+    "nothing else took time",
     "roofline_floor": "the workload in the fewest steps (every prompt in one step, then "
     "one decode step per generated position with the requests still running), each step "
     "at max(its FLOPs at sgemm's gflops, its bytes at bandwidth read_gbps) "
@@ -215,6 +232,33 @@ def roofline_seconds(
 
 
 # --8<-- [end:roofline_seconds]
+
+
+# --8<-- [start:linears_at_shapes]
+def linears_at_shapes(
+    requests: Sequence[tuple[int, int]], time_linears: Callable[[int, int], float]
+) -> float:
+    """The workload's linears at the speed they run at their own shapes, in the
+    roofline floor's fewest steps: every prompt in one step (its rows through the
+    layers, one logits row a request), then one decode step per generated
+    position with the requests still running (a row each through the layers and
+    the LM head). The same FLOPs as ``linear_flops``, each step's at what
+    ``time_linears(rows, logits_rows)`` measures for that step's shape."""
+    seconds: dict[tuple[int, int], float] = {}
+
+    def step(rows: int, logits: int) -> float:
+        if (rows, logits) not in seconds:
+            seconds[rows, logits] = time_linears(rows, logits)
+        return seconds[rows, logits]
+
+    total = step(sum(p for p, _ in requests), len(requests))
+    for k in range(1, max((g for _, g in requests), default=0)):
+        running = sum(1 for _, g in requests if g > k)
+        total += step(running, running)
+    return total
+
+
+# --8<-- [end:linears_at_shapes]
 
 
 def floor_seconds(flops: float, gflops: float) -> float:
@@ -377,6 +421,11 @@ def main(argv: list[str] | None = None) -> None:
         "--sgemm-sizes", default=",".join(map(str, SGEMM_SIZES)), help="the squares' n"
     )
     parser.add_argument("--output-json", default=DEFAULT_JSON, help="write every figure here")
+    parser.add_argument(
+        "--floors-only",
+        action="store_true",
+        help="measure the floors and the linears' ceiling, write them, run no engine",
+    )
     args = parser.parse_args(argv)
     if args.tracing_prompts is None:
         args.tracing_prompts = args.num_prompts
@@ -389,7 +438,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(e))
     from rich.console import Console
     from rich.table import Table
-    from roofline import measure_bandwidth, measure_sgemm_squares, model_shapes
+    from roofline import (
+        linears_seconds,
+        measure_bandwidth,
+        measure_sgemm_squares,
+        model_shapes,
+        packed_linears,
+    )
     from transformers import AutoTokenizer
 
     from tracevllm.benchmarks.datasets import chat_samples
@@ -442,6 +497,17 @@ def main(argv: list[str] | None = None) -> None:
     }
     res["floor"] = {"linear_flops": flops, "seconds": floor_s}
     res["roofline_floor"] = {"seconds": roofline(0), "read_gbps": gbps}
+    console.print("the model's linears at the workload's shapes (quiet, before any engine):")
+
+    def time_at_shapes() -> float:
+        # The model's weights again, freed on return: before any engine loads its own.
+        linears = packed_linears(shapes)
+        return linears_at_shapes(
+            requests, lambda rows, logits: linears_seconds(shapes, linears, rows, logits)
+        )
+
+    at_shapes = time_at_shapes()
+    res["linears_at_shapes"] = {"seconds": at_shapes, "floor_share_ceiling": floor_s / at_shapes}
     console.print(
         f"workload: {len(samples)} chat prompts ({res['workload']['prompt_tokens']} prompt "
         f"tokens), max_tokens 16-128 (seed 0), {asked} requested tokens, greedy, ignore_eos, "
@@ -451,8 +517,15 @@ def main(argv: list[str] | None = None) -> None:
         f"the prompt tokens its engine's prefix cache supplied\n"
         f"roofline floor: {res['roofline_floor']['seconds']:.2f} s (every prompt in one step, "
         f"then a decode step per generated position, each at max(FLOPs at sgemm's rate, "
-        f"bytes at the streaming read's {gbps:.1f} GB/s))"
+        f"bytes at the streaming read's {gbps:.1f} GB/s))\n"
+        f"the same linears at their own shapes (packed oneDNN fp32, each step's batch): "
+        f"{at_shapes:.2f} s, so an engine with these matmuls and nothing else reaches at "
+        f"most {floor_s / at_shapes * 100:.0f}% of the linear floor"
     )
+    if args.floors_only:
+        write_json(res, args.output_json)
+        console.print(f"wrote {args.output_json} (--floors-only: no engine ran)")
+        return
 
     llm_kwargs = {"model": model_dir}
     engines: list[tuple[str, str, Callable[[], tuple[Any, ...]]]] = [

@@ -205,6 +205,53 @@ def measure_sgemm(m: dict[str, Any]) -> dict[str, Any]:
     return {"squares": squares, "decode_shapes": decode}
 
 
+def packed_linears(m: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+    """The model's linear layers as the engine runs them, every layer its own
+    (``ReplicatedLinear``\\ s with random weights, packed for oneDNN as at load):
+    a dict of the four a layer, and the LM head. As many weight bytes as the
+    model's, so a forward reads them from memory as the engine's does."""
+    import torch
+
+    from tracevllm.model_executor.layers.linear import ReplicatedLinear
+
+    def packed(out_f: int, in_f: int) -> Any:
+        layer = ReplicatedLinear(in_f, out_f, bias=False)
+        torch.nn.init.normal_(layer.weight, std=0.02)
+        layer.process_weights_after_loading()
+        return layer
+
+    layers = [
+        {name: packed(*shape) for name, shape in m["per_layer"].items()}
+        for _ in range(m["num_layers"])
+    ]
+    return layers, packed(*m["lm_head"])
+
+
+def linears_seconds(
+    m: dict[str, Any], linears: tuple[list[dict[str, Any]], Any], rows: int, logits: int,
+    repeats: int = 3,
+) -> float:  # fmt: skip
+    """One forward's linears, timed, best of ``repeats``: ``rows`` rows through
+    every layer's four in turn, then ``logits`` rows through the LM head
+    (``linears``: ``packed_linears``). Only the matmuls: random inputs of each
+    linear's width stand in for what the rest of the layer would compute."""
+    import torch
+
+    layers, lm_head = linears
+    inputs = {w: torch.randn(rows, w) for w in {in_f for _, in_f in m["per_layer"].values()}}
+    head_in = torch.randn(logits, m["lm_head"][1])
+
+    def forward() -> None:
+        for layer in layers:
+            for name, linear in layer.items():
+                linear(inputs[m["per_layer"][name][1]])
+        if logits:
+            lm_head(head_in)
+
+    with torch.inference_mode():
+        return best_of(forward, repeats=repeats)
+
+
 def measure_bandwidth() -> dict[str, Any]:
     import torch
 

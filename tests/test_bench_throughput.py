@@ -62,6 +62,57 @@ def test_roofline_floor_by_hand() -> None:
     assert bt.roofline_seconds(m, [], 1e-6, 1e-6) == pytest.approx(4.0)  # an empty step
 
 
+def test_linears_at_shapes_by_hand() -> None:
+    """(3 prompt, 3 generated), (2, 3), (4, 1): the prompt step 9 rows and 3 logits,
+    then decode step 1 the first two requests (2, 2), step 2 the same two (2, 2)
+    again, timed once; the third request's one token came from the prompt step.
+    The steps' FLOPs are linear_flops'. Mutations caught: ``g >= k`` (a third
+    decode step), the logits rows of the prompt step as its rows."""
+    calls: list[tuple[int, int]] = []
+
+    def time_linears(rows: int, logits: int) -> float:
+        calls.append((rows, logits))
+        return 10 * rows + logits
+
+    reqs = [(3, 3), (2, 3), (4, 1)]
+    assert bt.linears_at_shapes(reqs, time_linears) == 93 + 22 + 22
+    assert calls == [(9, 3), (2, 2)]
+    steps = [(9, 3), (2, 2), (2, 2)]
+    flops = sum(2 * (HAND["linear_params"] * r + HAND["lm_head_params"] * n) for r, n in steps)
+    assert flops == bt.linear_flops(HAND, reqs)
+
+
+def test_linears_seconds_runs_every_linear(tiny_model_dir: str) -> None:
+    """One timed forward: every layer's own four linears at ``rows`` rows of their
+    input width, then the LM head at ``logits`` rows, each once a repeat (after
+    best_of's warm-up call), and every layer's weights its own tensors (so they
+    come from memory)."""
+    import roofline
+
+    m = model_shapes(tiny_model_dir)
+    layers, head = roofline.packed_linears(m)
+    assert len(layers) == m["num_layers"] == 2
+    assert layers[0]["qkv_proj"].weight is not layers[1]["qkv_proj"].weight
+    calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def recorder(name: str, linear: Any) -> Any:
+        def call(x: Any) -> Any:
+            calls.append((name, tuple(x.shape)))
+            return linear(x)
+
+        return call
+
+    rec_layers = [{n: recorder(n, lin) for n, lin in layer.items()} for layer in layers]
+    seconds = roofline.linears_seconds(m, (rec_layers, recorder("lm_head", head)), 3, 2, 1)
+    assert seconds > 0
+    widths = {n: in_f for n, (_, in_f) in m["per_layer"].items()}
+    expected = [(n, (3, widths[n])) for _ in range(2) for n in m["per_layer"]]
+    assert calls == 2 * (expected + [("lm_head", (2, m["lm_head"][1]))])
+    calls.clear()
+    roofline.linears_seconds(m, (rec_layers, recorder("lm_head", head)), 3, 0, 1)
+    assert calls == 2 * expected  # no logits rows: the LM head is left out
+
+
 def test_tiny_model_shapes_by_hand(tiny_model_dir: str, tokenizer: Any) -> None:
     """The tiny Llama (hidden 64, intermediate 128, 4 query / 2 KV heads of 16, 2 layers):
     qkv 128 x 64 + o 64 x 64 + gate_up 256 x 64 + down 64 x 128 = 36864 a layer, 73728
@@ -310,10 +361,37 @@ def test_bench_throughput_smoke(
     assert math.isclose(summary["floor_share"], (ran_s / 2 + ran_s / 6) / 2)
     assert math.isclose(summary["floor_s"], ran_s)
     assert "tracing" not in res
+    at_shapes = res["linears_at_shapes"]
+    assert at_shapes["seconds"] > 0
+    assert math.isclose(at_shapes["floor_share_ceiling"], floor_s / at_shapes["seconds"])
+    ceiling = f"reaches at most {at_shapes['floor_share_ceiling'] * 100:.0f}% of the linear floor"
+    assert ceiling in " ".join(stdout.split())  # rich wraps the line
     assert "one busy core" in stdout and "linear-FLOP floor" in stdout
     assert f"{floor_s:.2f} s with no prefix-cache hits" in stdout
     assert "3 prompt tokens from the prefix cache" in stdout
     assert "threads 2 -> 1 (adaptive, 4 probes)" in stdout and "1 threads (fixed)" in stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_throughput_floors_only(
+    monkeypatch: Any, tiny_model_dir: str, tmp_path: Path, capsys: Any
+) -> None:
+    """``--floors-only``: the floors and the linears' ceiling, written, and no engine."""
+
+    def no_engine(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("--floors-only started an engine")
+
+    monkeypatch.setattr(bt, "bench_tracevllm", no_engine)
+    import roofline
+
+    monkeypatch.setattr(roofline, "measure_bandwidth", lambda: {"read_gbps": 10.0})
+    out = tmp_path / "floors.json"
+    bt.main(["--model", tiny_model_dir, "--num-prompts", "2", "--sgemm-sizes", "128",
+             "--floors-only", "--output-json", str(out)])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert "conditions" not in res and res["args"]["floors_only"] is True
+    assert res["floor"]["seconds"] > 0 and res["linears_at_shapes"]["seconds"] > 0
+    assert "no engine ran" in capsys.readouterr().out
 
 
 def test_bench_throughput_rejects_bad_flags(capsys: Any) -> None:
