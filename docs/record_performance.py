@@ -50,6 +50,7 @@ BATCH = 16
 RUNS = {"alone": 1, "batched": BATCH}
 ROOFLINE_JSON = os.path.join(ROOT, "benchmarks", "results", "roofline.json")
 PROFILE_JSON = os.path.join(ROOT, "benchmarks", "results", "profile_step.json")
+COMPILE_JSON = os.path.join(ROOT, "benchmarks", "results", "compile.json")
 
 
 def _prompts(n: int) -> list[str]:
@@ -327,6 +328,18 @@ def bench_facts(res: dict[str, Any]) -> dict[str, Any]:
         "num_prompts": res["workload"]["num_prompts"],
         "requested_tokens": res["workload"]["requested_tokens"],
     }
+    if "linears_at_shapes" in res:
+        # The matmuls alone at the workload's shapes, and what a 60 % share of
+        # the linear floor would leave the rest of an engine: floor / 0.6 - them.
+        at_shapes = res["linears_at_shapes"]["seconds"]
+        budget = res["floor"]["seconds"] / 0.6
+        out["linears_at_shapes_s"] = round(at_shapes, 2)
+        out["floor_share_ceiling_pct"] = round(
+            100 * res["linears_at_shapes"]["floor_share_ceiling"]
+        )
+        out["goal3_total_s"] = round(budget, 2)
+        out["goal3_rest_s"] = round(budget - at_shapes, 2)
+        out["goal3_rest_pct"] = round(100 * (budget - at_shapes) / budget)
     for condition, entry in res["conditions"].items():
         summary = entry["summary"]
         c: dict[str, Any] = {
@@ -377,18 +390,29 @@ def bench_facts(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def one_thread_lead(busy_runs: list[dict[str, Any]], matmuls_share: float) -> dict[str, Any]:
+def one_thread_lead(
+    busy_runs: list[dict[str, Any]], matmuls_share: float, gather_share: float, compile_gain: float
+) -> dict[str, Any]:
     """What leading vLLM compiled by 1.2x beside a busy process would take.
 
     Both engines then compute on one thread. Take tracevllm's busy runs'
     mean time, split it as the one-thread profile splits a decode step
     (``matmuls_share`` of it matmuls, an estimate for the whole run), keep
     the matmuls, and see what the rest must shrink to for the run to take
-    vLLM compiled's busy time / 1.2. ``busy_runs``: bench.json's busy runs."""
+    vLLM compiled's busy time / 1.2. ``busy_runs``: bench.json's busy runs.
+
+    Then a rough estimate of what two known steps would leave: compiling
+    (``compile_gain``: compiled over eager beside a busy process,
+    compile.json) and an attention kernel that reads the KV pages where
+    they lie (the gather, ``gather_share`` of the profile's operator time,
+    gone), each taken off the whole run."""
     ours = statistics.mean(r["seconds"] for r in busy_runs if r["key"] == "tracevllm")
     vllm = next(r["seconds"] for r in busy_runs if r["key"] == "vllm_compiled")
     target = vllm / 1.2
     matmuls = matmuls_share * ours
+    compiled = ours * (1 - 1 / compile_gain)
+    gather = gather_share * ours
+    estimate = ours - compiled - gather
     return {
         "tracevllm_s": round(ours, 1),
         "vllm_compiled_s": round(vllm, 1),
@@ -397,6 +421,13 @@ def one_thread_lead(busy_runs: list[dict[str, Any]], matmuls_share: float) -> di
         "rest_s": round(ours - matmuls, 1),
         "rest_target_s": round(target - matmuls, 1),
         "rest_target_pct": round(100 * (target - matmuls) / (ours - matmuls)),
+        "compile_gain": round(compile_gain, 2),
+        "compile_saves_s": round(compiled, 1),
+        "gather_pct": round(100 * gather_share),
+        "gather_saves_s": round(gather, 1),
+        "estimate_rest_s": round(estimate - matmuls, 1),
+        "estimate_s": round(estimate, 1),
+        "estimate_vs_vllm_compiled": round(vllm / estimate, 2),
     }
 
 
@@ -465,7 +496,12 @@ def perf_facts() -> dict[str, Any]:
             bench = json.load(f)
         out["bench"] = bench_facts(bench)
         busy_runs = bench["conditions"]["busy"]["runs"]
-        out["one_thread_lead"] = one_thread_lead(busy_runs, matmul_share(prof["decode"]))
+        gather = next(o["share"] for o in prof["ops"] if o["op"] == "aten::index_select")
+        with open(COMPILE_JSON) as f:
+            compile_gain = json.load(f)["compiled_over_eager"]["busy"]
+        out["one_thread_lead"] = one_thread_lead(
+            busy_runs, matmul_share(prof["decode"]), gather, compile_gain
+        )
     if os.path.exists(TRACING_COST_JSON):
         out["tracing_cost"] = tracing_cost_facts()
     with open(PERF_FACTS, "w") as f:

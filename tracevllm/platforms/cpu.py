@@ -18,12 +18,12 @@ two things vLLM's CPU backend does before its worker runs a step.
   its count and one fewer now and then and keeps the faster
   (``make bench-threads`` measures the three side by side). Those figures
   are the two fixed counts'. The adaptive count's own, from ``make bench``
-  (one run, 2026-12-03, benchmarks/results/bench.json, which also runs
-  the count fixed): beside one busy process it dropped to one thread and
-  did 114 tok/s where both cores fixed did 48 (2.39x); quiet it kept both
-  and matched the fixed count (1.02x). vLLM compiled, one thread on one
-  core, did 125 in both conditions: under load tracevllm's one eager
-  thread was the slower (0.91x; 1.33x in the run before). vLLM also pins
+  (benchmarks/results/bench.json, which also runs the count fixed): beside
+  one busy process it dropped to one thread, 2.39x both cores fixed
+  (2026-12-03) and 2.01x (2026-12-04); quiet it kept both, 1.02x and 0.90x
+  the fixed count (within the runs' spread). Against vLLM compiled, one
+  thread on one core, under load: 1.33x, 0.91x and 1.06x in three runs,
+  as the busy process left vLLM's bound core alone or not. vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.
 - vllm/v1/worker/cpu_worker.py (``init_device``) warns when tcmalloc is not
