@@ -84,14 +84,15 @@ benchmarks/bench_throughput.py [--conditions quiet,busy] [--skip-hf]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -201,6 +202,28 @@ def linear_flops(
 
 
 # --8<-- [start:roofline_seconds]
+class Step(NamedTuple):
+    rows: int  # tokens through every layer's linears
+    logits: int  # rows through the LM head
+    pairs: int  # (query, key) pairs of attention
+    ctx: int  # tokens of K/V read
+
+
+def fewest_steps(requests: Sequence[tuple[int, int]], cached_tokens: int = 0) -> Iterator[Step]:
+    """The workload of ``(prompt tokens, generated tokens)`` requests in the
+    fewest steps it can run in: every prompt in one step (less
+    ``cached_tokens`` from a prefix cache; a logits row a request), then one
+    decode step per generated position with the requests still running:
+    request i takes part in decode steps 1 to generated_i - 1."""
+    prompts = sum(p for p, _ in requests)
+    pairs = sum(p * (p + 1) // 2 for p, _ in requests)
+    yield Step(prompts - cached_tokens, len(requests), pairs, 0)
+    for k in range(1, max((g for _, g in requests), default=0)):
+        running = [p + k for p, g in requests if g > k]
+        ctx = sum(running)
+        yield Step(len(running), len(running), ctx, ctx)
+
+
 def roofline_seconds(
     m: dict[str, Any],
     requests: Sequence[tuple[int, int]],
@@ -208,27 +231,17 @@ def roofline_seconds(
     gbps: float,
     cached_tokens: int = 0,
 ) -> float:
-    """The workload's roofline floor: the fewest steps it can run in, each at
-    max(its FLOPs at ``gflops``, its bytes at ``gbps``) (roofline.step_cost:
-    linears, LM head and attention; the weights read once a step, K/V read
-    and written). Every prompt in one step (less ``cached_tokens`` from a
-    prefix cache), then one decode step per generated position with the
-    requests still running: request i takes part in decode steps 1 to
-    generated_i - 1. Unlike the linear floor, a step cannot beat reading
-    the weights, which is what a small decode batch waits on."""
+    """The workload's roofline floor: its fewest steps, each at max(its FLOPs
+    at ``gflops``, its bytes at ``gbps``) (roofline.step_cost: linears, LM head
+    and attention; the weights read once a step, K/V read and written).
+    Unlike the linear floor, a step cannot beat reading the weights, which is
+    what a small decode batch waits on."""
     from roofline import step_cost
 
     def step_s(flops: float, nbytes: float) -> float:
         return max(flops / (gflops * 1e9), nbytes / (gbps * 1e9))
 
-    prompts = sum(p for p, _ in requests)
-    pairs = sum(p * (p + 1) // 2 for p, _ in requests)
-    total = step_s(*step_cost(m, prompts - cached_tokens, len(requests), pairs, 0))
-    for k in range(1, max((g for _, g in requests), default=0)):
-        running = [p + k for p, g in requests if g > k]
-        ctx = sum(running)
-        total += step_s(*step_cost(m, len(running), len(running), ctx, ctx))
-    return total
+    return sum(step_s(*step_cost(m, *step)) for step in fewest_steps(requests, cached_tokens))
 
 
 # --8<-- [end:roofline_seconds]
@@ -236,25 +249,21 @@ def roofline_seconds(
 
 # --8<-- [start:linears_at_shapes]
 def linears_at_shapes(
-    requests: Sequence[tuple[int, int]], time_linears: Callable[[int, int], float]
+    requests: Sequence[tuple[int, int]],
+    time_linears: Callable[[int, int], float],
+    cached_tokens: int = 0,
 ) -> float:
-    """The workload's linears at the speed they run at their own shapes, in the
-    roofline floor's fewest steps: every prompt in one step (its rows through the
-    layers, one logits row a request), then one decode step per generated
-    position with the requests still running (a row each through the layers and
-    the LM head). The same FLOPs as ``linear_flops``, each step's at what
-    ``time_linears(rows, logits_rows)`` measures for that step's shape."""
+    """The workload's linears in its fewest steps, each step's at the speed
+    ``time_linears(rows, logits_rows)`` measures for that step's shape: the
+    same FLOPs as ``linear_flops``, at their own shapes instead of sgemm's
+    best. A shape that comes again is timed once."""
     seconds: dict[tuple[int, int], float] = {}
-
-    def step(rows: int, logits: int) -> float:
-        if (rows, logits) not in seconds:
-            seconds[rows, logits] = time_linears(rows, logits)
-        return seconds[rows, logits]
-
-    total = step(sum(p for p, _ in requests), len(requests))
-    for k in range(1, max((g for _, g in requests), default=0)):
-        running = sum(1 for _, g in requests if g > k)
-        total += step(running, running)
+    total = 0.0
+    for step in fewest_steps(requests, cached_tokens):
+        shape = (step.rows, step.logits)
+        if shape not in seconds:
+            seconds[shape] = time_linears(*shape)
+        total += seconds[shape]
     return total
 
 
@@ -498,15 +507,9 @@ def main(argv: list[str] | None = None) -> None:
     res["floor"] = {"linear_flops": flops, "seconds": floor_s}
     res["roofline_floor"] = {"seconds": roofline(0), "read_gbps": gbps}
     console.print("the model's linears at the workload's shapes (quiet, before any engine):")
-
-    def time_at_shapes() -> float:
-        # The model's weights again, freed on return: before any engine loads its own.
-        linears = packed_linears(shapes)
-        return linears_at_shapes(
-            requests, lambda rows, logits: linears_seconds(shapes, linears, rows, logits)
-        )
-
-    at_shapes = time_at_shapes()
+    linears = packed_linears(shapes)  # the model's weight bytes again
+    at_shapes = linears_at_shapes(requests, functools.partial(linears_seconds, linears))
+    del linears  # the engines run in processes of their own
     res["linears_at_shapes"] = {"seconds": at_shapes, "floor_share_ceiling": floor_s / at_shapes}
     console.print(
         f"workload: {len(samples)} chat prompts ({res['workload']['prompt_tokens']} prompt "

@@ -47,7 +47,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -205,11 +205,16 @@ def measure_sgemm(m: dict[str, Any]) -> dict[str, Any]:
     return {"squares": squares, "decode_shapes": decode}
 
 
-def packed_linears(m: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+class PackedLinears(NamedTuple):
+    layers: list[dict[str, Any]]  # every layer's four linears, by name
+    lm_head: Any
+
+
+def packed_linears(m: dict[str, Any]) -> PackedLinears:
     """The model's linear layers as the engine runs them, every layer its own
-    (``ReplicatedLinear``\\ s with random weights, packed for oneDNN as at load):
-    a dict of the four a layer, and the LM head. As many weight bytes as the
-    model's, so a forward reads them from memory as the engine's does."""
+    (``ReplicatedLinear``\\ s with random weights, packed for oneDNN as at
+    load): as many weight bytes as the model's, so a forward reads them from
+    memory as the engine's does."""
     import torch
 
     from tracevllm.model_executor.layers.linear import ReplicatedLinear
@@ -224,29 +229,26 @@ def packed_linears(m: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
         {name: packed(*shape) for name, shape in m["per_layer"].items()}
         for _ in range(m["num_layers"])
     ]
-    return layers, packed(*m["lm_head"])
+    return PackedLinears(layers, packed(*m["lm_head"]))
 
 
-def linears_seconds(
-    m: dict[str, Any], linears: tuple[list[dict[str, Any]], Any], rows: int, logits: int,
-    repeats: int = 3,
-) -> float:  # fmt: skip
+def linears_seconds(linears: PackedLinears, rows: int, logits: int, repeats: int = 3) -> float:
     """One forward's linears, timed, best of ``repeats``: ``rows`` rows through
-    every layer's four in turn, then ``logits`` rows through the LM head
-    (``linears``: ``packed_linears``). Only the matmuls: random inputs of each
-    linear's width stand in for what the rest of the layer would compute."""
+    every layer's four in turn, then ``logits`` rows through the LM head. Only
+    the matmuls: random inputs of each linear's width stand in for what the
+    rest of the layer would compute."""
     import torch
 
-    layers, lm_head = linears
-    inputs = {w: torch.randn(rows, w) for w in {in_f for _, in_f in m["per_layer"].values()}}
-    head_in = torch.randn(logits, m["lm_head"][1])
+    widths = {linear.input_size for layer in linears.layers for linear in layer.values()}
+    inputs = {width: torch.randn(rows, width) for width in widths}
+    head_in = torch.randn(logits, linears.lm_head.input_size)
 
     def forward() -> None:
-        for layer in layers:
-            for name, linear in layer.items():
-                linear(inputs[m["per_layer"][name][1]])
+        for layer in linears.layers:
+            for linear in layer.values():
+                linear(inputs[linear.input_size])
         if logits:
-            lm_head(head_in)
+            linears.lm_head(head_in)
 
     with torch.inference_mode():
         return best_of(forward, repeats=repeats)

@@ -333,6 +333,7 @@ def bench_facts(res: dict[str, Any]) -> dict[str, Any]:
         # the linear floor would leave the rest of an engine: floor / 0.6 - them.
         at_shapes = res["linears_at_shapes"]["seconds"]
         budget = res["floor"]["seconds"] / 0.6
+        out["floor_no_cache_s"] = round(res["floor"]["seconds"], 2)
         out["linears_at_shapes_s"] = round(at_shapes, 2)
         out["floor_share_ceiling_pct"] = round(
             100 * res["linears_at_shapes"]["floor_share_ceiling"]
@@ -404,29 +405,32 @@ def one_thread_lead(
     Then a rough estimate of what two known steps would leave: compiling
     (``compile_gain``: compiled over eager beside a busy process,
     compile.json) and an attention kernel that reads the KV pages where
-    they lie (the gather, ``gather_share`` of the profile's operator time,
+    they lie (the gather, ``gather_share`` of a one-thread decode step,
     gone), each taken off the whole run."""
     ours = statistics.mean(r["seconds"] for r in busy_runs if r["key"] == "tracevllm")
     vllm = next(r["seconds"] for r in busy_runs if r["key"] == "vllm_compiled")
     target = vllm / 1.2
     matmuls = matmuls_share * ours
-    compiled = ours * (1 - 1 / compile_gain)
-    gather = gather_share * ours
-    estimate = ours - compiled - gather
+    # Rounded first, so that the figures the chapter shows add up as shown.
+    ours, vllm, target, matmuls = (round(x, 1) for x in (ours, vllm, target, matmuls))
+    compiled = round(ours * (1 - 1 / compile_gain), 1)
+    gather = round(gather_share * ours, 1)
+    estimate = round(ours - compiled - gather, 1)
     return {
-        "tracevllm_s": round(ours, 1),
-        "vllm_compiled_s": round(vllm, 1),
-        "target_s": round(target, 1),
-        "matmuls_s": round(matmuls, 1),
+        "tracevllm_s": ours,
+        "vllm_compiled_s": vllm,
+        "target_s": target,
+        "matmuls_s": matmuls,
         "rest_s": round(ours - matmuls, 1),
         "rest_target_s": round(target - matmuls, 1),
         "rest_target_pct": round(100 * (target - matmuls) / (ours - matmuls)),
         "compile_gain": round(compile_gain, 2),
-        "compile_saves_s": round(compiled, 1),
-        "gather_pct": round(100 * gather_share),
-        "gather_saves_s": round(gather, 1),
+        "compile_saves_s": compiled,
+        "compile_only_vs_vllm_compiled": round(vllm / (ours - compiled), 2),
+        "gather_pct": round(100 * gather_share, 1),
+        "gather_saves_s": gather,
         "estimate_rest_s": round(estimate - matmuls, 1),
-        "estimate_s": round(estimate, 1),
+        "estimate_s": estimate,
         "estimate_vs_vllm_compiled": round(vllm / estimate, 2),
     }
 
@@ -496,7 +500,10 @@ def perf_facts() -> dict[str, Any]:
             bench = json.load(f)
         out["bench"] = bench_facts(bench)
         busy_runs = bench["conditions"]["busy"]["runs"]
-        gather = next(o["share"] for o in prof["ops"] if o["op"] == "aten::index_select")
+        # The gather's share of a decode step: its operator's time in the
+        # profiled step over the decode step's mean time.
+        gather_ms = next(o["self_ms"] for o in prof["ops"] if o["op"] == "aten::index_select")
+        gather = gather_ms / 1e3 / prof["decode"]["step_s"]
         with open(COMPILE_JSON) as f:
             compile_gain = json.load(f)["compiled_over_eager"]["busy"]
         out["one_thread_lead"] = one_thread_lead(

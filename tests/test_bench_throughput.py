@@ -66,8 +66,9 @@ def test_linears_at_shapes_by_hand() -> None:
     """(3 prompt, 3 generated), (2, 3), (4, 1): the prompt step 9 rows and 3 logits,
     then decode step 1 the first two requests (2, 2), step 2 the same two (2, 2)
     again, timed once; the third request's one token came from the prompt step.
-    The steps' FLOPs are linear_flops'. Mutations caught: ``g >= k`` (a third
-    decode step), the logits rows of the prompt step as its rows."""
+    Timed by their FLOPs, the steps add up to linear_flops, cached prompt tokens
+    left out of both. Mutations caught: ``g >= k`` (a third decode step), the
+    logits rows of the prompt step as its rows."""
     calls: list[tuple[int, int]] = []
 
     def time_linears(rows: int, logits: int) -> float:
@@ -77,9 +78,12 @@ def test_linears_at_shapes_by_hand() -> None:
     reqs = [(3, 3), (2, 3), (4, 1)]
     assert bt.linears_at_shapes(reqs, time_linears) == 93 + 22 + 22
     assert calls == [(9, 3), (2, 2)]
-    steps = [(9, 3), (2, 2), (2, 2)]
-    flops = sum(2 * (HAND["linear_params"] * r + HAND["lm_head_params"] * n) for r, n in steps)
-    assert flops == bt.linear_flops(HAND, reqs)
+
+    def flops(rows: int, logits: int) -> float:  # "seconds" that are a step's FLOPs
+        return 2 * (HAND["linear_params"] * rows + HAND["lm_head_params"] * logits)
+
+    assert bt.linears_at_shapes(reqs, flops) == bt.linear_flops(HAND, reqs)
+    assert bt.linears_at_shapes(reqs, flops, 2) == bt.linear_flops(HAND, reqs, 2)
 
 
 def test_linears_seconds_runs_every_linear(tiny_model_dir: str) -> None:
@@ -92,24 +96,33 @@ def test_linears_seconds_runs_every_linear(tiny_model_dir: str) -> None:
     m = model_shapes(tiny_model_dir)
     layers, head = roofline.packed_linears(m)
     assert len(layers) == m["num_layers"] == 2
+    assert [(lin.output_size, lin.input_size) for lin in layers[0].values()] == list(
+        m["per_layer"].values()
+    )
     assert layers[0]["qkv_proj"].weight is not layers[1]["qkv_proj"].weight
     calls: list[tuple[str, tuple[int, ...]]] = []
 
-    def recorder(name: str, linear: Any) -> Any:
-        def call(x: Any) -> Any:
-            calls.append((name, tuple(x.shape)))
-            return linear(x)
+    class Recorded:
+        """A linear that notes each call's name and input shape."""
 
-        return call
+        def __init__(self, name: str, linear: Any) -> None:
+            self.name, self.linear, self.input_size = name, linear, linear.input_size
 
-    rec_layers = [{n: recorder(n, lin) for n, lin in layer.items()} for layer in layers]
-    seconds = roofline.linears_seconds(m, (rec_layers, recorder("lm_head", head)), 3, 2, 1)
+        def __call__(self, x: Any) -> Any:
+            calls.append((self.name, tuple(x.shape)))
+            return self.linear(x)
+
+    rec = roofline.PackedLinears(
+        [{n: Recorded(n, lin) for n, lin in layer.items()} for layer in layers],
+        Recorded("lm_head", head),
+    )
+    seconds = roofline.linears_seconds(rec, 3, 2, 1)
     assert seconds > 0
     widths = {n: in_f for n, (_, in_f) in m["per_layer"].items()}
     expected = [(n, (3, widths[n])) for _ in range(2) for n in m["per_layer"]]
     assert calls == 2 * (expected + [("lm_head", (2, m["lm_head"][1]))])
     calls.clear()
-    roofline.linears_seconds(m, (rec_layers, recorder("lm_head", head)), 3, 0, 1)
+    roofline.linears_seconds(rec, 3, 0, 1)
     assert calls == 2 * expected  # no logits rows: the LM head is left out
 
 
