@@ -96,17 +96,21 @@ class Timers:
 
 
 def instrument(llm: Any, timers: Timers, meta: dict[str, Any]) -> None:
+    from tracevllm.model_executor.layers import linear
     from tracevllm.model_executor.layers.attention import Attention
-    from tracevllm.model_executor.layers.linear import ReplicatedLinear
 
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     executor = core.model_executor
     runner = executor.model_runner
-    # Class-level: every layer's instances (restored by unpatch()).
-    meta["restore"] = [(ReplicatedLinear, "forward", ReplicatedLinear.forward),
-                       (Attention, "forward", Attention.forward)]  # fmt: skip
-    timers.wrap(ReplicatedLinear, "forward", "linear")
+    # Class-level: every layer's instances (restored by unpatch()). The
+    # linear classes that define their own forward; the merged and QKV
+    # projections take ColumnParallelLinear's.
+    linears = [linear.ReplicatedLinear, linear.ColumnParallelLinear, linear.RowParallelLinear]
+    meta["restore"] = [(cls, "forward", cls.forward) for cls in linears]
+    meta["restore"].append((Attention, "forward", Attention.forward))
+    for cls in linears:
+        timers.wrap(cls, "forward", "linear")
     timers.wrap(Attention, "forward", "attention")
     timers.wrap(runner.model, "forward", "model")
     timers.wrap(runner.model, "compute_logits", "compute_logits")
@@ -184,7 +188,11 @@ def ids(rng: random.Random, n: int) -> dict[str, list[int]]:
 
 
 def run_engine(
-    batch: int, prefill_tokens: int, decode_tokens: int, trace_detail: str = "off"
+    batch: int,
+    prefill_tokens: int,
+    decode_tokens: int,
+    trace_detail: str = "off",
+    attention_backend: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     import torch
 
@@ -193,9 +201,9 @@ def run_engine(
     rng = random.Random(0)
     timers, meta = Timers(), {}
     with tempfile.TemporaryDirectory() as trace_dir:
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {"attention_backend": attention_backend}
         if trace_detail != "off":
-            kwargs = {"trace_detail": trace_detail, "trace_dir": trace_dir}
+            kwargs |= {"trace_detail": trace_detail, "trace_dir": trace_dir}
         with LLM(enable_multiprocessing=False, enable_prefix_caching=False, **kwargs) as llm:
             params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
             llm.generate([ids(rng, 32)], params, use_tqdm=False)  # warm-up
@@ -303,6 +311,9 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=9, help="tokens per request")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--attention-backend", default=None, help="cpu_attn, torch (default: the engine's)"
+    )
     parser.add_argument("--json", default=RESULTS)
     args = parser.parse_args()
     if args.threads:
@@ -311,11 +322,12 @@ def main() -> None:
 
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"# load {load_before}; decode batch {args.batch}, prefill {args.prefill_tokens} tokens")
-    res, meta = run_engine(args.batch, args.prefill_tokens, args.decode_tokens)
+    backend = args.attention_backend
+    res, meta = run_engine(args.batch, args.prefill_tokens, args.decode_tokens, "off", backend)
     ipc = measure_ipc(meta["decode_outputs"])
     spans = {}
     for detail in ("request", "full"):
-        traced, _ = run_engine(args.batch, args.prefill_tokens, args.decode_tokens, detail)
+        traced, _ = run_engine(args.batch, args.prefill_tokens, args.decode_tokens, detail, backend)
         spans[detail] = {
             kind: traced[kind]["best_step_s"] - res[kind]["best_step_s"]
             for kind in ("decode", "prefill")
@@ -323,8 +335,10 @@ def main() -> None:
     load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
     out = {
         "command": "python benchmarks/profile_step.py"
-        + (f" --threads {args.threads}" if args.threads else ""),
-        "threads": torch.get_num_threads(),
+        + (f" --threads {args.threads}" if args.threads else "")
+        + (f" --attention-backend {backend}" if backend else ""),
+        # The engine's count (TRACEVLLM_NUM_THREADS), else torch's default.
+        "threads": args.threads or torch.get_num_threads(),
         "load_before": load_before,
         "load_after": load_after,
         "batch": args.batch,

@@ -51,6 +51,7 @@ RUNS = {"alone": 1, "batched": BATCH}
 ROOFLINE_JSON = os.path.join(ROOT, "benchmarks", "results", "roofline.json")
 PROFILE_JSON = os.path.join(ROOT, "benchmarks", "results", "profile_step.json")
 COMPILE_JSON = os.path.join(ROOT, "benchmarks", "results", "compile.json")
+CPU_ATTN_JSON = os.path.join(ROOT, "benchmarks", "results", "cpu_attn.json")
 
 
 def _prompts(n: int) -> list[str]:
@@ -392,9 +393,9 @@ def bench_facts(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def one_thread_lead(
-    busy_runs: list[dict[str, Any]], matmuls_share: float, gather_share: float, compile_gain: float
+    busy_runs: list[dict[str, Any]], matmuls_share: float, compile_gain: float
 ) -> dict[str, Any]:
-    """What leading vLLM compiled by 1.2x beside a busy process would take.
+    """What leading vLLM compiled by 1.2x beside a busy process takes.
 
     Both engines then compute on one thread. Take tracevllm's busy runs'
     mean time, split it as the one-thread profile splits a decode step
@@ -402,11 +403,9 @@ def one_thread_lead(
     the matmuls, and see what the rest must shrink to for the run to take
     vLLM compiled's busy time / 1.2. ``busy_runs``: bench.json's busy runs.
 
-    Then a rough estimate of what two known steps would leave: compiling
-    (``compile_gain``: compiled over eager beside a busy process,
-    compile.json) and an attention kernel that reads the KV pages where
-    they lie (the gather, ``gather_share`` of a one-thread decode step,
-    gone), each taken off the whole run."""
+    Then a rough estimate of what compiling would add (``compile_gain``:
+    compiled over eager beside a busy process, compile.json), taken off the
+    whole run."""
     ours = statistics.mean(r["seconds"] for r in busy_runs if r["key"] == "tracevllm")
     vllm = next(r["seconds"] for r in busy_runs if r["key"] == "vllm_compiled")
     target = vllm / 1.2
@@ -414,24 +413,19 @@ def one_thread_lead(
     # Rounded first, so that the figures the chapter shows add up as shown.
     ours, vllm, target, matmuls = (round(x, 1) for x in (ours, vllm, target, matmuls))
     compiled = round(ours * (1 - 1 / compile_gain), 1)
-    gather = round(gather_share * ours, 1)
-    estimate = round(ours - compiled - gather, 1)
     return {
         "tracevllm_s": ours,
         "vllm_compiled_s": vllm,
         "target_s": target,
+        "vs_vllm_compiled": round(vllm / ours, 2),
         "matmuls_s": matmuls,
         "rest_s": round(ours - matmuls, 1),
         "rest_target_s": round(target - matmuls, 1),
         "rest_target_pct": round(100 * (target - matmuls) / (ours - matmuls)),
         "compile_gain": round(compile_gain, 2),
         "compile_saves_s": compiled,
-        "compile_only_vs_vllm_compiled": round(vllm / (ours - compiled), 2),
-        "gather_pct": round(100 * gather_share, 1),
-        "gather_saves_s": gather,
-        "estimate_rest_s": round(estimate - matmuls, 1),
-        "estimate_s": estimate,
-        "estimate_vs_vllm_compiled": round(vllm / estimate, 2),
+        "with_compile_s": round(ours - compiled, 1),
+        "with_compile_vs_vllm_compiled": round(vllm / (ours - compiled), 2),
     }
 
 
@@ -459,6 +453,36 @@ def tracing_cost_facts() -> dict[str, Any]:
                 for detail, r in res[condition]["results"].items()
             }
     return out
+
+
+def cpu_attn_facts(res: dict[str, Any]) -> dict[str, Any]:
+    """benchmarks/bench_cpu_attn.py's run: the read alone and the engine, by thread count."""
+    read = {
+        str(r["threads"]): {
+            "reference_ms": round(r["reference_ms"], 1),
+            "kernel_ms": round(r["kernel_ms"], 1),
+            "speedup": round(r["speedup"], 1),
+        }
+        for r in res["read"]
+    }
+    engine = {
+        str(e["threads"]): {
+            "torch_tok_s": round(statistics.mean(e["tok_s"]["torch"]), 1),
+            "cpu_attn_tok_s": round(statistics.mean(e["tok_s"]["cpu_attn"]), 1),
+            "gain": round(e["gain"], 2),
+        }
+        for e in res["engine"]
+    }
+    first = res["read"][0]
+    return {
+        "machine": res["machine"]["cpu"],
+        "batch": first["batch"],
+        "mean_len": round(first["mean_len"]),
+        "max_abs_diff": f"{max(r['max_abs_diff'] for r in res['read']):.0e}",
+        "rounds": res["args"]["rounds"],
+        "read": read,
+        "engine": engine,
+    }
 
 
 def perf_facts() -> dict[str, Any]:
@@ -500,17 +524,15 @@ def perf_facts() -> dict[str, Any]:
             bench = json.load(f)
         out["bench"] = bench_facts(bench)
         busy_runs = bench["conditions"]["busy"]["runs"]
-        # The gather's share of a decode step: its operator's time in the
-        # profiled step over the decode step's mean time.
-        gather_ms = next(o["self_ms"] for o in prof["ops"] if o["op"] == "aten::index_select")
-        gather = gather_ms / 1e3 / prof["decode"]["step_s"]
         with open(COMPILE_JSON) as f:
             compile_gain = json.load(f)["compiled_over_eager"]["busy"]
-        out["one_thread_lead"] = one_thread_lead(
-            busy_runs, matmul_share(prof["decode"]), gather, compile_gain
-        )
+        decode_matmuls = matmul_share(prof["decode"])
+        out["one_thread_lead"] = one_thread_lead(busy_runs, decode_matmuls, compile_gain)
     if os.path.exists(TRACING_COST_JSON):
         out["tracing_cost"] = tracing_cost_facts()
+    if os.path.exists(CPU_ATTN_JSON):
+        with open(CPU_ATTN_JSON) as f:
+            out["cpu_attn"] = cpu_attn_facts(json.load(f))
     with open(PERF_FACTS, "w") as f:
         f.write(json.dumps({"perf": out}, indent=1, sort_keys=True) + "\n")
     print("  wrote", os.path.relpath(PERF_FACTS, ROOT))

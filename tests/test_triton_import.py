@@ -33,7 +33,7 @@ def _python(
     )
 
 
-# A user's plain script: in-process engine, default (torch) backend on CPU.
+# A user's plain script: in-process engine, default (CPU_ATTN) backend on CPU.
 INPROCESS = """
 import sys
 from tracevllm import LLM, SamplingParams
@@ -43,7 +43,8 @@ llm = LLM(model=sys.argv[1])
 out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                    use_tqdm=False)
 runner = llm.llm_engine.engine_core.engine_core.model_executor.model_runner
-assert runner.attn_backend.get_name() == "TORCH_ATTN"
+from kernels.cpu_attn import cpu_attn_available
+assert runner.attn_backend.get_name() == ("CPU_ATTN" if cpu_attn_available() else "TORCH_ATTN")
 print("TOKENS", len(out[0].outputs[0].token_ids))
 # tracevllm never loaded Triton: every kernel is still waiting for a first launch.
 print("LOADED", triton_utils._loaded is not None)
@@ -54,7 +55,7 @@ print("DEFERRED", all(isinstance(k, triton_utils._DeferredKernel) for k in kerne
 
 
 def test_inprocess_generate_loads_no_triton_and_prints_no_leaks(tiny_model_dir: str) -> None:
-    """A torch-backend generate in the caller's process leaves tracevllm's
+    """A CPU-backend generate in the caller's process leaves tracevllm's
     kernels unjitted, and the process exits without a word from nanobind.
 
     (``triton`` itself may still be in ``sys.modules``: transformers'

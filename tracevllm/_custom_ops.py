@@ -6,7 +6,8 @@ Triton backend calls directly (``triton_reshape_and_cache_flash``,
 ``unified_attention``, the MoE layer's ``fused_moe_kernel``). Each op takes
 ``backend``: ``"torch"`` runs the plain-PyTorch reference, ``"triton"`` the
 Triton kernel beside it; the attention backend picks one (torch_attn.py,
-triton_attn.py), the FusedMoE layer its own. Importing this
+triton_attn.py), the FusedMoE layer its own. ``cpu_attention_with_kv_cache``
+is the C++ kernel the CPU backend (cpu_attn.py) calls for its decodes. Importing this
 module does not import Triton: the kernel files get ``triton`` from
 kernels/triton_utils.py, which imports it at the first launch of a kernel.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kernels.cpu_attn import cpu_attention_with_kv_cache as _cpu_attention_with_kv_cache
 from kernels.fused_moe import (
     fused_moe_kernel_torch,
     get_default_config,
@@ -32,6 +34,7 @@ from tracevllm.labs import lab_override
 
 __all__ = [
     "HAS_TRITON",
+    "cpu_attention_with_kv_cache",
     "dispatch_fused_moe_kernel",
     "get_default_config",
     "interpreter_active",
@@ -95,6 +98,26 @@ def unified_attention(
     else:
         # Lab 04's version takes vLLM's plain causal read only.
         unified_attention_torch(*args, block_table, softmax_scale)
+
+
+def cpu_attention_with_kv_cache(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+    output: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1], int32
+    seq_lens: torch.Tensor,  # [num_reqs], int32
+    scale: float,
+    block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
+) -> None:
+    """The decodes' paged attention on CPU (vLLM's ``cpu_attention_with_kv_cache``).
+
+    vLLM's op takes the key and value caches apart, and prefills, sliding
+    windows, soft caps and ALiBi too; this one tracevllm's one-tensor cache
+    and single-token queries only (kernels/csrc/cpu_attn.cpp).
+    """
+    _cpu_attention_with_kv_cache(
+        query, kv_cache, output, query_start_loc, seq_lens, scale, block_table
+    )
 
 
 def dispatch_fused_moe_kernel(

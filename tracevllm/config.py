@@ -614,13 +614,14 @@ class DeviceConfig:
 
 @dataclass(slots=True)
 class AttentionConfig:
-    # "torch" (reference, CPU default) or "triton" (kernels/, CUDA default).
+    # "cpu_attn" (decodes through a C++ kernel, CPU default), "torch"
+    # (reference) or "triton" (kernels/, CUDA default). None: by device.
     backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in (None, "torch", "triton"):
+        if self.backend not in (None, "cpu_attn", "torch", "triton"):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'triton', got {self.backend!r}."
+                f"attention_backend must be 'cpu_attn', 'torch' or 'triton', got {self.backend!r}."
             )
 
 

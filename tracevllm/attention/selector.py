@@ -1,23 +1,39 @@
 """Choose the attention backend.
 
 Mirrors vllm/v1/attention/selector.py (``get_attn_backend``), which asks the
-platform for the best backend for the model and device. Two backends here:
-``torch`` (the readable reference, default on CPU) and ``triton`` (kernels/,
-default on CUDA).
+platform for the best backend for the model and device. Three backends here:
+``cpu_attn`` (vLLM's CPU_ATTN: decodes through a C++ kernel, the default on
+CPU when it builds), ``torch`` (the readable reference, the CPU default
+without a compiler) and ``triton`` (kernels/, default on CUDA).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.cpu_attn import cpu_attn_available
 from tracevllm.attention.backends.abstract import AttentionBackend
 
 
 def get_attn_backend(name: str | None, device: torch.device | str) -> type[AttentionBackend]:
-    """Return the backend class for ``name`` ("torch" | "triton" | None: by device)."""
+    """Return the backend class for ``name`` ("cpu_attn" | "torch" | "triton" | None: by device)."""
     device_type = torch.device(device).type
     if name is None:
-        name = "triton" if device_type == "cuda" else "torch"
+        if device_type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu_attn" if cpu_attn_available() else "torch"
+    if name == "cpu_attn":
+        if device_type != "cpu":
+            raise ValueError(f"attention_backend 'cpu_attn' runs on CPU only, not {device_type}.")
+        if not cpu_attn_available():
+            raise ValueError(
+                "attention_backend 'cpu_attn': its kernel could not be built (see the warning "
+                "above); install g++ and ninja, or choose 'torch'."
+            )
+        from tracevllm.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return CPUAttentionBackend
     if name == "torch":
         from tracevllm.attention.backends.torch_attn import TorchAttentionBackend
 
@@ -30,4 +46,4 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> type[Atten
 
         check_triton_usable(device_type)
         return TritonAttentionBackend
-    raise ValueError(f"Unknown attention backend {name!r}; choose 'torch' or 'triton'.")
+    raise ValueError(f"Unknown attention backend {name!r}; choose 'cpu_attn', 'torch' or 'triton'.")

@@ -20,10 +20,11 @@ two things vLLM's CPU backend does before its worker runs a step.
   are the two fixed counts'. The adaptive count's own, from ``make bench``
   (benchmarks/results/bench.json, which also runs the count fixed): beside
   one busy process it dropped to one thread, 2.39x both cores fixed
-  (2026-12-03) and 2.01x (2026-12-04); quiet it kept both, 1.02x and 0.90x
-  the fixed count (within the runs' spread). Against vLLM compiled, one
+  (2026-12-03), 2.01x and 1.91x (2026-12-04); quiet it kept both, 1.02x,
+  0.90x and 1.00x the fixed count (within the runs' spread). Against vLLM compiled, one
   thread on one core, under load: 1.33x, 0.91x and 1.06x in three runs,
-  as the busy process left vLLM's bound core alone or not. vLLM also pins
+  as the busy process left vLLM's bound core alone or not, and 1.21x with
+  the decodes' attention kernel (2026-12-04). vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.
 - vllm/v1/worker/cpu_worker.py (``init_device``) warns when tcmalloc is not

@@ -1,0 +1,154 @@
+"""The CPU attention kernel against the plain-PyTorch reference it replaces for decodes.
+
+Two measurements, both on this machine, one after the other:
+
+- The read alone: one decode step's attention over every layer of the
+  default model's shape (30 layers, 9 query heads, 3 KV heads, head size 64,
+  16-token pages), a batch of ``--batch`` decodes with cached lengths drawn
+  from 40-170 (make bench's prompts and outputs), each layer its own cache as
+  in the engine, so the pages come from memory. The reference
+  (``unified_attention_torch``: gather the pages into a padded tensor, SDPA
+  with a mask) and the kernel (``cpu_attention_with_kv_cache``: each key read
+  where it lies), best of 5, and their largest difference. The allocator is
+  tuned as in the engine's worker (``tune_malloc``).
+- The engine: make bench's workload (64 chat prompts, max_tokens 16-128,
+  greedy, fp32) through ``LLM`` with ``attention_backend="torch"`` and
+  ``"cpu_attn"``, alternating, ``--rounds`` each, every run a fresh engine,
+  at each of ``--threads`` (1: the count the adaptive policy settles on
+  beside a busy process).
+
+    python benchmarks/bench_cpu_attn.py [--threads 1,2] [--rounds 2] [--output-json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+DEFAULT_JSON = "benchmarks/results/cpu_attn.json"
+
+
+def read_alone(batch: int, threads: int, seed: int = 0) -> dict[str, Any]:
+    """ms per step (every layer) of the reference and of the kernel, best of 5."""
+    import torch
+
+    from kernels.unified_attention import unified_attention_torch
+    from tracevllm import _custom_ops as ops
+    from tracevllm.platforms.cpu import tune_malloc
+
+    tune_malloc()  # as the engine's worker: the gather's buffers come from the heap
+
+    layers, num_heads, num_kv_heads, head_size, block_size = 30, 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(40, 171, (batch,), dtype=torch.int32, generator=gen)
+    pages = -(-int(lens.max()) // block_size)
+    num_blocks = batch * pages + 1
+    caches = [
+        torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
+        for _ in range(layers)
+    ]
+    table = (torch.randperm(num_blocks - 1, generator=gen)[: batch * pages] + 1).view(batch, pages)
+    table = table.to(torch.int32)
+    q = torch.randn(batch, num_heads, head_size, generator=gen)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    scale = head_size**-0.5
+    ref_out, out = torch.empty_like(q), torch.empty_like(q)
+
+    def reference() -> None:
+        for cache in caches:
+            unified_attention_torch(q, cache, ref_out, qsl, lens, 1, int(lens.max()), table, scale)
+
+    def kernel() -> None:
+        for cache in caches:
+            ops.cpu_attention_with_kv_cache(q, cache, out, qsl, lens, scale, table)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ms = {}
+        for name, fn in (("reference", reference), ("kernel", kernel)):
+            fn()
+            best = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - start)
+            ms[name] = best * 1e3
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "threads": threads,
+        "batch": batch,
+        "mean_len": float(lens.float().mean()),
+        "reference_ms": ms["reference"],
+        "kernel_ms": ms["kernel"],
+        "speedup": ms["reference"] / ms["kernel"],
+        "max_abs_diff": float((ref_out - out).abs().max()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="1", help="comma-separated thread counts")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--skip-engine", action="store_true", help="the read alone")
+    parser.add_argument("--output-json", default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+
+    from kernels.cpu_attn import cpu_attn_available
+
+    if not cpu_attn_available():
+        sys.exit("The CPU attention kernel could not be built here (see the warning above).")
+    from bench_throughput import bench_tracevllm, machine
+
+    res: dict[str, Any] = {"machine": machine(), "args": vars(args), "read": [], "engine": []}
+    counts = [int(t) for t in args.threads.split(",")]
+    for threads in counts:
+        r = read_alone(args.batch, threads)
+        res["read"].append(r)
+        print(
+            f"read alone, {threads} thread(s), batch {r['batch']}, mean length "
+            f"{r['mean_len']:.0f}, 30 layers: reference {r['reference_ms']:.1f} ms, kernel "
+            f"{r['kernel_ms']:.1f} ms ({r['speedup']:.2f}x), max |diff| {r['max_abs_diff']:.1e}",
+            flush=True,
+        )
+    if not args.skip_engine:
+        from transformers import AutoTokenizer
+
+        from tracevllm.benchmarks.datasets import chat_samples
+        from tracevllm.model_executor.model_loader import resolve_model
+
+        samples = chat_samples(AutoTokenizer.from_pretrained(resolve_model(None)), args.num_prompts)
+        for threads in counts:
+            rates: dict[str, list[float]] = {"torch": [], "cpu_attn": []}
+            for _ in range(args.rounds):
+                for backend in rates:
+                    env = {"TRACEVLLM_NUM_THREADS": str(threads)}
+                    seconds, generated, _, _ = bench_tracevllm(
+                        samples, env=env, attention_backend=backend
+                    )
+                    rates[backend].append(generated / seconds)
+                    print(
+                        f"engine, {threads} thread(s), {backend}: {rates[backend][-1]:.1f} tok/s",
+                        flush=True,
+                    )
+            gain = statistics.mean(rates["cpu_attn"]) / statistics.mean(rates["torch"])
+            res["engine"].append({"threads": threads, "tok_s": rates, "gain": gain})
+            print(f"engine, {threads} thread(s): cpu_attn / torch = {gain:.2f}x", flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(res, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The CPU attention kernel (csrc/cpu_attn.cpp): built once per machine, loaded by each process.
+
+vLLM ships its CPU kernels compiled into ``vllm._C``; tracevllm has no
+compiled wheel, so torch's own extension builder
+(``torch.utils.cpp_extension.load``, which drives g++ through ninja) compiles
+the one C++ file the first time a process asks for it, about ten seconds,
+and keeps the library in torch's extension cache
+(``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``): later starts
+only load it. The build is named after the instruction set torch detected
+(``torch.backends.cpu.get_cpu_capability()``) and compiled for that set, so
+a cache shared by machines of different CPUs never hands one of them code it
+cannot run. Without a compiler (or ninja) the build fails, and
+``cpu_attn_available()`` says so once and returns False: the engine then
+takes the plain-PyTorch backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from tracevllm.logger import init_logger
+
+# Under tracevllm's logger, so its messages print as the engine's do.
+logger = init_logger("tracevllm.kernels.cpu_attn")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_attn.cpp"
+
+# The instruction sets torch reports, and the compiler flags for each; any
+# other (an ARM machine, an old x86) builds for the compiler's default target.
+_ISA_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+}
+
+
+def _build_name_and_flags() -> tuple[str, list[str]]:
+    isa = torch.backends.cpu.get_cpu_capability()
+    flags = _ISA_FLAGS.get(isa, [])
+    tag = isa.lower() if flags else "default"
+    return f"tracevllm_cpu_attn_{tag}", ["-O3", "-fopenmp", *flags]
+
+
+@functools.cache
+def cpu_attn_available() -> bool:
+    """Build or load the kernel in this process; False, said once, when it cannot be built."""
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    name, flags = _build_name_and_flags()
+    built = Path(get_default_build_root(), name, f"{name}.so").exists()
+    if not built:
+        logger.info(
+            "Building the CPU attention kernel (%s) for this machine, once: about 10 s. "
+            "Later starts load it from %s.",
+            SOURCE.name,
+            get_default_build_root(),
+        )
+    try:
+        # -fopenmp compiles at::parallel_for's OpenMP pragmas; the library is
+        # not linked to an OpenMP runtime of its own, so the calls resolve to
+        # the one torch loaded, and torch's thread count is the kernel's.
+        load(name, [str(SOURCE)], extra_cflags=flags, is_python_module=False)
+    except Exception as e:  # no compiler, no ninja, an unwritable cache
+        logger.warning(
+            "The CPU attention kernel could not be built (%s: %s); decodes take the "
+            "plain-PyTorch attention instead (slower). To build it: a C++ compiler (g++) "
+            "and ninja (pip install ninja); set TORCH_EXTENSIONS_DIR if %s is not writable.",
+            type(e).__name__,
+            str(e).strip().splitlines()[-1][:200] if str(e).strip() else "",
+            os.environ.get("TORCH_EXTENSIONS_DIR", get_default_build_root()),
+        )
+        return False
+    return True
+
+
+# --8<-- [start:cpu_attention_with_kv_cache]
+def cpu_attention_with_kv_cache(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size], float32
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size], float32
+    output: torch.Tensor,  # [num_tokens, num_heads, head_size], written for the decodes
+    query_start_loc: torch.Tensor,  # [num_reqs + 1], int32
+    seq_lens: torch.Tensor,  # [num_reqs], int32
+    scale: float,
+    block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
+) -> None:
+    """Attention of every single-token query over its request's pages, read in place.
+
+    Requests with a longer query (prefill chunks) are skipped: their rows of
+    ``output`` are left as they were, for the caller to fill.
+    """
+    torch.ops.tracevllm_C.cpu_attention_with_kv_cache(
+        query, kv_cache, output, query_start_loc, seq_lens, scale, block_table
+    )
+
+
+# --8<-- [end:cpu_attention_with_kv_cache]

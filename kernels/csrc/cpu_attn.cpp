@@ -1,0 +1,238 @@
+// Paged attention for decodes on CPU: each single-token query reads its
+// request's keys and values where they lie in the paged KV cache.
+//
+// Plays the part of vLLM's csrc/cpu/ attention kernel
+// (torch.ops._C.cpu_attention_with_kv_cache, called by
+// vllm/v1/attention/backends/cpu_attn.py), for the decodes only: requests
+// whose query is longer than one token are left to the caller (vLLM's CPU
+// backend sends prefills to SDPA the same way). The plain-PyTorch reference,
+// kernels/unified_attention.py's unified_attention_torch, copies every
+// decode's pages into one padded tensor first (index_select) and hands it
+// to SDPA with a mask; reading the pages in place skips that copy and the
+// padding. Built on first use by kernels/cpu_attn.py.
+//
+// Layout (tracevllm's, as the Triton kernel's):
+//   query, output: [num_tokens, num_heads, head_size], float32
+//   kv_cache:      [num_blocks, 2, block_size, num_kv_heads, head_size], float32
+//   query_start_loc: [num_reqs + 1] int32; seq_lens: [num_reqs] int32 (this
+//   step's token included); block_table: [num_reqs, max_blocks] int32.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// Eight floats in one register (AVX2's width; the compiler splits it where
+// the machine has less). v8u loads and stores at any float's address.
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
+inline void store8(float* p, v8 x) { *reinterpret_cast<v8u*>(p) = x; }
+
+// e^x for eight floats at once (Cephes' expf): x = n ln2 + r with n whole
+// and |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n written straight
+// into the exponent bits. Accurate to about a unit in the last place; the
+// softmax's inputs are <= 0, and below -87 (e^-87 ~ 1.6e-38) it returns
+// e^-87, not a denormal. One call stands for eight of std::exp's.
+typedef int32_t v8i __attribute__((vector_size(32)));
+inline v8 exp8(v8 x) {
+  x = x < -87.f ? v8{0} - 87.f : x;
+  x = x > 88.f ? v8{0} + 88.f : x;
+  const v8 fx = x * 1.44269504088896341f + 0.5f;  // x / ln2, to round
+  v8i n = __builtin_convertvector(fx, v8i);        // toward zero ...
+  n += (__builtin_convertvector(n, v8) > fx);      // ... then down: floor (true is -1)
+  const v8 nf = __builtin_convertvector(n, v8);
+  const v8 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;  // ln2 in two parts
+  v8 y = v8{0} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  return y * (v8)((n + 127) << 23);  // the bits of 2^n as a float
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  v8 acc0 = {0}, acc1 = {0};  // two chains, so one add need not wait on the last
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    acc0 += load8(a + d) * load8(b + d);
+    acc1 += load8(a + d + 8) * load8(b + d + 8);
+  }
+  for (; d + 8 <= n; d += 8) acc0 += load8(a + d) * load8(b + d);
+  acc0 += acc1;
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += acc0[i];
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {  // y += a * x
+  const v8 av = v8{0} + a;
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) store8(y + d, load8(y + d) + av * load8(x + d));
+  for (; d < n; ++d) y[d] += a * x[d];
+}
+
+// Where a head size is known when compiling (64, 128: most models), one
+// query head's row and its running sum of values stay in registers for the
+// whole walk over the keys: HEAD / 8 vectors each. Any other size takes
+// dot() and axpy() above, which go through memory.
+template <int64_t HEAD>
+inline void scores_fixed(float* s, const float* qg, const float* keys, const int32_t* pages,
+                         int64_t len, int64_t block_size, int64_t c_block, int64_t c_slot,
+                         float scale) {
+  constexpr int64_t V = HEAD / 8;
+  v8 qv[V];
+  for (int64_t i = 0; i < V; ++i) qv[i] = load8(qg + 8 * i);
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const float* k = keys + pages[t0 / block_size] * c_block;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t t = 0; t < n; ++t, k += c_slot) {
+      v8 a0 = qv[0] * load8(k), a1 = qv[1] * load8(k + 8);
+      for (int64_t i = 2; i < V; i += 2) {
+        a0 += qv[i] * load8(k + 8 * i);
+        a1 += qv[i + 1] * load8(k + 8 * i + 8);
+      }
+      a0 += a1;
+      float d = 0.f;
+      for (int i = 0; i < 8; ++i) d += a0[i];
+      s[t0 + t] = d * scale;
+    }
+  }
+}
+
+template <int64_t HEAD>
+inline void weighted_sum_fixed(float* o, const float* p, float inv, const float* values,
+                               const int32_t* pages, int64_t len, int64_t block_size,
+                               int64_t c_block, int64_t c_slot) {
+  constexpr int64_t V = HEAD / 8;
+  v8 acc[V] = {};
+  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    const float* v = values + pages[t0 / block_size] * c_block;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t t = 0; t < n; ++t, v += c_slot) {
+      const v8 w = v8{0} + p[t0 + t];
+      for (int64_t i = 0; i < V; ++i) acc[i] += w * load8(v + 8 * i);
+    }
+  }
+  for (int64_t i = 0; i < V; ++i) store8(o + 8 * i, acc[i] * inv);
+}
+
+void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_cache,
+                                 at::Tensor& output, const at::Tensor& query_start_loc,
+                                 const at::Tensor& seq_lens, double scale,
+                                 const at::Tensor& block_table) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
+                  output.scalar_type() == at::kFloat,
+              "cpu_attention_with_kv_cache: float32 only");
+  TORCH_CHECK(query.stride(2) == 1 && output.stride(2) == 1 && kv_cache.stride(4) == 1,
+              "cpu_attention_with_kv_cache: head_size must be the innermost, contiguous dim");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  block_table.scalar_type() == at::kInt,
+              "cpu_attention_with_kv_cache: query_start_loc, seq_lens, block_table: int32");
+  TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
+                  block_table.stride(1) == 1,
+              "cpu_attention_with_kv_cache: contiguous metadata");
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t num_heads = query.size(1), head_size = query.size(2);
+  const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t group = num_heads / num_kv_heads;  // query heads per KV head (GQA)
+
+  const float* q = query.data_ptr<float>();
+  float* out = output.data_ptr<float>();
+  const float* kv = kv_cache.data_ptr<float>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t q_tok = query.stride(0), q_head = query.stride(1);
+  const int64_t o_tok = output.stride(0), o_head = output.stride(1);
+  const int64_t c_block = kv_cache.stride(0), c_kv = kv_cache.stride(1);
+  const int64_t c_slot = kv_cache.stride(2), c_head = kv_cache.stride(3);
+  const int64_t t_req = block_table.stride(0);
+  const float sc = static_cast<float>(scale);
+
+  // One work item per (request, KV head): its group of query heads reads
+  // that head's keys and values once. Torch's thread count splits the items.
+  // --8<-- [start:decode_items]
+  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(head_size), inv(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+      if (qsl[r + 1] - qsl[r] != 1) continue;  // not a decode: the caller's
+      const int64_t len = lens[r], tok = qsl[r];
+      const float* qh = q + tok * q_tok + h * group * q_head;
+      const int32_t* pages = table + r * t_req;
+      scores.resize(group * len);
+      // Scores, a page at a time: key t sits in page t / block_size, slot t % block_size.
+      const float* keys = kv + h * c_head;
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * len;
+        const float* qg = qh + g * q_head;
+        if (head_size == 64) {
+          scores_fixed<64>(sg, qg, keys, pages, len, block_size, c_block, c_slot, sc);
+        } else if (head_size == 128) {
+          scores_fixed<128>(sg, qg, keys, pages, len, block_size, c_block, c_slot, sc);
+        } else {
+          for (int64_t t = 0; t < len; ++t) {
+            const float* k = keys + pages[t / block_size] * c_block + (t % block_size) * c_slot;
+            sg[t] = dot(qg, k, head_size) * sc;
+          }
+        }
+      }
+      // Softmax per query head: subtract the max so exp cannot overflow.
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * len;
+        const float m = *std::max_element(s, s + len);
+        v8 sum8 = {0};
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+          const v8 e = exp8(load8(s + t) - m);
+          store8(s + t, e);
+          sum8 += e;
+        }
+        float sum = 0.f;
+        for (int i = 0; i < 8; ++i) sum += sum8[i];
+        for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
+        inv[g] = 1.f / sum;
+      }
+      // The weighted sum of the values, page by page as the keys.
+      const float* values = kv + c_kv + h * c_head;
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = out + tok * o_tok + (h * group + g) * o_head;
+        const float* p = scores.data() + g * len;
+        if (head_size == 64) {
+          weighted_sum_fixed<64>(o, p, inv[g], values, pages, len, block_size, c_block, c_slot);
+        } else if (head_size == 128) {
+          weighted_sum_fixed<128>(o, p, inv[g], values, pages, len, block_size, c_block, c_slot);
+        } else {
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t t = 0; t < len; ++t) {
+            const float* v = values + pages[t / block_size] * c_block + (t % block_size) * c_slot;
+            axpy(acc.data(), p[t], v, head_size);
+          }
+          for (int64_t d = 0; d < head_size; ++d) o[d] = acc[d] * inv[g];
+        }
+      }
+    }
+  });
+  // --8<-- [end:decode_items]
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tracevllm_C, m) {
+  m.def(
+      "cpu_attention_with_kv_cache(Tensor query, Tensor kv_cache, Tensor(a!) output, "
+      "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor block_table) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tracevllm_C, CPU, m) {
+  m.impl("cpu_attention_with_kv_cache", &cpu_attention_with_kv_cache);
+}

@@ -1,0 +1,229 @@
+"""The CPU attention kernel (kernels/csrc/cpu_attn.cpp) and the backend that calls it.
+
+The kernel against the float64 naive attention of test_attention.py, on the
+same paged cases; the CPU_ATTN backend's ``forward`` against the reference
+backend's on mixed batches; the selector's default and its fallback when the
+kernel cannot be built.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_attn
+from tests.test_attention import build_case, naive_attention
+from tracevllm import _custom_ops as ops
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attn.cpu_attn_available(), reason="the CPU attention kernel could not be built here"
+)
+
+CASES = [
+    # (q_lens, seq_lens): decodes crossing pages, a one-token cache, mixed with prefills
+    ([1, 1, 1, 1], [1, 16, 17, 40]),
+    ([5, 1, 1, 3], [5, 17, 4, 19]),
+    ([1, 9, 1, 2], [64, 40, 5, 2]),
+]
+
+
+def _run_kernel(c: dict, scale: float) -> torch.Tensor:
+    out = torch.full_like(c["q"], float("nan"))
+    ops.cpu_attention_with_kv_cache(
+        c["q"], c["kv_cache"], out, c["qsl"], c["seq_lens"], scale, c["block_table"]
+    )
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)], ids=["mha", "gqa3", "gqa8"])
+# 64 and 128: compiled for their size; 72: dot()'s 8-wide step after the 16-wide;
+# 76 and 6: a scalar tail.
+@pytest.mark.parametrize("head_size", [64, 128, 72, 76, 6])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernel_matches_naive_on_decodes_and_leaves_prefills(
+    block_size: int, heads: tuple[int, int], head_size: int, case: int
+) -> None:
+    num_heads, num_kv_heads = heads
+    q_lens, seq_lens = CASES[case]
+    c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=case)
+    scale = head_size**-0.5
+    out = _run_kernel(c, scale)
+    for r, q_len in enumerate(q_lens):
+        a, b = int(c["qsl"][r]), int(c["qsl"][r + 1])
+        if q_len == 1:
+            ref = naive_attention(c["q"][a:b], c["ks"][r], c["vs"][r], scale)
+            torch.testing.assert_close(out[a:b], ref, atol=1e-5, rtol=1e-5)
+        else:  # not a decode: the kernel leaves it to the caller
+            assert out[a:b].isnan().all()
+
+
+@pytest.mark.parametrize("sharpness", [30.0, 1e3])
+def test_kernel_softmax_holds_at_extreme_scores(sharpness: float) -> None:
+    """Scores hundreds apart: the vectorized exp's range reduction and its floor
+    at e^-87 (what it returns for far smaller weights) change nothing visible."""
+    c = build_case([1] * 4, [9, 33, 40, 64], 4, 2, 64, 16, seed=5)
+    c["q"] *= sharpness
+    out = _run_kernel(c, 0.125)
+    for r in range(4):
+        ref = naive_attention(c["q"][r : r + 1], c["ks"][r], c["vs"][r], 0.125)
+        torch.testing.assert_close(out[r : r + 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_reads_no_slot_past_seq_len() -> None:
+    """Stale keys and values after a request's last token change nothing."""
+    c = build_case([1, 1], [6, 7], 4, 2, 64, 4, seed=1)
+    outs = []
+    for fill in (0.0, 1e4):
+        cache = c["kv_cache"].clone()
+        for r, s in enumerate([6, 7]):
+            last = int(c["block_table"][r, (s - 1) // 4])
+            cache[last, :, (s - 1) % 4 + 1 :] = fill
+        outs.append(_run_kernel({**c, "kv_cache": cache}, 0.125))
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+def test_kernel_splits_its_work_over_torchs_threads() -> None:
+    """Same result on one thread and on two (the requests' KV heads split between them)."""
+    c = build_case([1] * 6, [3, 30, 17, 64, 1, 9], 9, 3, 64, 16, seed=4)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(_run_kernel(c, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+def test_kernel_refuses_what_it_does_not_cover() -> None:
+    c = build_case([1], [5], 4, 2, 64, 4, seed=2)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        ops.cpu_attention_with_kv_cache(
+            c["q"].double(), c["kv_cache"].double(), c["q"].double(), c["qsl"],
+            c["seq_lens"], 0.125, c["block_table"],
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.cpu_attention_with_kv_cache(
+            c["q"], c["kv_cache"], c["q"].clone(), c["qsl"].long(), c["seq_lens"], 0.125,
+            c["block_table"],
+        )  # fmt: skip
+
+
+# --- the backend --------------------------------------------------------------------------
+
+
+def _forward(impl_cls: type, c: dict, q_lens: list[int], **impl_kwargs: object) -> torch.Tensor:
+    from tracevllm.attention.backends.abstract import AttentionMetadata
+
+    num_heads, head_size = c["q"].shape[1:]
+    num_kv_heads = c["kv_cache"].shape[3]
+    impl = impl_cls(num_heads, head_size, head_size**-0.5, num_kv_heads, **impl_kwargs)
+    n = sum(q_lens)
+    meta = AttentionMetadata(
+        num_actual_tokens=n,
+        max_query_len=max(q_lens),
+        query_start_loc=c["qsl"],
+        max_seq_len=int(c["seq_lens"].max()),
+        seq_lens=c["seq_lens"],
+        block_table=c["block_table"],
+        slot_mapping=torch.full((n,), -1, dtype=torch.long),
+        query_start_loc_cpu=c["qsl"],
+        seq_lens_cpu=c["seq_lens"],
+    )
+    out = torch.full_like(c["q"], float("nan"))
+    impl.forward(None, c["q"], None, None, c["kv_cache"], meta, out)
+    return out
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_backend_forward_matches_the_reference_backend(case: int) -> None:
+    """Decodes through the kernel, prefills through SDPA one by one: each row as the reference."""
+    from tracevllm.attention.backends.cpu_attn import CPUAttentionImpl
+    from tracevllm.attention.backends.torch_attn import TorchAttentionImpl
+
+    q_lens, seq_lens = CASES[case]
+    c = build_case(q_lens, seq_lens, 9, 3, 64, 16, seed=10 + case)
+    got = _forward(CPUAttentionImpl, c, q_lens)
+    want = _forward(TorchAttentionImpl, c, q_lens)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_hands_what_the_kernel_does_not_cover_to_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sliding window, or a cache that is not fp32: the reference's forward, whole."""
+    from tracevllm.attention.backends.cpu_attn import CPUAttentionImpl
+
+    calls = []
+    monkeypatch.setattr(ops, "cpu_attention_with_kv_cache", lambda *a: calls.append(a))
+    c = build_case([1, 1], [20, 5], 4, 2, 64, 4, seed=3)
+    want = naive_attention(c["q"][:1], c["ks"][0], c["vs"][0], 64**-0.5, sliding_window=8)
+    got = _forward(CPUAttentionImpl, c, [1, 1], sliding_window=8)
+    torch.testing.assert_close(got[:1], want, atol=1e-5, rtol=1e-5)
+    half = {**c, "q": c["q"].double(), "kv_cache": c["kv_cache"].double()}
+    assert not _forward(CPUAttentionImpl, half, [1, 1]).isnan().any()
+    assert calls == []
+
+
+def test_selector_defaults_to_the_kernel_on_cpu_and_falls_back_without_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tracevllm.attention import selector
+
+    assert selector.get_attn_backend(None, "cpu").get_name() == "CPU_ATTN"
+    assert selector.get_attn_backend("cpu_attn", "cpu").get_name() == "CPU_ATTN"
+    with pytest.raises(ValueError, match="CPU only"):
+        selector.get_attn_backend("cpu_attn", "cuda")
+    monkeypatch.setattr(selector, "cpu_attn_available", lambda: False)
+    assert selector.get_attn_backend(None, "cpu").get_name() == "TORCH_ATTN"
+    with pytest.raises(ValueError, match="could not be built.*'torch'"):
+        selector.get_attn_backend("cpu_attn", "cpu")
+
+
+def test_a_failed_build_is_said_once_and_reported_unavailable(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No compiler: a warning that says what to install, and False (the reference is taken)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Error building extension\ng++: command not found")
+
+    cpu_attn.cpu_attn_available.cache_clear()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(cpp_extension, "load", no_compiler)
+            m.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+            with caplog.at_level(logging.WARNING, logger="tracevllm.kernels.cpu_attn"):
+                assert cpu_attn.cpu_attn_available() is False
+                assert cpu_attn.cpu_attn_available() is False
+        warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
+        assert len(warnings) == 1
+        assert "g++: command not found" in warnings[0].getMessage()
+        assert "ninja" in warnings[0].getMessage()
+    finally:
+        cpu_attn.cpu_attn_available.cache_clear()
+    assert cpu_attn.cpu_attn_available() is True  # the real build, from the cache again
+
+
+def test_bench_cpu_attn_times_both_reads_and_checks_they_agree(tmp_path) -> None:
+    """benchmarks/bench_cpu_attn.py, the read alone, small: both sides timed, their
+    outputs compared, the figures in its JSON."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_cpu_attn
+
+    out = tmp_path / "cpu_attn.json"
+    bench_cpu_attn.main(["--batch", "4", "--skip-engine", "--output-json", str(out)])
+    (read,) = json.loads(out.read_text())["read"]
+    assert read["threads"] == 1 and read["batch"] == 4
+    assert read["reference_ms"] > 0 and read["kernel_ms"] > 0
+    assert read["speedup"] == pytest.approx(read["reference_ms"] / read["kernel_ms"])
+    assert read["max_abs_diff"] < 1e-5
