@@ -16,8 +16,11 @@ takes the plain-PyTorch backend.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,33 +47,82 @@ def _build_name_and_flags() -> tuple[str, list[str]]:
     return f"tracevllm_cpu_attn_{tag}", ["-O3", "-fopenmp", *flags]
 
 
+# A build lock older than this was left by a build that was killed (torch's
+# FileBaton waits on it forever); a build takes seconds.
+STALE_LOCK_S = 600
+
+
+def _build_dir(name: str) -> Path:
+    """Where torch builds and caches extension ``name`` (TORCH_EXTENSIONS_DIR, else its default)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """The pip-installed ninja (in the venv's bin, not on PATH unless the venv is
+    activated) first on PATH while torch builds: torch runs ``ninja`` by name,
+    on every load, even when the library is cached."""
+    try:
+        import ninja
+
+        bin_dir: str | None = ninja.BIN_DIR
+    except (ImportError, AttributeError):
+        bin_dir = None
+    before = os.environ.get("PATH", "")
+    if bin_dir:
+        os.environ["PATH"] = os.pathsep.join([bin_dir, before])
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
+def _why(e: Exception) -> str:
+    """The line of a failed build that says why: the compiler's first error, else
+    the last line that is not torch's or ninja's wrapping."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line.lower()]
+    own = [line for line in lines if not line.startswith(("ninja:", "Error building extension"))]
+    return (errors[:1] or own[-1:] or lines[:1] or [""])[0][:300]
+
+
 @functools.cache
 def cpu_attn_available() -> bool:
     """Build or load the kernel in this process; False, said once, when it cannot be built."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+    from torch.utils.cpp_extension import load
 
     name, flags = _build_name_and_flags()
-    built = Path(get_default_build_root(), name, f"{name}.so").exists()
-    if not built:
-        logger.info(
-            "Building the CPU attention kernel (%s) for this machine, once: about 10 s. "
-            "Later starts load it from %s.",
-            SOURCE.name,
-            get_default_build_root(),
-        )
     try:
+        build_dir = _build_dir(name)
+        lock = build_dir / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            logger.warning(
+                "Removing %s, left by a build of the CPU attention kernel that did not finish.",
+                lock,
+            )
+            lock.unlink(missing_ok=True)
+        if not (build_dir / f"{name}.so").exists():
+            logger.info(
+                "Building the CPU attention kernel (%s) for this machine, once: about 10 s. "
+                "Later starts load it from %s.",
+                SOURCE.name,
+                build_dir,
+            )
         # -fopenmp compiles at::parallel_for's OpenMP pragmas; the library is
         # not linked to an OpenMP runtime of its own, so the calls resolve to
         # the one torch loaded, and torch's thread count is the kernel's.
-        load(name, [str(SOURCE)], extra_cflags=flags, is_python_module=False)
+        with _ninja_on_path():
+            load(name, [str(SOURCE)], extra_cflags=flags, is_python_module=False)
     except Exception as e:  # no compiler, no ninja, an unwritable cache
         logger.warning(
             "The CPU attention kernel could not be built (%s: %s); decodes take the "
             "plain-PyTorch attention instead (slower). To build it: a C++ compiler (g++) "
-            "and ninja (pip install ninja); set TORCH_EXTENSIONS_DIR if %s is not writable.",
+            "and ninja (pip install ninja); set TORCH_EXTENSIONS_DIR if torch's extension "
+            "cache is not writable.",
             type(e).__name__,
-            str(e).strip().splitlines()[-1][:200] if str(e).strip() else "",
-            os.environ.get("TORCH_EXTENSIONS_DIR", get_default_build_root()),
+            _why(e),
         )
         return False
     return True

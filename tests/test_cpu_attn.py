@@ -9,6 +9,7 @@ kernel cannot be built.
 from __future__ import annotations
 
 import logging
+import types
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,30 @@ def test_kernel_refuses_what_it_does_not_cover() -> None:
         )  # fmt: skip
 
 
+def test_kernel_checks_the_tables_before_reading_the_cache() -> None:
+    """A block id outside the cache, a seq_len past the table or a misshapen output:
+    an error naming it, not a read of arbitrary memory."""
+    c = build_case([1, 1], [20, 5], 4, 2, 64, 4, seed=6)
+    num_blocks = c["kv_cache"].shape[0]
+    bad_block = c["block_table"].clone()
+    bad_block[0, 1] = num_blocks
+    with pytest.raises(RuntimeError, match=f"block {num_blocks} of request 0"):
+        _run_kernel({**c, "block_table": bad_block}, 0.125)
+    too_long = c["seq_lens"].clone()
+    too_long[1] = c["block_table"].shape[1] * 4 + 1
+    with pytest.raises(RuntimeError, match="seq_len .* of request 1"):
+        _run_kernel({**c, "seq_lens": too_long}, 0.125)
+    with pytest.raises(RuntimeError, match="output must be query's shape"):
+        ops.cpu_attention_with_kv_cache(
+            c["q"], c["kv_cache"], c["q"][:1].clone(), c["qsl"], c["seq_lens"], 0.125,
+            c["block_table"],
+        )  # fmt: skip
+    past = c["qsl"].clone()
+    past[-1] = c["q"].shape[0] + 1
+    with pytest.raises(RuntimeError, match="past the query"):
+        _run_kernel({**c, "qsl": past}, 0.125)
+
+
 # --- the backend --------------------------------------------------------------------------
 
 
@@ -170,6 +195,21 @@ def test_backend_hands_what_the_kernel_does_not_cover_to_the_reference(
     assert calls == []
 
 
+def test_backend_names_the_launch_it_takes() -> None:
+    """The trace's ``tracevllm.attention.launch``: the kernel, or the reference on a fallback."""
+    from tracevllm.attention.backends.cpu_attn import CPUAttentionImpl
+
+    c = build_case([1, 3], [20, 5], 4, 2, 64, 4, seed=7)
+    impl = CPUAttentionImpl(4, 64, 0.125, 2)
+    meta = types.SimpleNamespace(max_query_len=3)
+    assert impl.launch_name(meta).startswith("cpu_attention_with_kv_cache")
+    assert "SDPA per prefill" in impl.launch_name(meta)
+    windowed = CPUAttentionImpl(4, 64, 0.125, 2, sliding_window=8)
+    assert windowed.launch_name(meta).startswith("unified_attention_torch")
+    impl._kernel_covers(c["kv_cache"].double())  # a forward on a float64 cache
+    assert impl.launch_name(meta).startswith("unified_attention_torch")
+
+
 def test_selector_defaults_to_the_kernel_on_cpu_and_falls_back_without_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -185,30 +225,104 @@ def test_selector_defaults_to_the_kernel_on_cpu_and_falls_back_without_it(
         selector.get_attn_backend("cpu_attn", "cpu")
 
 
+BUILD_FAILURES = {
+    "no compiler": (
+        "Error building extension 'x'\ng++: command not found",
+        "g++: command not found",
+    ),
+    "compiler error": (
+        "Error building extension 'x': [1/2] c++ -c cpu_attn.cpp\nFAILED: cpu_attn.o\n"
+        "cpu_attn.cpp:20:10: fatal error: torch/library.h: No such file or directory\n"
+        "compilation terminated.\nninja: build stopped: subcommand failed.",
+        "fatal error: torch/library.h",
+    ),
+}
+
+
+@pytest.mark.parametrize("failure", BUILD_FAILURES)
 def test_a_failed_build_is_said_once_and_reported_unavailable(
-    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+    failure: str, monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """No compiler: a warning that says what to install, and False (the reference is taken)."""
+    """A failed build: a warning with the compiler's reason and what to install, and
+    False (the reference is taken)."""
     import torch.utils.cpp_extension as cpp_extension
 
-    def no_compiler(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("Error building extension\ng++: command not found")
+    message, reason = BUILD_FAILURES[failure]
+
+    def failing_build(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(message)
 
     cpu_attn.cpu_attn_available.cache_clear()
     try:
         with monkeypatch.context() as m:
-            m.setattr(cpp_extension, "load", no_compiler)
+            m.setattr(cpp_extension, "load", failing_build)
             m.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
             with caplog.at_level(logging.WARNING, logger="tracevllm.kernels.cpu_attn"):
                 assert cpu_attn.cpu_attn_available() is False
                 assert cpu_attn.cpu_attn_available() is False
         warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
         assert len(warnings) == 1
-        assert "g++: command not found" in warnings[0].getMessage()
+        assert reason in warnings[0].getMessage()
         assert "ninja" in warnings[0].getMessage()
     finally:
         cpu_attn.cpu_attn_available.cache_clear()
     assert cpu_attn.cpu_attn_available() is True  # the real build, from the cache again
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch waits forever on a build lock whose build was killed: an old one is removed
+    first (a fresh one, a build in progress elsewhere, is left to torch's wait)."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    name, _ = cpu_attn._build_name_and_flags()
+    lock = tmp_path / name / "lock"
+    lock.parent.mkdir()
+    seen = []
+    cpu_attn.cpu_attn_available.cache_clear()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(cpp_extension, "load", lambda *a, **k: seen.append(lock.exists()))
+            m.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+            lock.touch()
+            assert cpu_attn.cpu_attn_available() is True
+            cpu_attn.cpu_attn_available.cache_clear()
+            old = time.time() - cpu_attn.STALE_LOCK_S - 1
+            os.utime(lock, (old, old))
+            with caplog.at_level(logging.WARNING, logger="tracevllm.kernels.cpu_attn"):
+                assert cpu_attn.cpu_attn_available() is True
+        assert seen == [True, False]
+        assert any("did not finish" in r.getMessage() for r in caplog.records)
+    finally:
+        cpu_attn.cpu_attn_available.cache_clear()
+
+
+def test_the_pip_installed_ninja_is_on_path_while_torch_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch runs ``ninja`` by name on every load: the venv's, not only a system one."""
+    import os
+
+    import ninja
+    import torch.utils.cpp_extension as cpp_extension
+
+    paths = []
+    before = os.environ["PATH"]
+    cpu_attn.cpu_attn_available.cache_clear()
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(cpp_extension, "load", lambda *a, **k: paths.append(os.environ["PATH"]))
+            m.setenv("PATH", "/usr/bin:/bin")
+            assert cpu_attn.cpu_attn_available() is True
+            assert os.environ["PATH"] == "/usr/bin:/bin"  # put back after
+        assert paths[0].split(os.pathsep)[0] == ninja.BIN_DIR
+    finally:
+        cpu_attn.cpu_attn_available.cache_clear()
+    assert os.environ["PATH"] == before
 
 
 def test_bench_cpu_attn_times_both_reads_and_checks_they_agree(tmp_path) -> None:

@@ -158,6 +158,34 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_c
   const int64_t t_req = block_table.stride(0);
   const float sc = static_cast<float>(scale);
 
+  // Every decode's bounds, checked before any thread reads the cache: a bad
+  // table would otherwise read (or write) arbitrary memory, where the
+  // reference's indexing raises.
+  TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(),
+              "cpu_attention_with_kv_cache: output must be query's shape, "
+              "[num_tokens, num_heads, head_size]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.size(4) == head_size,
+              "cpu_attention_with_kv_cache: kv_cache must be "
+              "[num_blocks, 2, block_size, num_kv_heads, head_size]");
+  TORCH_CHECK(query_start_loc.size(0) == num_reqs + 1 && block_table.size(0) >= num_reqs,
+              "cpu_attention_with_kv_cache: query_start_loc and block_table must cover "
+              "every request of seq_lens");
+  const int64_t num_blocks = kv_cache.size(0), max_pages = block_table.size(1);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    TORCH_CHECK(qsl[r] >= 0 && qsl[r] <= qsl[r + 1] && qsl[r + 1] <= query.size(0),
+                "cpu_attention_with_kv_cache: query_start_loc out of order or past the query");
+    if (qsl[r + 1] - qsl[r] != 1) continue;
+    const int64_t pages = (static_cast<int64_t>(lens[r]) + block_size - 1) / block_size;
+    TORCH_CHECK(lens[r] >= 1 && pages <= max_pages,
+                "cpu_attention_with_kv_cache: seq_len ", lens[r], " of request ", r,
+                " needs 1 to ", max_pages * block_size, " tokens");
+    for (int64_t p = 0; p < pages; ++p) {
+      const int32_t b = table[r * t_req + p];
+      TORCH_CHECK(b >= 0 && b < num_blocks, "cpu_attention_with_kv_cache: block ", b,
+                  " of request ", r, " is not in the cache's ", num_blocks, " blocks");
+    }
+  }
+
   // One work item per (request, KV head): its group of query heads reads
   // that head's keys and values once. Torch's thread count splits the items.
   // --8<-- [start:decode_items]

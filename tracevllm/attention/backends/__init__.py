@@ -1,1 +1,1 @@
-"""Attention backends: torch (reference, CPU default) and triton (CUDA default)."""
+"""Attention backends: cpu_attn (CPU default), torch (reference) and triton (CUDA default)."""

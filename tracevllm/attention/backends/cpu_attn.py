@@ -36,16 +36,25 @@ if TYPE_CHECKING:
 
 
 class CPUAttentionImpl(TorchAttentionImpl):
+    # The cache's dtype is known at the first forward; until then, assume fp32.
+    _fp32_cache = True
+
     def _kernel_covers(self, kv_cache: torch.Tensor) -> bool:
+        self._fp32_cache = kv_cache.dtype == torch.float32
         return (
-            kv_cache.dtype == torch.float32
+            self._fp32_cache
             and self.sliding_window[0] < 0
             and not self.logits_soft_cap
             and "unified_attention_torch" not in selected_labs()
         )
 
     def launch_name(self, attn_metadata: AttentionMetadata) -> str:
-        if self.sliding_window[0] >= 0 or self.logits_soft_cap:
+        if (
+            self.sliding_window[0] >= 0
+            or self.logits_soft_cap
+            or not self._fp32_cache
+            or "unified_attention_torch" in selected_labs()
+        ):
             return super().launch_name(attn_metadata)
         if attn_metadata.max_query_len > 1:
             return "cpu_attention_with_kv_cache (decodes, pages read in place) + SDPA per prefill"

@@ -3,7 +3,8 @@
 Plays the part of vllm/v1/attention/backends/triton_attn.py
 (``TritonAttentionBackend``, ``TritonAttentionImpl``) with the kernels of
 kernels/*.py's ``*_torch`` references, reached through ``_custom_ops``. It is
-the default on CPU. Same KV cache layout as the Triton backend, so the two
+the CPU default where the C++ kernel of cpu_attn.py cannot be built, and
+what that backend hands its prefills. Same KV cache layout as the Triton backend, so the two
 are interchangeable. With vLLM's sliding window (``window_size``) and logit
 soft cap. Left out: fp8 KV caches, ALiBi, sinks.
 """
