@@ -186,8 +186,9 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_c
     }
   }
 
-  // One work item per (request, KV head): its group of query heads reads
-  // that head's keys and values once. Torch's thread count splits the items.
+  // One work item per (request, KV head): its group of query heads read that
+  // head's keys and values one after another (after the first, from cache).
+  // Torch's thread count splits the items.
   // --8<-- [start:decode_items]
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(head_size), inv(group);
