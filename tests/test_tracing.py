@@ -91,7 +91,13 @@ def test_inprocess_span_tree(tiny_model_dir: str) -> None:
     assert {s.attributes["tracevllm.layer"] for s in spans if s.name == "unified_attention"} == {0}
     launches = {s.attributes["tracevllm.attention.launch"] for s in spans
                 if s.name == "unified_attention"}  # fmt: skip
-    assert [launch.split()[0] for launch in launches] == ["unified_attention_torch"]
+    # The default CPU backend (cpu_attn) names its kernel; the reference its op.
+    from kernels.cpu_attn import cpu_attn_available
+
+    default_launch = (
+        "cpu_attention_with_kv_cache" if cpu_attn_available() else "unified_attention_torch"
+    )
+    assert {launch.split()[0] for launch in launches} == {default_launch}
     assert names["LlamaDecoderLayer.forward"] == 0
     # One trace for the whole generate call; every span has its code location.
     assert len({s.context.trace_id for s in spans}) == 1
