@@ -5,9 +5,9 @@
 #
 # Needs only python3 with torch, triton and pytest (a CUDA image has them; no
 # `make setup`): the kernel tests against their PyTorch references, compiled
-# for the GPU this time instead of interpreted (the engine tests, which need the
-# whole package's dependencies, are left out), the MoE kernel against its
-# reference, then `bench_kernels.py`. The logs go to OUT_DIR (default: gpu-check/).
+# for the GPU this time instead of interpreted, the MoE kernel against its
+# reference, then `bench_kernels.py`; then, with the engine's few extra wheels
+# in .whl/, the engine's CUDA graphs. The logs go to OUT_DIR (default: gpu-check/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu-check}"
@@ -57,5 +57,23 @@ PY
 moe=$?
 python3 benchmarks/bench_kernels.py "$@" 2>&1 | tee "$out/bench.log"
 bench=$?
-echo "tests rc=$tests moe rc=$moe bench rc=$bench"
-exit $(( tests || moe || bench ))
+# The engine on the GPU: PIECEWISE CUDA graphs lossless against eager, then
+# eager / compiled / compiled with graphs (tests/test_cuda_graph.py,
+# benchmarks/bench_cuda_graphs.py). These import the whole package: a CUDA
+# image lacks OpenTelemetry, msgspec and pyzmq, so bring them as wheels in
+# .whl/ (benchmarks/gpu_wheels.sh fetches them where pip can reach PyPI).
+engine=0
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/gpu-check-site .whl/*.whl
+    export PYTHONPATH="/tmp/gpu-check-site:$PYTHONPATH"
+fi
+if python3 -c "import opentelemetry.sdk, msgspec, zmq" 2>/dev/null; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py -k piecewise 2>&1 | tee "$out/cuda_graph_tests.log"
+    engine=$?
+    python3 benchmarks/bench_cuda_graphs.py --output-json "$out/cuda_graphs.json" 2>&1 | tee "$out/cuda_graphs.log"
+    engine=$(( engine || $? ))
+else
+    echo "engine checks skipped: no OpenTelemetry / msgspec / pyzmq (run benchmarks/gpu_wheels.sh first)" | tee "$out/cuda_graph_tests.log"
+fi
+echo "tests rc=$tests moe rc=$moe bench rc=$bench engine rc=$engine"
+exit $(( tests || moe || bench || engine ))

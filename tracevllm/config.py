@@ -30,6 +30,7 @@ from tracevllm.compilation.config import (  # noqa: F401 (re-exported)
     CompilationMode,
     CUDAGraphMode,
     resolve_compilation_config,
+    set_cudagraph_sizes,
 )
 
 # vLLM's vllm/config/kv_transfer.py; kept beside the KV connectors, re-exported here.
@@ -860,6 +861,13 @@ class VllmConfig:
             self.compilation_config = CompilationConfig.from_cli(self.compilation_config)
         self.model_config.enforce_eager = resolve_compilation_config(
             self.compilation_config, self.model_config.enforce_eager, self.device_config.device
+        )
+        spec = self.speculative_config
+        set_cudagraph_sizes(
+            self.compilation_config,
+            self.scheduler_config.max_num_seqs,
+            self.scheduler_config.max_num_batched_tokens,
+            (spec.num_speculative_tokens or 0) if spec is not None else 0,
         )
         if self.compilation_config.mode == CompilationMode.NONE:
             return

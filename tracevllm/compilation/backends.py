@@ -10,14 +10,17 @@ splitting ones that run the attention ops as plain Python between them.
 Each compiled piece goes to ``PiecewiseBackend``, which asks
 ``CompilerManager`` for it per shape; the manager loads it from the cache
 directory when a previous start saved it (a hit: no Inductor), else
-compiles and saves it. Left out: post-grad passes (fusions), Inductor graph
-partition, CUDA graph wrapping, the generated stitching code (tracevllm
-runs the split GraphModule itself), the AOT "mega artifact".
+compiles and saves it. With PIECEWISE CUDA graphs each compiled piece is
+wrapped in a ``CUDAGraphWrapper`` (``wrap_with_cudagraph_if_needed``).
+Left out: post-grad passes (fusions), Inductor graph partition, the
+generated stitching code (tracevllm runs the split GraphModule itself), the
+AOT "mega artifact".
 """
 
 from __future__ import annotations
 
 import ast
+import inspect
 import operator
 import os
 import pprint
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+import torch.fx.passes.split_module
 
 from tracevllm import tracing
 from tracevllm.compilation.caching import compute_cache_hash, compute_code_hash, local_cache_dir
@@ -44,6 +48,11 @@ if TYPE_CHECKING:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tracevllm.config import VllmConfig
+
+
+_SPLIT_MODULE_TUPLE_RETURN = (
+    "tuple_return" in inspect.signature(torch.fx.passes.split_module.split_module).parameters
+)
 
 
 def make_compiler(backend: str) -> CompilerInterface:
@@ -189,12 +198,16 @@ def split_graph(
         else:
             node_to_subgraph_id[node] = subgraph_id
 
-    split_gm = torch.fx.passes.split_module.split_module(
+    # torch >= 2.12 can make every piece return a tuple; before, a piece with one
+    # output returns it bare (PiecewiseBackend's returns_tuple copes with both).
+    split_module = torch.fx.passes.split_module.split_module
+    tuple_return: dict[str, Any] = {"tuple_return": True} if _SPLIT_MODULE_TUPLE_RETURN else {}
+    split_gm = split_module(
         graph,
         None,  # type: ignore[arg-type]
         lambda node: node_to_subgraph_id[node],
         keep_original_order=True,
-        tuple_return=True,
+        **tuple_return,
     )
     items = []
     for name, module in split_gm.named_children():
@@ -206,6 +219,23 @@ def split_graph(
 
 
 # --8<-- [end:split_graph]
+
+
+def wrap_with_cudagraph_if_needed(
+    piecewise_backend: PiecewiseBackend, vllm_config: VllmConfig, is_first_graph: bool
+) -> Any:
+    """A compiled piece in a ``CUDAGraphWrapper`` when PIECEWISE graphs are on."""
+    cudagraph_mode = vllm_config.compilation_config.cudagraph_mode
+    if cudagraph_mode is None or not cudagraph_mode.has_piecewise_cudagraphs():
+        return piecewise_backend
+    from tracevllm.compilation.config import CUDAGraphMode
+    from tracevllm.compilation.cuda_graph import CUDAGraphOptions, CUDAGraphWrapper
+
+    return CUDAGraphWrapper(
+        piecewise_backend,
+        CUDAGraphMode.PIECEWISE,
+        CUDAGraphOptions(debug_log_enable=is_first_graph, gc_disable=not is_first_graph),
+    )
 
 
 class PiecewiseCompileInterpreter(torch.fx.Interpreter):  # type: ignore[misc]
@@ -234,15 +264,19 @@ class PiecewiseCompileInterpreter(torch.fx.Interpreter):  # type: ignore[misc]
             from torch._inductor.compile_fx import graph_returns_tuple
 
             sym_shape_indices = [i for i, x in enumerate(args) if isinstance(x, torch.SymInt)]
-            self.module.__dict__[target] = PiecewiseBackend(
+            index = self.compile_submod_names.index(target)
+            piecewise_backend = PiecewiseBackend(
                 gm,
                 self.vllm_config,
-                self.compile_submod_names.index(target),
+                index,
                 len(self.compile_submod_names),
                 sym_shape_indices,
                 self.vllm_backend,
                 graph_returns_tuple(gm),
                 submod_name=target,
+            )
+            self.module.__dict__[target] = wrap_with_cudagraph_if_needed(
+                piecewise_backend, self.vllm_config, is_first_graph=index == 0
             )
             compilation_counter.num_piecewise_capturable_graphs_seen += 1
         return output

@@ -6,9 +6,12 @@ Mirrors vllm/config/compilation.py (``CompilationMode``, ``CUDAGraphMode``,
 ``cudagraph_mode``, ``cudagraph_capture_sizes``; ``compute_hash``). Left out:
 pass_config and the custom passes (fusions), custom_ops, compile ranges
 (one dynamic-shape compile covers every size that ``compile_sizes`` does not
-name), Inductor graph partition, dynamic_shapes_config, AOT compile. The CUDA
-graph fields are checked and kept, but tracevllm captures no CUDA graph yet:
-they resolve to NONE / [] (see ``resolve_compilation_config``).
+name), Inductor graph partition, dynamic_shapes_config, AOT compile. CUDA
+graphs are captured piecewise when asked for (``cudagraph_mode``
+"PIECEWISE", compilation/cuda_graph.py; not yet run on a GPU, so not the
+default): the FULL modes, which capture attention too, are taken down to
+PIECEWISE, and on CPU every mode resolves to NONE (see
+``resolve_compilation_config`` and ``set_cudagraph_sizes``).
 
 No torch here: the frontend builds and checks this config without it, and
 the whole ``VllmConfig`` is pickled to the engine process.
@@ -38,13 +41,32 @@ class CompilationMode(enum.IntEnum):
 
 
 class CUDAGraphMode(enum.Enum):
-    """vLLM's CUDA graph modes; tracevllm captures none yet (always NONE at run time)."""
+    """vLLM's CUDA graph modes. A tuple is (decode mode, mixed-batch mode).
+
+    tracevllm captures PIECEWISE only: the pieces between attentions, each
+    a CUDA graph per padded batch size, with attention run eagerly between.
+    """
 
     NONE = 0
     PIECEWISE = 1
     FULL = 2
     FULL_DECODE_ONLY = (2, 0)
     FULL_AND_PIECEWISE = (2, 1)
+
+    def separate_routine(self) -> bool:
+        return isinstance(self.value, tuple)
+
+    def has_mode(self, mode: CUDAGraphMode) -> bool:
+        assert not mode.separate_routine()
+        if self.separate_routine():
+            return mode.value in self.value
+        return self == mode
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        return self.has_mode(CUDAGraphMode.PIECEWISE)
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.has_mode(CUDAGraphMode.FULL)
 
 
 # The attention custom op the graph is split at (vLLM: vllm::unified_attention_with_output,
@@ -90,9 +112,13 @@ class CompilationConfig:
     cache_dir: str = ""
     # Inductor options (vLLM's CPU platform sets its own, platforms/cpu.py).
     inductor_compile_config: dict[str, Any] = field(default_factory=dict)
-    # CUDA only; checked, kept, resolved to NONE / [] (no CUDA graphs in tracevllm yet).
+    # CUDA only (NONE / [] on CPU). None: NONE (PIECEWISE must be asked for
+    # until a GPU run has checked it); the sizes: vLLM's default list up to
+    # max_cudagraph_capture_size.
     cudagraph_mode: CUDAGraphMode | None = None
     cudagraph_capture_sizes: list[int] | None = None
+    # None: min(max_num_seqs * decode query length * 2, 512), as vLLM.
+    max_cudagraph_capture_size: int | None = None
     # Set while compiling (not user input, left out of the hash as in vLLM).
     local_cache_dir: str = field(default="", repr=False)
     traced_files: set[str] = field(default_factory=set, repr=False, compare=False)
@@ -138,6 +164,11 @@ class CompilationConfig:
             self.cudagraph_capture_sizes = _positive_ints(
                 "cudagraph_capture_sizes", self.cudagraph_capture_sizes
             )
+        size = self.max_cudagraph_capture_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(
+                f"compilation_config.max_cudagraph_capture_size must be an int >= 1, got {size!r}."
+            )
 
     @classmethod
     def from_cli(cls, value: str | dict[str, Any] | CompilationConfig) -> CompilationConfig:
@@ -173,6 +204,7 @@ class CompilationConfig:
             ),
             "cudagraph_mode": self.cudagraph_mode.name if self.cudagraph_mode else None,
             "cudagraph_capture_sizes": self.cudagraph_capture_sizes,
+            "max_cudagraph_capture_size": self.max_cudagraph_capture_size,
         }
         return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -226,17 +258,95 @@ def resolve_compilation_config(
         compilation_config.splitting_ops = list(ATTENTION_OPS)
     if compilation_config.compile_sizes is None:
         compilation_config.compile_sizes = []
-    requested = compilation_config.cudagraph_mode
-    if requested not in (None, CUDAGraphMode.NONE):
-        logger.warning(
-            "compilation_config.cudagraph_mode %s: tracevllm captures no CUDA graphs "
-            "(device %s); running without.",
-            requested.name,
-            device,
-        )
-    compilation_config.cudagraph_mode = CUDAGraphMode.NONE
-    compilation_config.cudagraph_capture_sizes = []
+    compilation_config.cudagraph_mode = _resolve_cudagraph_mode(
+        compilation_config.cudagraph_mode, compilation_config.mode, device
+    )
     return enforce_eager
+
+
+def _resolve_cudagraph_mode(
+    requested: CUDAGraphMode | None, mode: CompilationMode | None, device: str
+) -> CUDAGraphMode:
+    """vLLM's default on CUDA is FULL_AND_PIECEWISE; tracevllm's is NONE for now.
+
+    tracevllm's PIECEWISE graphs are tested on CPU up to the capture (the
+    padded steps, the fixed buffers, the dispatch) but have not yet run on
+    a GPU (the one GPU run so far stopped earlier, in the compile, on torch
+    2.11): they are asked for with ``cudagraph_mode`` "PIECEWISE", and the
+    default becomes PIECEWISE once ``bash benchmarks/gpu_check.sh`` has
+    shown them lossless. Piecewise graphs need the split graph
+    (VLLM_COMPILE), as in vLLM. A FULL
+    mode captures attention too, which needs an attention backend whose
+    metadata lives in fixed buffers; tracevllm's builds it afresh each step,
+    so FULL comes down to PIECEWISE, as vLLM does for a backend without full
+    graph support. No CUDA graphs on CPU.
+    """
+    if device != "cuda" or mode != CompilationMode.VLLM_COMPILE:
+        if requested not in (None, CUDAGraphMode.NONE):
+            logger.warning(
+                "compilation_config.cudagraph_mode %s needs mode VLLM_COMPILE on CUDA "
+                "(here: mode %s on %s); running without CUDA graphs.",
+                requested.name,
+                mode.name if mode is not None else None,
+                device,
+            )
+        return CUDAGraphMode.NONE
+    if requested is None:
+        return CUDAGraphMode.NONE
+    if requested.has_full_cudagraphs():
+        logger.warning(
+            "compilation_config.cudagraph_mode %s: tracevllm's attention backends build "
+            "their metadata each step and cannot be captured whole; using PIECEWISE "
+            "(attention runs eagerly between the captured pieces).",
+            requested.name,
+        )
+        return CUDAGraphMode.PIECEWISE
+    return requested
+
+
+# --8<-- [start:set_cudagraph_sizes]
+def set_cudagraph_sizes(
+    compilation_config: CompilationConfig,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    num_speculative_tokens: int = 0,
+) -> None:
+    """vLLM's ``VllmConfig._set_cudagraph_sizes``: the batch sizes (tokens) captured.
+
+    By default 1, 2, 4, then every 8 below 256 and every 16 from 256, up to
+    ``max_cudagraph_capture_size`` (min(max_num_seqs * decode query length
+    * 2, 512), never above max_num_batched_tokens), and max_num_batched_tokens
+    itself when it fits. A step of n tokens runs the smallest captured size
+    >= n (its padding does nothing); a larger step runs without graphs.
+    """
+    cc = compilation_config
+    if cc.cudagraph_mode in (None, CUDAGraphMode.NONE):
+        cc.cudagraph_capture_sizes = []
+        cc.max_cudagraph_capture_size = 0
+        return
+    max_size = cc.max_cudagraph_capture_size
+    if max_size is None:
+        max_size = min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512)
+    max_size = min(max_size, max_num_batched_tokens)
+    if cc.cudagraph_capture_sizes is not None:
+        sizes = [s for s in cc.cudagraph_capture_sizes if s <= max_num_batched_tokens]
+        if not sizes:
+            raise ValueError(
+                f"compilation_config.cudagraph_capture_sizes {cc.cudagraph_capture_sizes} "
+                f"are all above max_num_batched_tokens {max_num_batched_tokens}."
+            )
+        max_size = max(sizes)  # the sizes given win over max_cudagraph_capture_size
+    else:
+        sizes = [s for s in (1, 2, 4) if s <= max_size]
+        sizes += list(range(8, min(max_size + 1, 256), 8))
+        sizes += list(range(256, max_size + 1, 16))
+        if max_num_batched_tokens <= max_size:
+            sizes.append(max_num_batched_tokens)
+    cc.cudagraph_capture_sizes = sorted(set(sizes))
+    cc.max_cudagraph_capture_size = cc.cudagraph_capture_sizes[-1]
+
+
+# --8<-- [end:set_cudagraph_sizes]
 
 
 # --8<-- [end:resolve_compilation_config]

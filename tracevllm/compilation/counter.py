@@ -2,7 +2,7 @@
 
 Mirrors vllm/compilation/counter.py (``CompilationCounter``,
 ``compilation_counter``, ``expect``), with the counters tracevllm's path
-moves; left out: the CUDA graph and AOT-compile counts.
+moves; left out: the AOT-compile counts.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ class CompilationCounter:
     num_compiled_artifacts_saved: int = 0
     num_compiled_artifacts_loaded: int = 0
     stock_torch_compile_count: int = 0
+    # CUDA graphs captured: one per compiled piece per capture size.
+    num_cudagraph_captured: int = 0
+    # tracevllm: graphs replayed (vLLM counts only the captures).
+    num_cudagraph_replayed: int = 0
 
     def clone(self) -> CompilationCounter:
         return copy.deepcopy(self)

@@ -21,8 +21,12 @@ batch gets a placeholder (-1) for each, and the next step's input ids take
 them from there (``_prepare_input_ids``), so that step can be prepared
 before this one's tokens reach the host; ``sample_tokens`` returns an
 ``AsyncGPUModelRunnerOutput`` that waits for them. A KV connector gets its
-turn around the forward (``KVConnectorModelRunnerMixin``). Left out:
-CUDA graphs, torch.compile, the padded drafter batch, LoRA,
+turn around the forward (``KVConnectorModelRunnerMixin``). A compiled model
+compiles in ``load_model`` (a dummy run at the widest batch); with PIECEWISE
+CUDA graphs ``capture_model`` captures each capture size before the first
+request, and ``execute_model`` pads a step to the next captured size and
+feeds the model from fixed buffers (``_model_inputs``). Left out: FULL CUDA
+graphs, the padded drafter batch, LoRA,
 multimodal, pooling, prompt logprobs, cascade attention,
 profiling runs (the KV cache size comes from a configured budget).
 """
@@ -30,6 +34,7 @@ profiling runs (the KV cache size comes from a configured budget).
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,20 +44,22 @@ import torch
 from tracevllm import tracing
 from tracevllm.attention.backends.abstract import AttentionMetadata
 from tracevllm.attention.selector import get_attn_backend
-from tracevllm.compilation.config import CompilationMode
+from tracevllm.compilation.config import CompilationMode, CUDAGraphMode
 from tracevllm.core.kv_cache_sizing import (
     _pool_bytes_per_block,
     get_kv_cache_config_from_groups,
     get_kv_cache_groups,
 )
+from tracevllm.cudagraph_dispatcher import CudagraphDispatcher
 from tracevllm.distributed.parallel_state import get_pp_group
-from tracevllm.forward_context import set_forward_context
+from tracevllm.forward_context import BatchDescriptor, set_forward_context
 from tracevllm.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     UniformTypeKVCacheSpecs,
 )
+from tracevllm.logger import init_logger
 from tracevllm.model_executor.layers.attention import Attention
 from tracevllm.model_executor.model_loader import get_model
 from tracevllm.outputs import (
@@ -80,6 +87,8 @@ if TYPE_CHECKING:
     from tracevllm.engine import LogprobsLists
     from tracevllm.model_executor.models.interfaces_base import VllmModelForTextGeneration
     from tracevllm.sample.metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
+
+logger = init_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -205,6 +214,17 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.attn_metadata: AttentionMetadata | None = None
         self.attn_metadata_per_group: list[AttentionMetadata] = []
 
+        # CUDA graphs: which graph a step runs, and the fixed buffers the first
+        # piece reads (a graph replays on the addresses it was captured with).
+        self.cudagraph_dispatcher = CudagraphDispatcher(vllm_config)
+        self.input_ids_buffer: torch.Tensor | None = None
+        self.positions_buffer: torch.Tensor | None = None
+        cc = vllm_config.compilation_config
+        if cc.cudagraph_mode is not None and cc.cudagraph_mode.has_piecewise_cudagraphs():
+            size = cc.max_cudagraph_capture_size or 0
+            self.input_ids_buffer = torch.zeros(size, dtype=torch.int32, device=self.device)
+            self.positions_buffer = torch.zeros(size, dtype=torch.int64, device=self.device)
+
     def _make_input_batch(self) -> InputBatch:
         return InputBatch(
             max_num_reqs=self.max_num_reqs,
@@ -228,17 +248,86 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             self._dummy_run(self.max_num_tokens)
 
     @torch.inference_mode()
-    def _dummy_run(self, num_tokens: int) -> None:
+    def _dummy_run(
+        self, num_tokens: int, cudagraph_runtime_mode: CUDAGraphMode | None = None
+    ) -> None:
         """One forward of ``num_tokens`` dummy tokens (vLLM's ``_dummy_run``).
 
         A compiled model compiles here, at its widest batch; with no
-        attention metadata the attention ops do nothing.
+        attention metadata the attention ops do nothing. In PIECEWISE mode
+        (``capture_model``) each compiled piece captures its graph for
+        ``num_tokens``, reading the fixed input buffers as a real step will.
         """
         assert self.model is not None
-        input_ids = torch.zeros(num_tokens, dtype=self.input_ids.dtype, device=self.device)
-        positions = torch.zeros(num_tokens, dtype=self.positions.dtype, device=self.device)
-        with set_forward_context(None, self.vllm_config, no_compile_layers=dict(self.attn_layers)):
+        mode = cudagraph_runtime_mode or CUDAGraphMode.NONE
+        if mode == CUDAGraphMode.NONE:
+            input_ids = torch.zeros(num_tokens, dtype=self.input_ids.dtype, device=self.device)
+            positions = torch.zeros(num_tokens, dtype=self.positions.dtype, device=self.device)
+        else:
+            assert self.input_ids_buffer is not None and self.positions_buffer is not None
+            input_ids = self.input_ids_buffer[:num_tokens]
+            positions = self.positions_buffer[:num_tokens]
+        with set_forward_context(
+            None,
+            self.vllm_config,
+            no_compile_layers=dict(self.attn_layers),
+            cudagraph_runtime_mode=mode,
+            batch_descriptor=BatchDescriptor(num_tokens) if mode != CUDAGraphMode.NONE else None,
+        ):
             self.model(input_ids, positions, None)
+
+    # --8<-- [start:capture_model]
+    @tracing.instrument("ModelRunner.capture_model")
+    def capture_model(self) -> float:
+        """Capture every size's CUDA graphs (vLLM's ``capture_model``); returns seconds.
+
+        Largest first, each after one warm-up run without graphs (cuBLAS and
+        Triton set themselves up outside the capture). Nothing to do unless
+        the compilation config asks for PIECEWISE graphs (CUDA, VLLM_COMPILE).
+        """
+        cc = self.vllm_config.compilation_config
+        mode = cc.cudagraph_mode or CUDAGraphMode.NONE
+        self.cudagraph_dispatcher.initialize_cudagraph_keys(mode)
+        if mode == CUDAGraphMode.NONE:
+            return 0.0
+        start = time.perf_counter()
+        for runtime_mode, descriptors in self.cudagraph_dispatcher.get_capture_descs():
+            for descriptor in descriptors:
+                self._dummy_run(descriptor.num_tokens, CUDAGraphMode.NONE)  # warm-up
+                self._dummy_run(descriptor.num_tokens, runtime_mode)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        logger.info(
+            "Graph capturing finished in %.1f s: %d sizes (%s .. %s tokens), mode %s.",
+            elapsed,
+            len(self.cudagraph_dispatcher.capture_sizes),
+            self.cudagraph_dispatcher.capture_sizes[0],
+            self.cudagraph_dispatcher.capture_sizes[-1],
+            mode.name,
+        )
+        return elapsed
+
+    # --8<-- [end:capture_model]
+
+    def _model_inputs(
+        self, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, CUDAGraphMode, BatchDescriptor | None]:
+        """The step's input ids and positions, and the graph it runs.
+
+        With a captured size >= num_tokens, the step is padded to it: its
+        ids and positions go into the fixed buffers, whose tail keeps the
+        last values there (valid ids and positions; their rows write no KV,
+        since the slot mapping covers the real tokens only, and no logits are
+        taken from them).
+        """
+        mode, descriptor = self.cudagraph_dispatcher.dispatch(num_tokens)
+        if mode == CUDAGraphMode.NONE:
+            return self.input_ids, self.positions, mode, None
+        assert self.input_ids_buffer is not None and self.positions_buffer is not None
+        self.input_ids_buffer[:num_tokens].copy_(self.input_ids, non_blocking=True)
+        self.positions_buffer[:num_tokens].copy_(self.positions, non_blocking=True)
+        padded = descriptor.num_tokens
+        return self.input_ids_buffer[:padded], self.positions_buffer[:padded], mode, descriptor
 
     def _all_attn_layers(self) -> dict[str, Attention]:
         """The model's attention layers and a draft model's (the same block ids page them)."""
@@ -585,16 +674,21 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             return self.kv_connector_no_forward(scheduler_output, self.vllm_config)
         assert self.model is not None, "load_model() first"
         attn_metadata, logits_indices, discard = self._prepare_inputs(scheduler_output)
+        input_ids, positions, cudagraph_mode, batch_descriptor = self._model_inputs(
+            scheduler_output.total_num_scheduled_tokens
+        )
         with (
             set_forward_context(
                 attn_metadata,
                 self.vllm_config,
                 no_compile_layers=dict(self.attn_layers),
                 slot_mapping={name: md.slot_mapping for name, md in attn_metadata.items()},
+                cudagraph_runtime_mode=cudagraph_mode,
+                batch_descriptor=batch_descriptor,
             ),
             self.maybe_get_kv_connector_output(scheduler_output) as kv_connector_output,
         ):
-            hidden_states = self.model(self.input_ids, self.positions, intermediate_tensors)
+            hidden_states = self.model(input_ids, positions, intermediate_tensors)
         self.kv_connector_output = kv_connector_output
         if not get_pp_group().is_last_rank:
             assert isinstance(hidden_states, IntermediateTensors)

@@ -127,9 +127,12 @@ class Worker(WorkerBase):
         self.model_runner.initialize_kv_cache(kv_cache_config)
 
     def compile_or_warm_up_model(self) -> None:
-        """Nothing to compile or capture on this path; the seed is set again,
-        as vLLM does, so that loading the model leaves every rank's random
-        state the same (a request without a seed samples alike on all)."""
+        """Capture the CUDA graphs, if any (the model compiled in load_model);
+        then the seed is set again, as vLLM does, so that loading the model
+        leaves every rank's random state the same (a request without a seed
+        samples alike on all)."""
+        assert self.model_runner is not None
+        self.model_runner.capture_model()
         set_random_seed(self.model_config.seed)
 
     # --8<-- [start:worker_execute_model]
