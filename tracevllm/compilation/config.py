@@ -259,13 +259,19 @@ def resolve_compilation_config(
     if compilation_config.compile_sizes is None:
         compilation_config.compile_sizes = []
     compilation_config.cudagraph_mode = _resolve_cudagraph_mode(
-        compilation_config.cudagraph_mode, compilation_config.mode, device
+        compilation_config.cudagraph_mode,
+        compilation_config.mode,
+        device,
+        compilation_config.splitting_ops,
     )
     return enforce_eager
 
 
 def _resolve_cudagraph_mode(
-    requested: CUDAGraphMode | None, mode: CompilationMode | None, device: str
+    requested: CUDAGraphMode | None,
+    mode: CompilationMode | None,
+    device: str,
+    splitting_ops: list[str] | None = None,
 ) -> CUDAGraphMode:
     """vLLM's default on CUDA is FULL_AND_PIECEWISE; tracevllm's is NONE for now.
 
@@ -274,12 +280,15 @@ def _resolve_cudagraph_mode(
     a GPU (the one GPU run so far stopped earlier, in the compile, on torch
     2.11): they are asked for with ``cudagraph_mode`` "PIECEWISE", and the
     default becomes PIECEWISE once ``bash benchmarks/gpu_check.sh`` has
-    shown them lossless. Piecewise graphs need the split graph
-    (VLLM_COMPILE), as in vLLM. A FULL
-    mode captures attention too, which needs an attention backend whose
-    metadata lives in fixed buffers; tracevllm's builds it afresh each step,
-    so FULL comes down to PIECEWISE, as vLLM does for a backend without full
-    graph support. No CUDA graphs on CPU.
+    shown them lossless. Piecewise graphs need the graph split at both
+    attention ops (VLLM_COMPILE, ``splitting_ops`` holding ATTENTION_OPS):
+    an attention op inside a captured piece would be recorded as nothing
+    (it does no work at capture) and skipped at every replay, so without
+    the split the mode is NONE, as vLLM makes it. FULL_AND_PIECEWISE comes
+    down to PIECEWISE, as vLLM does for a backend without full graphs;
+    FULL and FULL_DECODE_ONLY are refused, as vLLM refuses them there:
+    tracevllm's attention builds its metadata anew each step and cannot be
+    captured. No CUDA graphs on CPU.
     """
     if device != "cuda" or mode != CompilationMode.VLLM_COMPILE:
         if requested not in (None, CUDAGraphMode.NONE):
@@ -291,17 +300,29 @@ def _resolve_cudagraph_mode(
                 device,
             )
         return CUDAGraphMode.NONE
-    if requested is None:
+    if requested is None or requested == CUDAGraphMode.NONE:
         return CUDAGraphMode.NONE
-    if requested.has_full_cudagraphs():
-        logger.warning(
-            "compilation_config.cudagraph_mode %s: tracevllm's attention backends build "
-            "their metadata each step and cannot be captured whole; using PIECEWISE "
-            "(attention runs eagerly between the captured pieces).",
-            requested.name,
+    if requested in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
+        raise ValueError(
+            f"compilation_config.cudagraph_mode {requested.name}: tracevllm's attention "
+            "backends build their metadata each step and cannot be captured whole; use "
+            "'PIECEWISE' (attention runs eagerly between the captured pieces) or 'NONE'."
         )
-        return CUDAGraphMode.PIECEWISE
-    return requested
+    missing = [op for op in ATTENTION_OPS if op not in (splitting_ops or [])]
+    if missing:
+        logger.warning(
+            "compilation_config.cudagraph_mode %s needs the graph split at the attention "
+            "ops; splitting_ops lacks %s: running without CUDA graphs.",
+            requested.name,
+            missing,
+        )
+        return CUDAGraphMode.NONE
+    if requested == CUDAGraphMode.FULL_AND_PIECEWISE:
+        logger.warning(
+            "compilation_config.cudagraph_mode FULL_AND_PIECEWISE: tracevllm's attention "
+            "backends cannot be captured whole; using PIECEWISE."
+        )
+    return CUDAGraphMode.PIECEWISE
 
 
 # --8<-- [start:set_cudagraph_sizes]
@@ -327,15 +348,32 @@ def set_cudagraph_sizes(
     max_size = cc.max_cudagraph_capture_size
     if max_size is None:
         max_size = min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512)
-    max_size = min(max_size, max_num_batched_tokens)
+    if max_size > max_num_batched_tokens:
+        if cc.max_cudagraph_capture_size is not None:
+            logger.warning(
+                "compilation_config.max_cudagraph_capture_size %d is above "
+                "max_num_batched_tokens %d: capturing up to %d.",
+                max_size,
+                max_num_batched_tokens,
+                max_num_batched_tokens,
+            )
+        max_size = max_num_batched_tokens
     if cc.cudagraph_capture_sizes is not None:
-        sizes = [s for s in cc.cudagraph_capture_sizes if s <= max_num_batched_tokens]
+        given = cc.cudagraph_capture_sizes
+        sizes = [s for s in given if s <= max_num_batched_tokens]
         if not sizes:
             raise ValueError(
-                f"compilation_config.cudagraph_capture_sizes {cc.cudagraph_capture_sizes} "
-                f"are all above max_num_batched_tokens {max_num_batched_tokens}."
+                f"compilation_config.cudagraph_capture_sizes {given} holds no size "
+                f"<= max_num_batched_tokens {max_num_batched_tokens}; give at least one."
             )
-        max_size = max(sizes)  # the sizes given win over max_cudagraph_capture_size
+        asked = cc.max_cudagraph_capture_size
+        if asked is not None and asked != max(given):
+            raise ValueError(
+                f"compilation_config.max_cudagraph_capture_size {asked} and "
+                f"cudagraph_capture_sizes {given} disagree: give one, or make the max "
+                "the largest size."
+            )
+        max_size = max(sizes)
     else:
         sizes = [s for s in (1, 2, 4) if s <= max_size]
         sizes += list(range(8, min(max_size + 1, 256), 8))

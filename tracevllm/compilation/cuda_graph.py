@@ -11,24 +11,29 @@ launch.
 A graph replays the same kernels on the same addresses, so it serves one
 input size only. The wrapper therefore keeps one graph per
 ``BatchDescriptor`` (the padded token count), captured the first time the
-runner dispatches that size in PIECEWISE mode (``capture_model`` does it
-for every size before the first request). It does not copy inputs: the
-runner feeds the first piece from fixed buffers, and every later piece's
-inputs are the previous pieces' outputs, which live in the graphs' memory
-pool at the addresses the capture gave them, or the attention output,
-which a piece allocated. Attention runs between the pieces, eagerly, since
-its metadata (block tables, sequence lengths) changes every step.
+runner dispatches that size in PIECEWISE mode, which only
+``capture_model`` may do, for every size before the first request. It does
+not copy inputs, so every tensor a piece takes must be where it was at the
+capture: the weights and the RoPE tables are module state (the runner puts
+the tables on the device before the first forward, ``move_rope_tables``),
+the token ids and positions come from the runner's fixed buffers, and the
+rest are earlier pieces' outputs, kept here at the addresses the capture
+gave them, or the attention output, which a piece allocated. The wrapper
+checks the addresses at each replay and raises if one moved. Attention
+runs between the pieces, eagerly, since its metadata (block tables,
+sequence lengths) changes every step.
 
 Departure: vLLM keeps each piece's output as a weak reference (a C++ op)
 so the pool can reuse it for other sizes' graphs; tracevllm keeps it, which
-costs one set of activations per captured size and needs no extension.
+costs one set of a piece's outputs per piece and captured size (the log of
+``capture_model`` says how much) and needs no extension.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 from unittest.mock import patch
 
@@ -45,6 +50,22 @@ from tracevllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+# Captures happen in capture_model only: a capture runs no kernels, so a
+# step that captured would return garbage (vLLM's
+# validate_cudagraph_capturing_enabled).
+_cudagraph_capturing_enabled = False
+
+
+@contextmanager
+def cudagraph_capturing_enabled() -> Iterator[None]:
+    global _cudagraph_capturing_enabled
+    _cudagraph_capturing_enabled = True
+    try:
+        yield
+    finally:
+        _cudagraph_capturing_enabled = False
+
+
 # One memory pool for every graph of the process (vLLM's platform global pool):
 # the pieces of one forward run in order, so their temporaries can share it.
 _global_graph_pool: Any = None
@@ -55,6 +76,14 @@ def get_global_graph_pool() -> Any:
     if _global_graph_pool is None:
         _global_graph_pool = torch.cuda.graph_pool_handle()
     return _global_graph_pool
+
+
+def _address(x: torch.Tensor) -> int:
+    """Where a tensor's data is (an opaque tensor, e.g. oneDNN's packed weights
+    on CPU, has no data pointer: the object stands in)."""
+    if x.is_mkldnn:
+        return id(x)
+    return x.data_ptr()
 
 
 @dataclasses.dataclass
@@ -93,7 +122,6 @@ class CUDAGraphWrapper:
         self.runnable = runnable
         self.runtime_mode = runtime_mode
         self.cudagraph_options = cudagraph_options or CUDAGraphOptions()
-        self.graph_pool = get_global_graph_pool()
         self.concrete_cudagraph_entries: dict[BatchDescriptor, CUDAGraphEntry] = {}
 
     def __getattr__(self, key: str) -> Any:
@@ -117,9 +145,15 @@ class CUDAGraphWrapper:
         entry = self.concrete_cudagraph_entries.get(descriptor)
         if entry is None:
             entry = self.concrete_cudagraph_entries[descriptor] = CUDAGraphEntry(descriptor)
-        addresses = [x.data_ptr() for x in args if isinstance(x, torch.Tensor)]
+        addresses = [_address(x) for x in args if isinstance(x, torch.Tensor)]
 
         if entry.cudagraph is None:
+            if not _cudagraph_capturing_enabled:
+                raise RuntimeError(
+                    f"No CUDA graph for {descriptor}, and captures happen only in "
+                    "ModelRunner.capture_model: the dispatcher chose a size that was not "
+                    "captured at start-up."
+                )
             if self.cudagraph_options.debug_log_enable:
                 logger.debug("Capturing a CUDA graph for %s", descriptor)
             entry.input_addresses = addresses
@@ -130,7 +164,8 @@ class CUDAGraphWrapper:
                     # collect garbage) before each capture: once per forward will do.
                     stack.enter_context(patch("gc.collect", lambda *a, **k: 0))
                     stack.enter_context(patch("torch.cuda.empty_cache", lambda: None))
-                stack.enter_context(torch.cuda.graph(cudagraph, pool=self.graph_pool))
+                pool = get_global_graph_pool()
+                stack.enter_context(torch.cuda.graph(cudagraph, pool=pool))
                 output = self.runnable(*args)
             entry.output = output
             entry.cudagraph = cudagraph

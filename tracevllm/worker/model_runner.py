@@ -61,6 +61,7 @@ from tracevllm.kv_cache_interface import (
 )
 from tracevllm.logger import init_logger
 from tracevllm.model_executor.layers.attention import Attention
+from tracevllm.model_executor.layers.rotary_embedding import move_rope_tables
 from tracevllm.model_executor.model_loader import get_model
 from tracevllm.outputs import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -238,6 +239,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     # ------------------------------------------------------------------ setup
     def load_model(self) -> None:
         self.model = get_model(self.vllm_config)
+        move_rope_tables(self.model.modules(), self.device)
         self.attn_layers = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
@@ -290,16 +292,24 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.cudagraph_dispatcher.initialize_cudagraph_keys(mode)
         if mode == CUDAGraphMode.NONE:
             return 0.0
+        from tracevllm.compilation.cuda_graph import cudagraph_capturing_enabled
+
         start = time.perf_counter()
-        for runtime_mode, descriptors in self.cudagraph_dispatcher.get_capture_descs():
-            for descriptor in descriptors:
-                self._dummy_run(descriptor.num_tokens, CUDAGraphMode.NONE)  # warm-up
-                self._dummy_run(descriptor.num_tokens, runtime_mode)
+        torch.cuda.synchronize()
+        memory_before = torch.cuda.mem_get_info()[0]
+        with cudagraph_capturing_enabled():
+            for runtime_mode, descriptors in self.cudagraph_dispatcher.get_capture_descs():
+                for descriptor in descriptors:
+                    self._dummy_run(descriptor.num_tokens, CUDAGraphMode.NONE)  # warm-up
+                    self._dummy_run(descriptor.num_tokens, runtime_mode)
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
+        # The pieces' kept outputs, one set per size, are most of it.
+        taken_gib = (memory_before - torch.cuda.mem_get_info()[0]) / (1 << 30)
         logger.info(
-            "Graph capturing finished in %.1f s: %d sizes (%s .. %s tokens), mode %s.",
+            "Graph capturing finished in %.1f s, %.2f GiB: %d sizes (%s .. %s tokens), mode %s.",
             elapsed,
+            taken_gib,
             len(self.cudagraph_dispatcher.capture_sizes),
             self.cudagraph_dispatcher.capture_sizes[0],
             self.cudagraph_dispatcher.capture_sizes[-1],

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -303,6 +304,21 @@ def get_rope(
 
 
 _ROPE_DICT: dict[tuple[Any, ...], RotaryEmbedding | Phi3LongRoPEScaledRotaryEmbedding] = {}
+
+
+def move_rope_tables(modules: Iterable[torch.nn.Module], device: torch.device) -> None:
+    """Put the RoPE tables of a model's ``modules()`` on ``device`` now, before any forward.
+
+    The tables are built on the CPU and would move on first use; a compiled
+    forward would then make that move part of its graph, a fresh copy every
+    call, and a CUDA graph captured on one copy would replay on another.
+    Moved here, each is module state at one address.
+    """
+    for module in modules:
+        for name in ("cos_sin_cache", "long_short_cos_sin_cache"):
+            table = getattr(module, name, None)
+            if isinstance(table, torch.Tensor) and table.device != device:
+                setattr(module, name, table.to(device))
 
 
 def _is_longrope(params: dict[str, Any]) -> bool:
