@@ -24,7 +24,9 @@ two things vLLM's CPU backend does before its worker runs a step.
   0.90x and 1.00x the fixed count (within the runs' spread). Against vLLM compiled, one
   thread on one core, under load: 1.33x, 0.91x and 1.06x in three runs,
   as the busy process left vLLM's bound core alone or not, and 1.21x with
-  the decodes' attention kernel (2026-12-04). vLLM also pins
+  the decodes' attention kernel (2026-12-04). Served (``make
+  bench-serve``, same day): 1.71x vLLM's server quiet, 1.07x under load.
+  vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.
 - vllm/v1/worker/cpu_worker.py (``init_device``) warns when tcmalloc is not
