@@ -279,7 +279,6 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             self.model(input_ids, positions, None)
 
     # --8<-- [start:capture_model]
-    @tracing.instrument("ModelRunner.capture_model")
     def capture_model(self) -> float:
         """Capture every size's CUDA graphs (vLLM's ``capture_model``); returns seconds.
 
@@ -291,7 +290,11 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         mode = cc.cudagraph_mode or CUDAGraphMode.NONE
         self.cudagraph_dispatcher.initialize_cudagraph_keys(mode)
         if mode == CUDAGraphMode.NONE:
-            return 0.0
+            return 0.0  # no span either: a start-up without graphs traces nothing here
+        return self._capture_graphs(mode)
+
+    @tracing.instrument("ModelRunner.capture_model")
+    def _capture_graphs(self, mode: CUDAGraphMode) -> float:
         from tracevllm.compilation.cuda_graph import cudagraph_capturing_enabled
 
         start = time.perf_counter()
