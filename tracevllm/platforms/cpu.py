@@ -26,6 +26,11 @@ two things vLLM's CPU backend does before its worker runs a step.
   as the busy process left vLLM's bound core alone or not, and 1.21x with
   the decodes' attention kernel (2026-12-04). Served (``make
   bench-serve``, same day): 1.71x vLLM's server quiet, 1.07x under load.
+  Under load both servers compute on one thread, and a one-thread step is
+  about four fifths oneDNN matmuls in both (the README's serving section);
+  two half-batches on two threads of one OpenMP thread each measured 0.85x
+  to 1.16x one thread beside a busy core (benchmarks/bench_split_batch.py),
+  so the engine keeps one batch.
   vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.
