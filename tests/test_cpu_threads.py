@@ -12,7 +12,7 @@ import torch
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tracevllm.worker.cpu_threads import AdaptiveThreadPolicy, StepShape
+from tracevllm.worker.cpu_threads import AdaptiveThreadPolicy, StepShape, probe_at_warm_up
 
 DECODE = StepShape(num_reqs=8, num_tokens=8)
 
@@ -225,6 +225,61 @@ def test_one_thread_never_probes() -> None:
         AdaptiveThreadPolicy(0)
 
 
+# --- the first probe, on the warm-up's dummy steps ------------------------------
+def sleeper(seconds_at: dict[int, float]) -> Callable[[], None]:
+    """A dummy step that takes as long as the table says for the count torch
+    runs at now (the count probe_at_warm_up set), and counts its calls."""
+    import time
+
+    def step() -> None:
+        step.calls += 1  # type: ignore[attr-defined]
+        time.sleep(seconds_at[torch.get_num_threads()])
+
+    step.calls = 0  # type: ignore[attr-defined]
+    return step
+
+
+@pytest.fixture
+def torch_threads() -> Any:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_warm_up_probe_takes_a_much_faster_count_before_any_step(torch_threads: None) -> None:
+    """One thread five times faster: taken after three pairs of dummy steps
+    (one untimed first), and torch left at it, so the first real step runs
+    there. Mutation caught: the dummy steps not run at the count the policy
+    asked for (no torch.set_num_threads in the loop: every pair ties)."""
+    policy = AdaptiveThreadPolicy(2)
+    step = sleeper({1: 0.002, 2: 0.010})
+    assert probe_at_warm_up(policy, step) == 6
+    assert step.calls == 7  # type: ignore[attr-defined]
+    assert policy.threads == 1 and policy.changes == [(2, 1)] and policy.probes == 1
+    assert torch.get_num_threads() == 1
+    assert policy.threads_for_step(DECODE) == 1  # no second probe yet
+    assert policy.candidate is None
+
+
+def test_warm_up_probe_keeps_a_faster_count_for_one_pair(torch_threads: None) -> None:
+    """Fewer threads five times slower (a quiet machine): one pair, nothing
+    changed, torch back at 2, and the next probe waits (its interval doubled,
+    more when the slow steps cost more than the probe budget)."""
+    policy = AdaptiveThreadPolicy(2, min_interval=32)
+    step = sleeper({1: 0.010, 2: 0.002})
+    assert probe_at_warm_up(policy, step) == 2
+    assert policy.threads == 2 and policy.changes == [] and policy.probes == 1
+    assert torch.get_num_threads() == 2
+    assert policy.steps_to_probe >= 64  # twice the interval, or more for a costly probe
+
+
+def test_warm_up_probe_with_one_thread_runs_nothing(torch_threads: None) -> None:
+    step = sleeper({1: 0.0, 2: 0.0})
+    assert probe_at_warm_up(AdaptiveThreadPolicy(1), step) == 0
+    assert step.calls == 0  # type: ignore[attr-defined]
+
+
 # --- the engine -----------------------------------------------------------------
 class ForcedPolicy(AdaptiveThreadPolicy):
     """The worker's policy, made to act within a short run: it probes at once
@@ -251,6 +306,7 @@ class EngineRun(NamedTuple):
     policy: Any
     threads_after: int  # the process's torch count once the engine shut down
     report: dict[str, Any]  # llm.collective_rpc("get_cpu_threads") after the run
+    warm_up_steps: int  # the worker's warm-up probe's timed dummy steps
 
 
 def _run_engine(tiny_model_dir: str) -> EngineRun:
@@ -267,11 +323,12 @@ def _run_engine(tiny_model_dir: str) -> EngineRun:
         llm.generate(["Hello there, how", "The capital of"], params, use_tqdm=False)
         worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
         policy = worker.thread_policy
+        warm_up_steps = worker.warm_up_probe_steps
         (report,) = llm.collective_rpc("get_cpu_threads")
     steps = [s for s in exporter.get_finished_spans() if s.name == "EngineCore.step"]
     assert steps
     counts = [(s.attributes or {}).get("tracevllm.num_threads") for s in steps]
-    return EngineRun(counts, policy, torch.get_num_threads(), report)
+    return EngineRun(counts, policy, torch.get_num_threads(), report, warm_up_steps)
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +369,13 @@ def test_engine_step_spans_show_the_count_the_policy_changed_to(
     policy = run.policy
     assert isinstance(policy, ForcedPolicy) and policy.max_threads == 2
     assert policy.threads == 1 and policy.probes >= 2  # it switched, and looked back
-    assert run.counts == policy.asked, (run.counts, policy.asked)
+    # The first probe ran on the warm-up's dummy steps (three pairs: 1 was
+    # ten times faster), so the first request's first step already ran at 1.
+    # Mutation caught: Worker.compile_or_warm_up_model not calling
+    # probe_at_warm_up (no warm-up steps; the first step at 2).
+    assert run.warm_up_steps == 6
+    assert run.counts == policy.asked[run.warm_up_steps :], (run.counts, policy.asked)
+    assert run.counts[0] == 1
     assert 2 in run.counts and run.counts[-1] == 1
     fixed = engine_runs["fixed"]
     assert fixed.policy is None

@@ -14,9 +14,12 @@ slice at a time and every region waits for it: on a 2-core machine make
 bench's workload fell from 169 to 52 tok/s, where one thread did 116 quiet
 and 128 beside the busy process. No fixed count wins both.
 
-How: now and then the policy runs a *probe*: it alternates steps between the
-current count and one neighbour (one fewer; one more when already below the
-maximum), pairs each step at one count with the step next to it at the other,
+How: the first probe runs before the first request, on dummy forward
+passes of one shape (``probe_at_warm_up``, from the worker's warm-up);
+after that, now and then, the policy runs a *probe* between real steps: it
+alternates steps between the current count and one neighbour (one fewer;
+one more when already below the maximum), pairs each step at one count
+with the step next to it at the other,
 and keeps a pair only when both steps have the same shape (requests and
 scheduled tokens: in a decode-heavy run most neighbouring steps do). The
 median of the pairs' time ratios decides: the neighbour is taken only when
@@ -270,6 +273,44 @@ def run_step(
     output = execute_model(scheduler_output, *args)
     policy.record_step(time.perf_counter() - start)
     return output
+
+
+# The warm-up probe's dummy steps: a decode-sized batch, at most this many tokens.
+WARM_UP_PROBE_TOKENS = 32
+# What keys the warm-up's steps: no real step has zero requests.
+WARM_UP_SHAPE = StepShape(num_reqs=0, num_tokens=WARM_UP_PROBE_TOKENS)
+
+
+def probe_at_warm_up(policy: AdaptiveThreadPolicy, dummy_step: Callable[[], object]) -> int:
+    """The policy's first probe, run on dummy forward passes before the first
+    request; returns how many it ran (timed ones; one more ran untimed first).
+
+    Without it the first probe ran on the first requests' steps, where a
+    server's shapes rarely repeat (arrivals, prefills beside decodes): under
+    load, ``make bench-serve``'s 32 prefills then ran at both threads beside
+    the busy core in one run of two (TTFT p50 5.3 s against 2.7). The dummy
+    steps all have one shape, so every pair counts: a neighbour much slower
+    costs one pair (quiet: two dummy steps), one much faster is taken after
+    three, else the probe's ``pairs``. The count it keeps then holds for the
+    first requests, and the probes between steps go on as before.
+    """
+    if policy.max_threads == 1:
+        return 0
+    dummy_step()  # untimed: whatever the first forward at this size sets up
+    policy.steps_to_probe = 0
+    steps = 0
+    # Bounded by the probe's own rules; the bound here only guards them.
+    while steps < 2 * policy.pairs + 2:
+        threads = policy.threads_for_step(WARM_UP_SHAPE)
+        torch.set_num_threads(threads)
+        start = time.perf_counter()
+        dummy_step()
+        policy.record_step(time.perf_counter() - start)
+        steps += 1
+        if policy.candidate is None:  # decided
+            break
+    torch.set_num_threads(policy.threads)
+    return steps
 
 
 def log_change(old: int, new: int, ratio: float) -> None:

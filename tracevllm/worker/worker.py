@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tracevllm.worker.cpu_threads import AdaptiveThreadPolicy, log_change, run_step
+from tracevllm.worker.cpu_threads import (
+    WARM_UP_PROBE_TOKENS,
+    AdaptiveThreadPolicy,
+    log_change,
+    probe_at_warm_up,
+    run_step,
+)
 from tracevllm.worker.worker_base import WorkerBase
 
 if TYPE_CHECKING:
@@ -45,6 +51,7 @@ class Worker(WorkerBase):
         self.model_runner: ModelRunner | None = None
         # The CPU thread count's policy when it adapts (worker/cpu_threads.py).
         self.thread_policy: AdaptiveThreadPolicy | None = None
+        self.warm_up_probe_steps = 0  # the timed dummy steps of its first probe
         # Whether this worker counts in _PROCESS_THREADS (init_device ran).
         self.num_threads_at_init: int | None = None
 
@@ -128,11 +135,20 @@ class Worker(WorkerBase):
 
     def compile_or_warm_up_model(self) -> None:
         """Capture the CUDA graphs, if any (the model compiled in load_model);
-        then the seed is set again, as vLLM does, so that loading the model
+        with an adaptive CPU thread count, run its first probe on dummy
+        steps; then the seed is set again, as vLLM does, so that loading the model
         leaves every rank's random state the same (a request without a seed
         samples alike on all)."""
         assert self.model_runner is not None
-        self.model_runner.capture_model()
+        runner = self.model_runner
+        runner.capture_model()
+        if self.thread_policy is not None:
+            # tracevllm's: the thread count's first probe, on dummy steps
+            # (cpu_threads.probe_at_warm_up), before any request waits on it.
+            num_tokens = min(WARM_UP_PROBE_TOKENS, runner.max_num_tokens)
+            self.warm_up_probe_steps = probe_at_warm_up(
+                self.thread_policy, lambda: runner._dummy_run(num_tokens)
+            )
         set_random_seed(self.model_config.seed)
 
     # --8<-- [start:worker_execute_model]

@@ -158,6 +158,10 @@ class Attention(nn.Module):
             torch.ops.tracevllm.unified_attention_with_output(
                 query, key, value, output, self.layer_name, dep
             )
+        elif get_forward_context().attn_metadata is None:
+            # A dummy run (vLLM's profiling run; the thread count's warm-up
+            # probe): nothing cached to write or read.
+            output.zero_()
         elif self._is_traced():
             self._forward_traced(query, key, value, output)
         else:
