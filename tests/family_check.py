@@ -125,6 +125,14 @@ def check_against_hf(
         **llm_kwargs,
     )
     try:
+        one_rank = llm.llm_engine.vllm_config.parallel_config.world_size == 1
+        if not enable_multiprocessing and one_rank:
+            # The forward the thread count's warm-up probe times
+            # (cpu_threads.probe_at_warm_up): no attention metadata. It must
+            # run for every family and leave nothing that changes the outputs.
+            executor = llm.llm_engine.engine_core.engine_core.model_executor
+            runner = executor.driver_worker.worker.model_runner
+            runner._dummy_run(runner.max_num_tokens)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         num_preemptions = llm.llm_engine.num_preemptions
     finally:

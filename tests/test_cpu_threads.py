@@ -274,6 +274,28 @@ def test_warm_up_probe_keeps_a_faster_count_for_one_pair(torch_threads: None) ->
     assert policy.steps_to_probe >= 64  # twice the interval, or more for a costly probe
 
 
+def test_warm_up_probe_makes_no_spans(torch_threads: None) -> None:
+    """The dummy steps belong to no step: under a recording span, each runs
+    in an unsampled context (tracing.untraced), so the forward's spans are
+    not recorded and open no trace. Mutation caught: the probe outside
+    ``tracing.untraced()``."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    sampled: list[bool] = []
+    step = sleeper({1: 0.002, 2: 0.010})
+
+    def traced_step() -> None:
+        sampled.append(trace.get_current_span().get_span_context().trace_flags.sampled)
+        step()
+
+    tracer = TracerProvider().get_tracer("test")
+    with tracer.start_as_current_span("outer"):
+        assert trace.get_current_span().get_span_context().trace_flags.sampled
+        probe_at_warm_up(AdaptiveThreadPolicy(2), traced_step)
+    assert sampled and not any(sampled)
+
+
 def test_warm_up_probe_with_one_thread_runs_nothing(torch_threads: None) -> None:
     step = sleeper({1: 0.0, 2: 0.0})
     assert probe_at_warm_up(AdaptiveThreadPolicy(1), step) == 0

@@ -549,6 +549,31 @@ def test_trace_file_is_what_otels_file_exporter_writes(tmp_path: Any) -> None:
     }  # fmt: skip
 
 
+def test_attribute_values_written_as_text_are_what_json_writes() -> None:
+    """The exporter's text path for single values gives the bytes the dict
+    path (``_encode_value`` through ``json``) gives, edge values included.
+    Mutation caught: a float written with ``str`` of a rounded value, a bool
+    taken as an int (``isinstance`` for ``type``)."""
+    import enum
+    import math
+
+    from tracevllm.tracing.exporters import _dumps, _encode_value, _value_json
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    class Text(str):
+        pass
+
+    values = [
+        "", "é", "\ud800", "🙂", "\x00\n\t\"\\", Text("sub"), 0, -1, 2**63, 2**64 + 1,
+        -(10**30), Color.RED, True, False, 0.0, -0.0, 1e16, 1.5e-7, 1e308, 5e-324, 0.1,
+        1 / 3, math.nan, math.inf, -math.inf, None, [1, 2], [], ["a"], [1.5, True],
+    ]  # fmt: skip
+    for value in values:
+        assert _value_json(value) == _dumps(_encode_value(value)), repr(value)
+
+
 def test_tracing_does_not_change_outputs(tiny_model_dir: str, tmp_path: Any) -> None:
     with LLM(model=tiny_model_dir, enable_multiprocessing=False) as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]

@@ -26,7 +26,9 @@ two things vLLM's CPU backend does before its worker runs a step.
   as the busy process left vLLM's bound core alone or not, and 1.21x with
   the decodes' attention kernel (2026-12-04). Served (``make
   bench-serve``, same day): 1.71x vLLM's server quiet, 1.07x under load;
-  in the evening, with the first probe on warm-up dummy steps, 1.49x and 1.43x.
+  in the evening, with the first probe on warm-up dummy steps, 1.49x and 1.43x
+  (vLLM's own busy figure moved from 107.6 to 90.2 between the two: one run
+  says little).
   Under load both servers compute on one thread, and a one-thread step is
   about four fifths oneDNN matmuls in both (the README's serving section);
   two half-batches on two threads of one OpenMP thread each measured 0.85x

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
+from tracevllm import tracing
 from tracevllm.logger import init_logger
 
 if TYPE_CHECKING:
@@ -296,20 +297,24 @@ def probe_at_warm_up(policy: AdaptiveThreadPolicy, dummy_step: Callable[[], obje
     """
     if policy.max_threads == 1:
         return 0
-    dummy_step()  # untimed: whatever the first forward at this size sets up
-    policy.steps_to_probe = 0
-    steps = 0
-    # Bounded by the probe's own rules; the bound here only guards them.
-    while steps < 2 * policy.pairs + 2:
-        threads = policy.threads_for_step(WARM_UP_SHAPE)
-        torch.set_num_threads(threads)
-        start = time.perf_counter()
-        dummy_step()
-        policy.record_step(time.perf_counter() - start)
-        steps += 1
-        if policy.candidate is None:  # decided
-            break
-    torch.set_num_threads(policy.threads)
+    # No spans: these forwards belong to no step, and would each open a trace.
+    with tracing.untraced():
+        try:
+            dummy_step()  # untimed: whatever the first forward at this size sets up
+            policy.steps_to_probe = 0  # the probe starts at the next step asked for
+            steps = 0
+            # Bounded by the probe's own rules; the bound here only guards them.
+            while steps < 2 * policy.pairs + 2:
+                threads = policy.threads_for_step(WARM_UP_SHAPE)
+                torch.set_num_threads(threads)
+                start = time.perf_counter()
+                dummy_step()
+                policy.record_step(time.perf_counter() - start)
+                steps += 1
+                if policy.candidate is None:  # decided
+                    break
+        finally:
+            torch.set_num_threads(policy.threads)  # not a candidate's, even on an error
     return steps
 
 

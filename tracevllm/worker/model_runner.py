@@ -255,8 +255,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     ) -> None:
         """One forward of ``num_tokens`` dummy tokens (vLLM's ``_dummy_run``).
 
-        A compiled model compiles here, at its widest batch; with no
-        attention metadata the attention ops do nothing. In PIECEWISE mode
+        A compiled model compiles here, at its widest batch; the adaptive
+        thread count times its warm-up probe on it. With no attention
+        metadata the attention layers write zeros and touch no KV cache. In PIECEWISE mode
         (``capture_model``) each compiled piece captures its graph for
         ``num_tokens``, reading the fixed input buffers as a real step will.
         """

@@ -330,7 +330,8 @@ def _unified_attention_with_output_op(
 ) -> None:
     """torch.ops.tracevllm.unified_attention_with_output: the read, writes ``output``."""
     ctx = get_forward_context()
-    if ctx.attn_metadata is None:  # the compile-time dummy run: nothing cached to read
+    if ctx.attn_metadata is None:  # a dummy run (compiling, the warm-up): nothing to read
+        output.zero_()  # as eager's: a timed dummy step reads no uninitialised memory
         return
     layer: Attention = ctx.no_compile_layers[layer_name]
     if layer._is_traced():
