@@ -228,19 +228,31 @@ def test_one_thread_never_probes() -> None:
 # --- the first probe, on the warm-up's dummy steps ------------------------------
 def sleeper(seconds_at: dict[int, float]) -> Callable[[], None]:
     """A dummy step that takes as long as the table says for the count torch
-    runs at now (the count probe_at_warm_up set), and counts its calls."""
-    import time
+    runs at now (the count probe_at_warm_up set), and counts its calls. Its
+    time passes on the probe's clock (``torch_threads`` makes it a fake one),
+    so a loaded CI machine cannot change what the probe measures."""
 
     def step() -> None:
         step.calls += 1  # type: ignore[attr-defined]
-        time.sleep(seconds_at[torch.get_num_threads()])
+        FAKE_CLOCK[0] += seconds_at[torch.get_num_threads()]
 
     step.calls = 0  # type: ignore[attr-defined]
     return step
 
 
+FAKE_CLOCK = [0.0]
+
+
 @pytest.fixture
-def torch_threads() -> Any:
+def torch_threads(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """torch at 2 threads (given back after), and cpu_threads' clock the fake one."""
+    import types
+
+    from tracevllm.worker import cpu_threads
+
+    monkeypatch.setattr(
+        cpu_threads, "time", types.SimpleNamespace(perf_counter=lambda: FAKE_CLOCK[0])
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
