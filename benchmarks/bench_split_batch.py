@@ -42,38 +42,21 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from busy import LABELS, busy_core  # noqa: E402
-from roofline import model_shapes  # noqa: E402
+from roofline import PackedLinears, model_shapes, packed_linears  # noqa: E402
 
 
-def packed_model(shapes: dict) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-    """Each layer's four linears and the LM head, random, packed for oneDNN."""
-
-    def pack(out_features: int, in_features: int) -> torch.Tensor:
-        weight = torch.randn(out_features, in_features) * 0.02
-        return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
-
-    order = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-    layers = [
-        [pack(*shapes["per_layer"][name]) for name in order] for _ in range(shapes["num_layers"])
-    ]
-    return layers, pack(*shapes["lm_head"])
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-
-def forward(
-    layers: list[list[torch.Tensor]], lm_head: torch.Tensor, batch: int, hidden: int
-) -> None:
-    x = torch.randn(batch, hidden)
-    for qkv, o, gate_up, down in layers:
-        linear(x, qkv)
-        x = x + linear(x, o) * 0.01
-        h = linear(x, gate_up)
-        d = h.shape[-1] // 2
-        x = x + linear(torch.nn.functional.silu(h[:, :d]) * h[:, d:], down) * 0.01
-    linear(x, lm_head).argmax(-1)
+def forward(linears: PackedLinears, batch: int) -> None:
+    """A decode step's linears at ``batch`` rows (roofline.py's, packed as the
+    engine packs them), SiLU and the residual adds between, then the LM head."""
+    with torch.inference_mode():  # per thread, as the engine's forward
+        x = torch.randn(batch, linears.lm_head.input_size)
+        for layer in linears.layers:
+            layer["qkv_proj"](x)
+            x = x + layer["o_proj"](x)[0] * 0.01
+            h = layer["gate_up_proj"](x)[0]
+            d = h.shape[-1] // 2
+            x = x + layer["down_proj"](torch.nn.functional.silu(h[:, :d]) * h[:, d:])[0] * 0.01
+        linears.lm_head(x)[0].argmax(-1)
 
 
 def one_thread(step: Callable[[int], None], batch: int) -> None:
@@ -117,11 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=8)
     args = parser.parse_args(argv)
     shapes = model_shapes()
-    layers, lm_head = packed_model(shapes)
-    hidden = shapes["lm_head"][1]
+    linears = packed_linears(shapes)
 
     def step(batch: int) -> None:
-        forward(layers, lm_head, batch, hidden)
+        forward(linears, batch)
 
     before = torch.get_num_threads()
     cpus = os.cpu_count()

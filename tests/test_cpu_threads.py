@@ -226,13 +226,13 @@ def test_one_thread_never_probes() -> None:
 
 
 # --- the first probe, on the warm-up's dummy steps ------------------------------
-def sleeper(seconds_at: dict[int, float]) -> Callable[[], None]:
+def sleeper(seconds_at: dict[int, float]) -> Callable[[int], None]:
     """A dummy step that takes as long as the table says for the count torch
     runs at now (the count probe_at_warm_up set), and counts its calls. Its
     time passes on the probe's clock (``torch_threads`` makes it a fake one),
     so a loaded CI machine cannot change what the probe measures."""
 
-    def step() -> None:
+    def step(num_tokens: int) -> None:
         step.calls += 1  # type: ignore[attr-defined]
         FAKE_CLOCK[0] += seconds_at[torch.get_num_threads()]
 
@@ -266,7 +266,7 @@ def test_warm_up_probe_takes_a_much_faster_count_before_any_step(torch_threads: 
     asked for (no torch.set_num_threads in the loop: every pair ties)."""
     policy = AdaptiveThreadPolicy(2)
     step = sleeper({1: 0.002, 2: 0.010})
-    assert probe_at_warm_up(policy, step) == 6
+    assert probe_at_warm_up(policy, step, 64) == 6
     assert step.calls == 7  # type: ignore[attr-defined]
     assert policy.threads == 1 and policy.changes == [(2, 1)] and policy.probes == 1
     assert torch.get_num_threads() == 1
@@ -280,7 +280,7 @@ def test_warm_up_probe_keeps_a_faster_count_for_one_pair(torch_threads: None) ->
     more when the slow steps cost more than the probe budget)."""
     policy = AdaptiveThreadPolicy(2, min_interval=32)
     step = sleeper({1: 0.010, 2: 0.002})
-    assert probe_at_warm_up(policy, step) == 2
+    assert probe_at_warm_up(policy, step, 64) == 2
     assert policy.threads == 2 and policy.changes == [] and policy.probes == 1
     assert torch.get_num_threads() == 2
     assert policy.steps_to_probe >= 64  # twice the interval, or more for a costly probe
@@ -297,20 +297,20 @@ def test_warm_up_probe_makes_no_spans(torch_threads: None) -> None:
     sampled: list[bool] = []
     step = sleeper({1: 0.002, 2: 0.010})
 
-    def traced_step() -> None:
+    def traced_step(num_tokens: int) -> None:
         sampled.append(trace.get_current_span().get_span_context().trace_flags.sampled)
-        step()
+        step(num_tokens)
 
     tracer = TracerProvider().get_tracer("test")
     with tracer.start_as_current_span("outer"):
         assert trace.get_current_span().get_span_context().trace_flags.sampled
-        probe_at_warm_up(AdaptiveThreadPolicy(2), traced_step)
+        probe_at_warm_up(AdaptiveThreadPolicy(2), traced_step, 64)
     assert sampled and not any(sampled)
 
 
 def test_warm_up_probe_with_one_thread_runs_nothing(torch_threads: None) -> None:
     step = sleeper({1: 0.0, 2: 0.0})
-    assert probe_at_warm_up(AdaptiveThreadPolicy(1), step) == 0
+    assert probe_at_warm_up(AdaptiveThreadPolicy(1), step, 64) == 0
     assert step.calls == 0  # type: ignore[attr-defined]
 
 

@@ -19,9 +19,9 @@ passes of one shape (``probe_at_warm_up``, from the worker's warm-up);
 after that, now and then, the policy runs a *probe* between real steps: it
 alternates steps between the current count and one neighbour (one fewer;
 one more when already below the maximum), pairs each step at one count
-with the step next to it at the other,
-and keeps a pair only when both steps have the same shape (requests and
-scheduled tokens: in a decode-heavy run most neighbouring steps do). The
+with the step next to it at the other, and keeps a pair only when both
+steps have the same shape (requests and scheduled tokens: in a
+decode-heavy run most neighbouring steps do). The
 median of the pairs' time ratios decides: the neighbour is taken only when
 it is faster by more than the hysteresis plus two standard errors of the
 steps' own noise (measured on neighbouring steps of one shape at one count,
@@ -195,6 +195,10 @@ class AdaptiveThreadPolicy:
                 self._unlike_pairs += 1
         self._maybe_decide()
 
+    def probe_next_step(self) -> None:
+        """Start a probe at the next ``threads_for_step``, whatever the wait left."""
+        self.steps_to_probe = 0
+
     # --- the probe --------------------------------------------------------------
     def _start_probe(self) -> None:
         down_open = self.threads > 1
@@ -278,12 +282,13 @@ def run_step(
 
 # The warm-up probe's dummy steps: a decode-sized batch, at most this many tokens.
 WARM_UP_PROBE_TOKENS = 32
-# What keys the warm-up's steps: no real step has zero requests.
-WARM_UP_SHAPE = StepShape(num_reqs=0, num_tokens=WARM_UP_PROBE_TOKENS)
 
 
-def probe_at_warm_up(policy: AdaptiveThreadPolicy, dummy_step: Callable[[], object]) -> int:
-    """The policy's first probe, run on dummy forward passes before the first
+def probe_at_warm_up(
+    policy: AdaptiveThreadPolicy, dummy_run: Callable[[int], object], max_num_tokens: int
+) -> int:
+    """The policy's first probe, run on dummy forward passes
+    (``dummy_run(num_tokens)``: ``ModelRunner._dummy_run``) before the first
     request; returns how many it ran (timed ones; one more ran untimed first).
 
     Without it the first probe ran on the first requests' steps, where a
@@ -297,18 +302,20 @@ def probe_at_warm_up(policy: AdaptiveThreadPolicy, dummy_step: Callable[[], obje
     """
     if policy.max_threads == 1:
         return 0
+    num_tokens = min(WARM_UP_PROBE_TOKENS, max_num_tokens)
+    shape = StepShape(num_reqs=0, num_tokens=num_tokens)  # no real step has zero requests
     # No spans: these forwards belong to no step, and would each open a trace.
     with tracing.untraced():
         try:
-            dummy_step()  # untimed: whatever the first forward at this size sets up
-            policy.steps_to_probe = 0  # the probe starts at the next step asked for
+            dummy_run(num_tokens)  # untimed: whatever the first forward at this size sets up
+            policy.probe_next_step()
             steps = 0
             # Bounded by the probe's own rules; the bound here only guards them.
             while steps < 2 * policy.pairs + 2:
-                threads = policy.threads_for_step(WARM_UP_SHAPE)
+                threads = policy.threads_for_step(shape)
                 torch.set_num_threads(threads)
                 start = time.perf_counter()
-                dummy_step()
+                dummy_run(num_tokens)
                 policy.record_step(time.perf_counter() - start)
                 steps += 1
                 if policy.candidate is None:  # decided

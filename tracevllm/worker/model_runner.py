@@ -257,9 +257,10 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
         A compiled model compiles here, at its widest batch; the adaptive
         thread count times its warm-up probe on it. With no attention
-        metadata the attention layers write zeros and touch no KV cache. In PIECEWISE mode
-        (``capture_model``) each compiled piece captures its graph for
-        ``num_tokens``, reading the fixed input buffers as a real step will.
+        metadata the attention layers write zeros and touch no KV cache. In
+        PIECEWISE mode (``capture_model``) each compiled piece captures its
+        graph for ``num_tokens``, reading the fixed input buffers as a real
+        step will.
         """
         assert self.model is not None
         mode = cudagraph_runtime_mode or CUDAGraphMode.NONE

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from tracevllm.worker.cpu_threads import (
-    WARM_UP_PROBE_TOKENS,
     AdaptiveThreadPolicy,
     log_change,
     probe_at_warm_up,
@@ -136,18 +135,17 @@ class Worker(WorkerBase):
     def compile_or_warm_up_model(self) -> None:
         """Capture the CUDA graphs, if any (the model compiled in load_model);
         with an adaptive CPU thread count, run its first probe on dummy
-        steps; then the seed is set again, as vLLM does, so that loading the model
-        leaves every rank's random state the same (a request without a seed
-        samples alike on all)."""
-        assert self.model_runner is not None
+        steps; then the seed is set again, as vLLM does, so that loading the
+        model leaves every rank's random state the same (a request without a
+        seed samples alike on all)."""
         runner = self.model_runner
+        assert runner is not None
         runner.capture_model()
         if self.thread_policy is not None:
             # tracevllm's: the thread count's first probe, on dummy steps
             # (cpu_threads.probe_at_warm_up), before any request waits on it.
-            num_tokens = min(WARM_UP_PROBE_TOKENS, runner.max_num_tokens)
             self.warm_up_probe_steps = probe_at_warm_up(
-                self.thread_policy, lambda: runner._dummy_run(num_tokens)
+                self.thread_policy, runner._dummy_run, runner.max_num_tokens
             )
         set_random_seed(self.model_config.seed)
 
