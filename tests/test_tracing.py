@@ -3,6 +3,7 @@ across two processes, and files that load."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -700,6 +701,49 @@ def test_engine_flushes_spans_when_frontend_dies(tiny_model_dir: str, tmp_path: 
             raise AssertionError("the engine process outlived its frontend")
     spans = read_spans_jsonl(str(tmp_path / "spans.jsonl"))
     assert any(s.pid == engine_pid and s.name == "EngineCore.step" for s in spans)
+
+
+def test_engine_spans_outlast_a_shutdown_cut_short(
+    tiny_model_dir: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine process killed half-way through its shutdown still leaves
+    its steps' spans: it writes them out on SIGTERM, before stopping its
+    workers. Here a worker is stopped (SIGSTOP: it cannot leave), so the
+    engine waits on it for seconds, past the frontend's patience (cut to
+    1 s), and gets SIGKILL. OTel's timed export is pushed out of the run, so
+    only that first write can save the spans."""
+    import signal
+
+    import psutil
+
+    from tracevllm.engine import core_client
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # read by the engine's processes
+    monkeypatch.setattr(core_client, "ENGINE_CORE_EXIT_TIMEOUT_S", 1.0)
+    llm = LLM(
+        model=tiny_model_dir,
+        enable_multiprocessing=True,
+        distributed_executor_backend="mp",  # the worker in a process of its own
+        trace_detail="request",
+        trace_dir=str(tmp_path),
+    )
+    engine_pid = llm.llm_engine.engine_core.engine_pid
+    [worker] = psutil.Process(engine_pid).children()
+    try:
+        [out] = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+        worker.send_signal(signal.SIGSTOP)
+        llm.shutdown()
+        assert not psutil.pid_exists(engine_pid) or (
+            psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
+        )
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.kill()  # its parent was killed before it could stop it
+    step_names = ("EngineCore.step", "EngineCore.step_with_batch_queue")
+    steps = [s for s in read_spans_jsonl(str(tmp_path / "spans.jsonl")) if s.name in step_names]
+    assert steps and all(s.pid == engine_pid for s in steps)
+    # One step per token: every step the engine ran is there.
+    assert len(steps) >= len(out.outputs[0].token_ids)
 
 
 def test_otlp_endpoint_receives_spans(tiny_model_dir: str) -> None:

@@ -653,6 +653,10 @@ class EngineCoreProc(EngineCore):
                     engine_core._send_engine_dead(f"{type(e).__name__}: {e}")
             raise
         finally:
+            # The steps' spans first: stopping the workers may outlast the
+            # frontend's patience (ENGINE_CORE_EXIT_TIMEOUT_S), and SIGKILL
+            # would take the unwritten ones along.
+            tracing.flush_tracer()
             if engine_core is not None:
                 engine_core.shutdown()
             tracing.shutdown_tracer()

@@ -249,12 +249,18 @@ class BackgroundResources:
                     os.kill(proc.pid, signal.SIGCONT)
             proc.terminate()  # SIGTERM: the engine exits through its finally
         for proc in procs:
-            proc.join(timeout=10)
+            proc.join(timeout=ENGINE_CORE_EXIT_TIMEOUT_S)
             if proc.is_alive():
                 logger.warning("%s did not exit on SIGTERM; killing it.", proc.name)
                 proc.kill()
                 proc.join(timeout=5)
 
+
+# How long an engine process has to exit on SIGTERM before it is killed
+# (vLLM's shutdown() gives 5 s). Its own shutdown stops its workers, which
+# takes up to 9 s when one does not leave (MultiprocExecutor's
+# _ensure_worker_termination); it writes its spans out before that.
+ENGINE_CORE_EXIT_TIMEOUT_S = 10.0
 
 # Why the engine stopped, when it says so itself (ENGINE_CORE_DEAD).
 _FATAL_STEP_ERROR = (

@@ -222,6 +222,7 @@ class WorkerProc:
         finally:
             if ready_writer is not None:
                 ready_writer.close()
+            tracing.flush_tracer()  # before a shutdown that may be cut short
             if worker is not None:
                 worker.shutdown()
             tracing.shutdown_tracer()

@@ -164,6 +164,18 @@ def shutdown_tracer() -> None:
     _state.detail = "off"
 
 
+def flush_tracer(timeout_millis: int = 5000) -> None:
+    """Write out the spans ended so far (at most ``timeout_millis``).
+
+    A child process calls it as it starts to stop, before the parts of its
+    shutdown that may take long (stopping its own children): its parent
+    kills it if it takes too long, and the spans still in the batch
+    processor's buffer (up to 5 s of them) would go with it.
+    """
+    if _state.provider is not None:
+        _state.provider.force_flush(timeout_millis)
+
+
 def get_tracer() -> Tracer:
     return _state.tracer
 
