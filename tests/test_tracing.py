@@ -708,18 +708,18 @@ def test_engine_spans_outlast_a_shutdown_cut_short(
 ) -> None:
     """An engine process killed half-way through its shutdown still leaves
     its steps' spans: it writes them out on SIGTERM, before stopping its
-    workers. Here a worker is stopped (SIGSTOP: it cannot leave), so the
-    engine waits on it for seconds, past the frontend's patience (cut to
-    1 s), and gets SIGKILL. OTel's timed export is pushed out of the run, so
-    only that first write can save the spans."""
+    workers. Here the worker is stopped (SIGSTOP: it cannot leave), so the
+    engine waits on it for seconds (SIGTERM after 4 s, SIGKILL after 8 s),
+    past the frontend's patience (cut to 3 s), and gets SIGKILL. OTel's timed
+    export is pushed out of the run, so only that first write can save the
+    spans."""
     import signal
 
-    import psutil
-
+    from tests.executor_scenarios import worker_pids
     from tracevllm.engine import core_client
 
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # read by the engine's processes
-    monkeypatch.setattr(core_client, "ENGINE_CORE_EXIT_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(core_client, "ENGINE_CORE_EXIT_TIMEOUT_S", 3.0)
     llm = LLM(
         model=tiny_model_dir,
         enable_multiprocessing=True,
@@ -727,23 +727,50 @@ def test_engine_spans_outlast_a_shutdown_cut_short(
         trace_detail="request",
         trace_dir=str(tmp_path),
     )
-    engine_pid = llm.llm_engine.engine_core.engine_pid
-    [worker] = psutil.Process(engine_pid).children()
+    engine_proc = llm.llm_engine.engine_core.resources.proc
+    [worker] = worker_pids(engine_proc.pid)
     try:
         [out] = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-        worker.send_signal(signal.SIGSTOP)
-        llm.shutdown()
-        assert not psutil.pid_exists(engine_pid) or (
-            psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
-        )
+        os.kill(worker, signal.SIGSTOP)
     finally:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            worker.kill()  # its parent was killed before it could stop it
+        llm.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)  # its parent was killed before it could stop it
+    assert engine_proc.exitcode == -signal.SIGKILL  # the shutdown was cut short
     step_names = ("EngineCore.step", "EngineCore.step_with_batch_queue")
     steps = [s for s in read_spans_jsonl(str(tmp_path / "spans.jsonl")) if s.name in step_names]
-    assert steps and all(s.pid == engine_pid for s in steps)
+    assert steps and all(s.pid == engine_proc.pid for s in steps)
     # One step per token: every step the engine ran is there.
     assert len(steps) >= len(out.outputs[0].token_ids)
+
+
+def test_flush_tracer_keeps_to_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A processor whose flush hangs (an OTLP exporter retrying a dead
+    collector; OTel's BatchSpanProcessor does not keep to force_flush's
+    timeout) holds a stopping process for timeout_s, not for as long as it
+    hangs."""
+    import threading
+    import time
+
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+
+    from tracevllm import tracing
+
+    release = threading.Event()
+
+    class Hanging(SpanProcessor):
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            release.wait(30)  # ignores its timeout, as OTel's batch processor does
+            return True
+
+    provider = TracerProvider()
+    provider.add_span_processor(Hanging())
+    monkeypatch.setattr(tracing._state, "provider", provider)
+    t0 = time.monotonic()
+    tracing.flush_tracer(timeout_s=0.5)
+    waited = time.monotonic() - t0
+    release.set()
+    assert 0.4 < waited < 5, waited
 
 
 def test_otlp_endpoint_receives_spans(tiny_model_dir: str) -> None:

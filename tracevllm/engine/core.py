@@ -653,6 +653,9 @@ class EngineCoreProc(EngineCore):
                     engine_core._send_engine_dead(f"{type(e).__name__}: {e}")
             raise
         finally:
+            # From here a SIGTERM (the frontend's, after a fatal error) must
+            # not cut the way out short.
+            shutdown_requested = True
             # The steps' spans first: stopping the workers may outlast the
             # frontend's patience (ENGINE_CORE_EXIT_TIMEOUT_S), and SIGKILL
             # would take the unwritten ones along.

@@ -156,6 +156,9 @@ class RayWorkerWrapper(WorkerWrapperBase):
             destroy_model_parallel,
         )
 
+        # The spans first: the executor kills a worker that has not stopped
+        # within 5 s (RayDistributedExecutor.shutdown).
+        tracing.flush_tracer()
         super().shutdown()
         destroy_model_parallel()
         destroy_distributed_environment()

@@ -21,6 +21,7 @@ import functools
 import inspect
 import os
 import random
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -164,16 +165,25 @@ def shutdown_tracer() -> None:
     _state.detail = "off"
 
 
-def flush_tracer(timeout_millis: int = 5000) -> None:
-    """Write out the spans ended so far (at most ``timeout_millis``).
+def flush_tracer(timeout_s: float = 2.0) -> None:
+    """Write out the spans ended so far, waiting ``timeout_s`` at most.
 
     A child process calls it as it starts to stop, before the parts of its
     shutdown that may take long (stopping its own children): its parent
     kills it if it takes too long, and the spans still in the batch
-    processor's buffer (up to 5 s of them) would go with it.
+    processor's buffer (up to 5 s of them) would go with it. The wait is
+    bounded here, in a thread of its own: OTel's ``BatchSpanProcessor``
+    takes ``force_flush``'s timeout but does not keep to it, and an OTLP
+    exporter whose collector is gone retries for about 10 s a batch. The
+    file's export takes milliseconds; an export still running after the
+    wait finishes in ``shutdown_tracer``, as it did before this call.
     """
-    if _state.provider is not None:
-        _state.provider.force_flush(timeout_millis)
+    provider = _state.provider
+    if provider is None:
+        return
+    flush = threading.Thread(target=provider.force_flush, name="tracevllm-flush", daemon=True)
+    flush.start()
+    flush.join(timeout_s)
 
 
 def get_tracer() -> Tracer:
