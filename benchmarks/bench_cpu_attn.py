@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-json", default=DEFAULT_JSON)
     args = parser.parse_args(argv)
 
-    from kernels.cpu_attn import cpu_attn_available
+    from kernels.cpu_attn import cpu_kernels_available
 
-    if not cpu_attn_available():
+    if not cpu_kernels_available():
         sys.exit("The CPU attention kernel could not be built here (see the warning above).")
     from bench_throughput import bench_tracevllm, machine
 

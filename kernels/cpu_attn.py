@@ -1,23 +1,25 @@
-"""The CPU attention kernel (csrc/cpu_attn.cpp): built once per machine, loaded by each process.
+"""The CPU kernels (csrc/cpu_attn.cpp, cpu_ops.cpp): built once per machine, loaded by each process.
 
 vLLM ships its CPU kernels compiled into ``vllm._C``; tracevllm has no
 compiled wheel, so torch's own extension builder
 (``torch.utils.cpp_extension.load``, which drives g++ through ninja) compiles
-the one C++ file the first time a process asks for it, about ten seconds,
+the C++ files the first time a process asks for them, about half a minute,
 and keeps the library in torch's extension cache
 (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``): later starts
 only load it. The build is named after the instruction set torch detected
 (``torch.backends.cpu.get_cpu_capability()``) and compiled for that set, so
 a cache shared by machines of different CPUs never hands one of them code it
 cannot run. Without a compiler (or ninja) the build fails, and
-``cpu_attn_available()`` says so once and returns False: the engine then
-takes the plain-PyTorch backend.
+``cpu_kernels_available()`` says so once and returns False: the engine then
+takes the plain-PyTorch attention backend, and the layers their
+``forward_native``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -30,7 +32,13 @@ from tracevllm.logger import init_logger
 # Under tracevllm's logger, so its messages print as the engine's do.
 logger = init_logger("tracevllm.kernels.cpu_attn")
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_attn.cpp"
+CSRC = Path(__file__).parent / "csrc"
+# The decodes' attention, and the small ops between the matmuls (RMSNorm,
+# SiLU-and-mul, RoPE, the K/V write): one library, torch.ops.tracevllm_C.
+SOURCES = [CSRC / "cpu_attn.cpp", CSRC / "cpu_ops.cpp"]
+# What they include. torch rebuilds when a source or a flag changes, not a
+# header: the header's hash goes in as a flag.
+HEADERS = [CSRC / "cpu_vec.h"]
 
 # The instruction sets torch reports, and the compiler flags for each; any
 # other (an ARM machine, an old x86) builds for the compiler's default target.
@@ -44,7 +52,8 @@ def _build_name_and_flags() -> tuple[str, list[str]]:
     isa = torch.backends.cpu.get_cpu_capability()
     flags = _ISA_FLAGS.get(isa, [])
     tag = isa.lower() if flags else "default"
-    return f"tracevllm_cpu_attn_{tag}", ["-O3", "-fopenmp", *flags]
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    return f"tracevllm_C_{tag}", ["-O3", "-fopenmp", *flags, f"-DTRACEVLLM_HEADERS={headers}"]
 
 
 # A build lock older than this was left by a build that was killed (torch's
@@ -89,8 +98,8 @@ def _why(e: Exception) -> str:
 
 
 @functools.cache
-def cpu_attn_available() -> bool:
-    """Build or load the kernel in this process; False, said once, when it cannot be built."""
+def cpu_kernels_available() -> bool:
+    """Build or load the kernels in this process; False, said once, when it cannot be built."""
     from torch.utils.cpp_extension import load
 
     name, flags = _build_name_and_flags()
@@ -99,26 +108,26 @@ def cpu_attn_available() -> bool:
         lock = build_dir / "lock"
         if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             logger.warning(
-                "Removing %s, left by a build of the CPU attention kernel that did not finish.",
+                "Removing %s, left by a build of the CPU kernels that did not finish.",
                 lock,
             )
             lock.unlink(missing_ok=True)
         if not (build_dir / f"{name}.so").exists():
             logger.info(
-                "Building the CPU attention kernel (%s) for this machine, once: about 10 s. "
-                "Later starts load it from %s.",
-                SOURCE.name,
+                "Building the CPU kernels (%s) for this machine, once: about 30 s. "
+                "Later starts load them from %s.",
+                ", ".join(s.name for s in SOURCES),
                 build_dir,
             )
         # -fopenmp compiles at::parallel_for's OpenMP pragmas; the library is
         # not linked to an OpenMP runtime of its own, so the calls resolve to
         # the one torch loaded, and torch's thread count is the kernel's.
         with _ninja_on_path():
-            load(name, [str(SOURCE)], extra_cflags=flags, is_python_module=False)
+            load(name, [str(s) for s in SOURCES], extra_cflags=flags, is_python_module=False)
     except Exception as e:  # no compiler, no ninja, an unwritable cache
         logger.warning(
-            "The CPU attention kernel could not be built (%s: %s); decodes take the "
-            "plain-PyTorch attention instead (slower). To build it: a C++ compiler (g++) "
+            "The CPU kernels could not be built (%s: %s); the attention and the layers "
+            "take plain PyTorch instead (slower). To build them: a C++ compiler (g++) "
             "and ninja (pip install ninja); set TORCH_EXTENSIONS_DIR if torch's extension "
             "cache is not writable.",
             type(e).__name__,

@@ -20,7 +20,7 @@ from tests.test_attention import build_case, naive_attention
 from tracevllm import _custom_ops as ops
 
 pytestmark = pytest.mark.skipif(
-    not cpu_attn.cpu_attn_available(), reason="the CPU attention kernel could not be built here"
+    not cpu_attn.cpu_kernels_available(), reason="the CPU attention kernel could not be built here"
 )
 
 CASES = [
@@ -219,7 +219,7 @@ def test_selector_defaults_to_the_kernel_on_cpu_and_falls_back_without_it(
     assert selector.get_attn_backend("cpu_attn", "cpu").get_name() == "CPU_ATTN"
     with pytest.raises(ValueError, match="CPU only"):
         selector.get_attn_backend("cpu_attn", "cuda")
-    monkeypatch.setattr(selector, "cpu_attn_available", lambda: False)
+    monkeypatch.setattr(selector, "cpu_kernels_available", lambda: False)
     assert selector.get_attn_backend(None, "cpu").get_name() == "TORCH_ATTN"
     with pytest.raises(ValueError, match="could not be built.*'torch'"):
         selector.get_attn_backend("cpu_attn", "cpu")
@@ -252,21 +252,21 @@ def test_a_failed_build_is_said_once_and_reported_unavailable(
     def failing_build(*args: object, **kwargs: object) -> None:
         raise RuntimeError(message)
 
-    cpu_attn.cpu_attn_available.cache_clear()
+    cpu_attn.cpu_kernels_available.cache_clear()
     try:
         with monkeypatch.context() as m:
             m.setattr(cpp_extension, "load", failing_build)
             m.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
             with caplog.at_level(logging.WARNING, logger="tracevllm.kernels.cpu_attn"):
-                assert cpu_attn.cpu_attn_available() is False
-                assert cpu_attn.cpu_attn_available() is False
+                assert cpu_attn.cpu_kernels_available() is False
+                assert cpu_attn.cpu_kernels_available() is False
         warnings = [r for r in caplog.records if "could not be built" in r.getMessage()]
         assert len(warnings) == 1
         assert reason in warnings[0].getMessage()
         assert "ninja" in warnings[0].getMessage()
     finally:
-        cpu_attn.cpu_attn_available.cache_clear()
-    assert cpu_attn.cpu_attn_available() is True  # the real build, from the cache again
+        cpu_attn.cpu_kernels_available.cache_clear()
+    assert cpu_attn.cpu_kernels_available() is True  # the real build, from the cache again
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(
@@ -283,22 +283,22 @@ def test_a_lock_left_by_a_killed_build_is_removed(
     lock = tmp_path / name / "lock"
     lock.parent.mkdir()
     seen = []
-    cpu_attn.cpu_attn_available.cache_clear()
+    cpu_attn.cpu_kernels_available.cache_clear()
     try:
         with monkeypatch.context() as m:
             m.setattr(cpp_extension, "load", lambda *a, **k: seen.append(lock.exists()))
             m.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
             lock.touch()
-            assert cpu_attn.cpu_attn_available() is True
-            cpu_attn.cpu_attn_available.cache_clear()
+            assert cpu_attn.cpu_kernels_available() is True
+            cpu_attn.cpu_kernels_available.cache_clear()
             old = time.time() - cpu_attn.STALE_LOCK_S - 1
             os.utime(lock, (old, old))
             with caplog.at_level(logging.WARNING, logger="tracevllm.kernels.cpu_attn"):
-                assert cpu_attn.cpu_attn_available() is True
+                assert cpu_attn.cpu_kernels_available() is True
         assert seen == [True, False]
         assert any("did not finish" in r.getMessage() for r in caplog.records)
     finally:
-        cpu_attn.cpu_attn_available.cache_clear()
+        cpu_attn.cpu_kernels_available.cache_clear()
 
 
 def test_the_pip_installed_ninja_is_on_path_while_torch_builds(
@@ -312,16 +312,16 @@ def test_the_pip_installed_ninja_is_on_path_while_torch_builds(
 
     paths = []
     before = os.environ["PATH"]
-    cpu_attn.cpu_attn_available.cache_clear()
+    cpu_attn.cpu_kernels_available.cache_clear()
     try:
         with monkeypatch.context() as m:
             m.setattr(cpp_extension, "load", lambda *a, **k: paths.append(os.environ["PATH"]))
             m.setenv("PATH", "/usr/bin:/bin")
-            assert cpu_attn.cpu_attn_available() is True
+            assert cpu_attn.cpu_kernels_available() is True
             assert os.environ["PATH"] == "/usr/bin:/bin"  # put back after
         assert paths[0].split(os.pathsep)[0] == ninja.BIN_DIR
     finally:
-        cpu_attn.cpu_attn_available.cache_clear()
+        cpu_attn.cpu_kernels_available.cache_clear()
     assert os.environ["PATH"] == before
 
 

@@ -93,10 +93,10 @@ def test_inprocess_span_tree(tiny_model_dir: str) -> None:
     launches = {s.attributes["tracevllm.attention.launch"] for s in spans
                 if s.name == "unified_attention"}  # fmt: skip
     # The default CPU backend (cpu_attn) names its kernel; the reference its op.
-    from kernels.cpu_attn import cpu_attn_available
+    from kernels.cpu_attn import cpu_kernels_available
 
     default_launch = (
-        "cpu_attention_with_kv_cache" if cpu_attn_available() else "unified_attention_torch"
+        "cpu_attention_with_kv_cache" if cpu_kernels_available() else "unified_attention_torch"
     )
     assert {launch.split()[0] for launch in launches} == {default_launch}
     assert names["LlamaDecoderLayer.forward"] == 0

@@ -43,8 +43,8 @@ llm = LLM(model=sys.argv[1])
 out = llm.generate(["Hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                    use_tqdm=False)
 runner = llm.llm_engine.engine_core.engine_core.model_executor.model_runner
-from kernels.cpu_attn import cpu_attn_available
-assert runner.attn_backend.get_name() == ("CPU_ATTN" if cpu_attn_available() else "TORCH_ATTN")
+from kernels.cpu_attn import cpu_kernels_available
+assert runner.attn_backend.get_name() == ("CPU_ATTN" if cpu_kernels_available() else "TORCH_ATTN")
 print("TOKENS", len(out[0].outputs[0].token_ids))
 # tracevllm never loaded Triton: every kernel is still waiting for a first launch.
 print("LOADED", triton_utils._loaded is not None)

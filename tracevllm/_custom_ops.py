@@ -7,7 +7,10 @@ Triton backend calls directly (``triton_reshape_and_cache_flash``,
 ``backend``: ``"torch"`` runs the plain-PyTorch reference, ``"triton"`` the
 Triton kernel beside it; the attention backend picks one (torch_attn.py,
 triton_attn.py), the FusedMoE layer its own. ``cpu_attention_with_kv_cache``
-is the C++ kernel the CPU backend (cpu_attn.py) calls for its decodes. Importing this
+is the C++ kernel the CPU backend (cpu_attn.py) calls for its decodes;
+``rms_norm``, ``fused_add_rms_norm``, ``silu_and_mul`` and
+``rotary_embedding`` the C++ kernels (kernels/csrc/cpu_ops.cpp) the layers'
+``forward_cpu`` calls, with vLLM's arguments, in vLLM's order. Importing this
 module does not import Triton: the kernel files get ``triton`` from
 kernels/triton_utils.py, which imports it at the first launch of a kernel.
 """
@@ -36,10 +39,14 @@ __all__ = [
     "HAS_TRITON",
     "cpu_attention_with_kv_cache",
     "dispatch_fused_moe_kernel",
+    "fused_add_rms_norm",
     "get_default_config",
     "interpreter_active",
     "moe_sum",
     "reshape_and_cache_flash",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
     "unified_attention",
 ]
 
@@ -54,7 +61,13 @@ def reshape_and_cache_flash(
     slot_mapping: torch.Tensor,  # [num_tokens], int64, -1 = skip
     backend: str = "torch",
 ) -> None:
-    """Write K/V of this step's tokens into their cache slots."""
+    """Write K/V of this step's tokens into their cache slots.
+
+    ``backend="cpu"``: the C++ copy (kernels/csrc/cpu_ops.cpp; fp32, int64 slots).
+    """
+    if backend == "cpu":
+        torch.ops.tracevllm_C.reshape_and_cache_flash(key, value, kv_cache, slot_mapping)
+        return
     fn = reshape_and_cache_flash_triton if backend == "triton" else reshape_and_cache_flash_torch
     fn(key, value, kv_cache, slot_mapping)
 
@@ -118,6 +131,39 @@ def cpu_attention_with_kv_cache(
     _cpu_attention_with_kv_cache(
         query, kv_cache, output, query_start_loc, seq_lens, scale, block_table
     )
+
+
+# --8<-- [start:layer_ops]
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """``out = weight * input / sqrt(mean(input^2) + epsilon)``, row by row."""
+    torch.ops.tracevllm_C.rms_norm(out, input, weight, epsilon)
+
+
+def fused_add_rms_norm(
+    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float
+) -> None:
+    """In place: ``residual += input``, then ``input = rms_norm(residual)``."""
+    torch.ops.tracevllm_C.fused_add_rms_norm(input, residual, weight, epsilon)
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """``out = silu(input[:, :d]) * input[:, d:]``, d = input.shape[-1] // 2."""
+    torch.ops.tracevllm_C.silu_and_mul(out, input)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens], int64
+    query: torch.Tensor,  # [num_tokens, num_heads * head_size], rotated in place
+    key: torch.Tensor | None,  # [num_tokens, num_kv_heads * head_size], rotated in place
+    head_size: int,
+    cos_sin_cache: torch.Tensor,  # [max_position, rot_dim]: cosines, then sines
+    is_neox: bool,
+) -> None:
+    """Turn each head's first rot_dim floats by its token's angles, in place."""
+    torch.ops.tracevllm_C.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+# --8<-- [end:layer_ops]
 
 
 def dispatch_fused_moe_kernel(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_attn import cpu_attn_available
+from kernels.cpu_attn import cpu_kernels_available
 from tracevllm.attention.backends.abstract import AttentionBackend
 
 
@@ -22,11 +22,11 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> type[Atten
         if device_type == "cuda":
             name = "triton"
         else:
-            name = "cpu_attn" if cpu_attn_available() else "torch"
+            name = "cpu_attn" if cpu_kernels_available() else "torch"
     if name == "cpu_attn":
         if device_type != "cpu":
             raise ValueError(f"attention_backend 'cpu_attn' runs on CPU only, not {device_type}.")
-        if not cpu_attn_available():
+        if not cpu_kernels_available():
             raise ValueError(
                 "attention_backend 'cpu_attn': its kernel could not be built (see the warning "
                 "above); install g++ and ninja, or choose 'torch'."

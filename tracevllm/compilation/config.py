@@ -3,8 +3,8 @@
 Mirrors vllm/config/compilation.py (``CompilationMode``, ``CUDAGraphMode``,
 ``CompilationConfig`` with vLLM's field names: ``mode``, ``backend``,
 ``splitting_ops``, ``compile_sizes``, ``cache_dir``, ``inductor_compile_config``,
-``cudagraph_mode``, ``cudagraph_capture_sizes``; ``compute_hash``). Left out:
-pass_config and the custom passes (fusions), custom_ops, compile ranges
+``cudagraph_mode``, ``cudagraph_capture_sizes``, ``custom_ops``; ``compute_hash``).
+Left out: pass_config and the custom passes (fusions), compile ranges
 (one dynamic-shape compile covers every size that ``compile_sizes`` does not
 name), Inductor graph partition, dynamic_shapes_config, AOT compile. CUDA
 graphs are captured piecewise when asked for (``cudagraph_mode``
@@ -119,6 +119,11 @@ class CompilationConfig:
     cudagraph_capture_sizes: list[int] | None = None
     # None: min(max_num_seqs * decode query length * 2, 512), as vLLM.
     max_cudagraph_capture_size: int | None = None
+    # Which layers run their own kernels (CustomOp.forward_cpu) rather than
+    # forward_native: "all" or "none", then "+name" / "-name" for one
+    # (rms_norm, silu_and_mul, rotary_embedding). Neither "all" nor "none":
+    # "none" when Inductor compiles (it fuses the native ops), else "all".
+    custom_ops: list[str] = field(default_factory=list)
     # Set while compiling (not user input, left out of the hash as in vLLM).
     local_cache_dir: str = field(default="", repr=False)
     traced_files: set[str] = field(default_factory=set, repr=False, compare=False)
@@ -164,6 +169,19 @@ class CompilationConfig:
             self.cudagraph_capture_sizes = _positive_ints(
                 "cudagraph_capture_sizes", self.cudagraph_capture_sizes
             )
+        ops_ = self.custom_ops
+        if not isinstance(ops_, list) or not all(
+            isinstance(op, str) and (op in ("all", "none") or op[:1] in "+-" and len(op) > 1)
+            for op in ops_
+        ):
+            raise ValueError(
+                'compilation_config.custom_ops must be a list of "all", "none", "+name" or '
+                f'"-name" (e.g. ["none", "+rms_norm"]), got {ops_!r}.'
+            )
+        if ops_.count("all") + ops_.count("none") > 1:
+            raise ValueError(
+                f'compilation_config.custom_ops takes one of "all" and "none", got {ops_!r}.'
+            )
         size = self.max_cudagraph_capture_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(
@@ -205,6 +223,7 @@ class CompilationConfig:
             "cudagraph_mode": self.cudagraph_mode.name if self.cudagraph_mode else None,
             "cudagraph_capture_sizes": self.cudagraph_capture_sizes,
             "max_cudagraph_capture_size": self.max_cudagraph_capture_size,
+            "custom_ops": self.custom_ops,
         }
         return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -258,6 +277,13 @@ def resolve_compilation_config(
         compilation_config.splitting_ops = list(ATTENTION_OPS)
     if compilation_config.compile_sizes is None:
         compilation_config.compile_sizes = []
+    ops = compilation_config.custom_ops
+    if "all" not in ops and "none" not in ops:
+        # vLLM's rule: Inductor fuses the native ops into its own kernels, so
+        # the layers' kernels are off when it compiles, on otherwise.
+        inductor = compilation_config.backend in ("", "inductor")
+        compiled = compilation_config.mode != CompilationMode.NONE
+        ops.append("none" if compiled and inductor else "all")
     compilation_config.cudagraph_mode = _resolve_cudagraph_mode(
         compilation_config.cudagraph_mode,
         compilation_config.mode,

@@ -60,6 +60,24 @@ class CPUAttentionImpl(TorchAttentionImpl):
             return "cpu_attention_with_kv_cache (decodes, pages read in place) + SDPA per prefill"
         return "cpu_attention_with_kv_cache (decodes, pages read in place)"
 
+    def do_kv_cache_update(
+        self,
+        layer: Attention,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens], int64
+    ) -> None:
+        """The step's keys and values copied into their slots by the C++ kernel
+        (vLLM's CPU backend has its own write too, cpu_attn_reshape_and_cache)."""
+        if (
+            kv_cache.dtype == key.dtype == value.dtype == torch.float32
+            and slot_mapping.dtype == torch.int64
+        ):
+            ops.reshape_and_cache_flash(key, value, kv_cache, slot_mapping, backend="cpu")
+        else:
+            super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
     # --8<-- [start:cpu_attn_forward]
     def forward(
         self,

@@ -1,8 +1,12 @@
 """Gated activations of the fused gate/up projection.
 
-Mirrors vllm/model_executor/layers/activation.py (``SiluAndMul`` and
-``GeluAndMul``, their ``forward_native``). Left out: the other activations
-and their CUDA kernels.
+Mirrors vllm/model_executor/layers/activation.py (``SiluAndMul``, a
+``CustomOp`` registered as "silu_and_mul", and ``GeluAndMul``'s
+``forward_native``). ``SiluAndMul.forward_cpu`` runs the ``silu_and_mul``
+kernel (kernels/csrc/cpu_ops.cpp), one pass where the native path takes two
+and a tensor between them; vLLM 0.22's CPU build leaves this one to Inductor
+and has the kernel on CUDA. Left out: the other activations and their CUDA
+kernels.
 """
 
 from __future__ import annotations
@@ -11,14 +15,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tracevllm import _custom_ops as ops
+from tracevllm.model_executor.custom_op import CustomOp, cpu_kernel_fits
 
-class SiluAndMul(nn.Module):
+
+@CustomOp.register("silu_and_mul")
+class SiluAndMul(CustomOp):
     """``silu(x[:, :d]) * x[:, d:]`` where d = x.shape[-1] // 2."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         # [num_tokens, 2 * d] -> [num_tokens, d]
         return F.silu(x[..., :d]) * x[..., d:]
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        if not cpu_kernel_fits(x):
+            return self.forward_native(x)
+        out = x.new_empty(x.shape[0], x.shape[1] // 2)
+        ops.silu_and_mul(out, x)
+        return out
 
 
 class GeluAndMul(nn.Module):

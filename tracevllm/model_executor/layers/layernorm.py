@@ -1,10 +1,12 @@
 """RMS normalization with the residual add fused in.
 
-Mirrors vllm/model_executor/layers/layernorm.py (``RMSNorm.forward_native``,
-``GemmaRMSNorm.forward_native``). vLLM dispatches to a fused CUDA kernel; the
-native path below is the same math, in the same order as HF's ``LlamaRMSNorm``
-(and ``Gemma2RMSNorm``) so that results match it. Left out: variance over a
-subset of the hidden size.
+Mirrors vllm/model_executor/layers/layernorm.py (``RMSNorm``, a ``CustomOp``
+registered as "rms_norm", and ``GemmaRMSNorm``). ``forward_native`` is the
+same math in the same order as HF's ``LlamaRMSNorm`` (and ``Gemma2RMSNorm``)
+so that results match it; ``forward_cpu`` runs vLLM's two kernels,
+``rms_norm`` and ``fused_add_rms_norm`` (kernels/csrc/cpu_ops.cpp): one pass
+over each row where the native path takes six ops, each a pass and a new
+tensor. Left out: variance over a subset of the hidden size.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tracevllm import _custom_ops as ops
+from tracevllm.model_executor.custom_op import CustomOp, cpu_kernel_fits
 
-class RMSNorm(nn.Module):
+
+@CustomOp.register("rms_norm")
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.variance_epsilon = eps
@@ -26,7 +32,7 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * x.to(orig_dtype)
 
-    def forward(
+    def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x`` alone: normalize it. With ``residual``: add it first, and return
@@ -35,6 +41,23 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    # --8<-- [start:rms_norm_forward_cpu]
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As ``forward_native``; with ``residual``, in place as vLLM's kernel:
+        ``residual`` becomes the sum and ``x`` its norm."""
+        if not cpu_kernel_fits(x, residual, self.weight.data.unsqueeze(0)):
+            return self.forward_native(x, residual)
+        if residual is None:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, self.weight.data, self.variance_epsilon)
+            return out
+        ops.fused_add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
+        return x, residual
+
+    # --8<-- [end:rms_norm_forward_cpu]
 
 
 class GemmaRMSNorm(nn.Module):

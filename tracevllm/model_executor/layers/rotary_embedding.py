@@ -1,8 +1,12 @@
 """Rotary position embeddings (RoPE), neox style, with Llama 3 and LongRoPE (Phi-3) scaling.
 
-Mirrors vllm/model_executor/layers/rotary_embedding/ (``RotaryEmbedding``,
-``Llama3RotaryEmbedding``, ``Phi3LongRoPEScaledRotaryEmbedding``, ``get_rope``)
-on its native path. Left out: GPT-J style (interleaved) rotation, partial
+Mirrors vllm/model_executor/layers/rotary_embedding/ (``RotaryEmbedding``, a
+``CustomOp`` registered as "rotary_embedding", ``Llama3RotaryEmbedding``,
+``Phi3LongRoPEScaledRotaryEmbedding``, ``get_rope``). ``forward_native`` is
+the PyTorch path; ``RotaryEmbedding.forward_cpu`` is vLLM's: the
+``rotary_embedding`` kernel (kernels/csrc/cpu_ops.cpp) turns query and key
+in place, one pass where the native path takes eleven ops. Left out: GPT-J
+style (interleaved) rotation (the kernel has it, the layers do not), partial
 rotary dims outside LongRoPE, and the other scaling types (linear, dynamic
 NTK, YaRN, M-RoPE); asking for one is an error. LongRoPE reads the engine's
 ``max_model_len`` from the current config as vLLM's does; with none current
@@ -25,13 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracevllm import _custom_ops as ops
 from tracevllm.config import get_current_vllm_config
 from tracevllm.logger import init_logger
+from tracevllm.model_executor.custom_op import CustomOp, cpu_kernel_fits
 
 logger = init_logger(__name__)
 
 
-class RotaryEmbedding(nn.Module):
+@CustomOp.register("rotary_embedding")
+class RotaryEmbedding(CustomOp):
     def __init__(self, head_size: int, max_position_embeddings: int, base: float) -> None:
         super().__init__()
         self.head_size = head_size
@@ -54,7 +61,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [max_position, rotary_dim // 2]
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, rotary_dim]
 
-    def forward(
+    def forward_native(
         self,
         positions: torch.Tensor,  # [num_tokens]
         query: torch.Tensor,  # [num_tokens, num_heads * head_size]
@@ -74,6 +81,25 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)  # 2 x [num_tokens, heads, head_size // 2]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.view(num_tokens, -1)  # [num_tokens, heads * head_size]
+
+    # --8<-- [start:rope_forward_cpu]
+    def forward_cpu(
+        self,
+        positions: torch.Tensor,  # [num_tokens], int64
+        query: torch.Tensor,  # [num_tokens, num_heads * head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``forward_native``, but query and key are turned in place (vLLM's op)."""
+        if (
+            not cpu_kernel_fits(query, key, self.cos_sin_cache)
+            or positions.dtype != torch.int64
+            or positions.device.type != "cpu"
+        ):
+            return self.forward_native(positions, query, key)
+        ops.rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache, True)
+        return query, key
+
+    # --8<-- [end:rope_forward_cpu]
 
 
 class Llama3RotaryEmbedding(RotaryEmbedding):
@@ -297,7 +323,17 @@ def get_rope(
     # engines in one process with different lengths get different tables.
     frozen = json.dumps(params, sort_keys=True, default=str)  # hashable, nested lists too
     long_len = _current_max_model_len(max_position) if _is_longrope(params) else None
-    key = (head_size, max_position, is_neox_style, frozen, dtype, long_len)
+    # Whether the layer runs its kernel is fixed when it is built
+    # (CustomOp.dispatch_forward), so it joins the key too.
+    key = (
+        head_size,
+        max_position,
+        is_neox_style,
+        frozen,
+        dtype,
+        long_len,
+        RotaryEmbedding.enabled(),
+    )
     if key not in _ROPE_DICT:
         _ROPE_DICT[key] = _build_rope(head_size, max_position, params, dtype)
     return _ROPE_DICT[key]
