@@ -178,14 +178,24 @@ def test_layers_take_the_native_path_for_what_the_kernels_do_not_cover() -> None
     assert torch.equal(act.forward_cpu(g3), act.forward_native(g3))
 
 
-def _with_custom_ops(custom_ops: list[str], mode: CompilationMode = CompilationMode.NONE) -> Any:
+def _with_custom_ops(
+    custom_ops: list[str], mode: CompilationMode = CompilationMode.NONE, device: str = "cpu"
+) -> Any:
     from types import SimpleNamespace
 
     from tracevllm import config as config_module
 
     cfg = CompilationConfig(mode=mode, custom_ops=list(custom_ops))
-    resolve(cfg, enforce_eager=mode == CompilationMode.NONE, device="cpu")
-    return config_module.set_current_vllm_config(SimpleNamespace(compilation_config=cfg))  # type: ignore[arg-type]
+    resolve(cfg, enforce_eager=mode == CompilationMode.NONE, device=device)
+    current = SimpleNamespace(compilation_config=cfg, device_config=SimpleNamespace(device=device))
+    return config_module.set_current_vllm_config(current)  # type: ignore[arg-type]
+
+
+def test_layers_built_for_cuda_take_the_native_path() -> None:
+    """The kernels are the CPU's: an engine on CUDA builds its layers with
+    ``forward_native`` (and does not build the C++ for them)."""
+    with _with_custom_ops([], device="cuda"):
+        assert RMSNorm(8)._forward_method.__name__ == "forward_native"
 
 
 @pytest.mark.parametrize(
@@ -242,3 +252,27 @@ def test_an_engine_gives_the_same_tokens_either_way(tiny_model_dir: str) -> None
         tokens.append([o.outputs[0].token_ids for o in outs])
     assert paths == [{"forward_cpu"}, {"forward_native"}]
     assert tokens[0] == tokens[1]
+
+
+def test_bench_layer_ops_times_both_paths_of_every_op(tmp_path) -> None:
+    """benchmarks/bench_layer_ops.py, the ops alone, small: each op timed both
+    ways, the per-step sum from them, the figures in its JSON."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import bench_layer_ops
+
+    out = tmp_path / "layer_ops.json"
+    argv = ["--threads", "1", "--batch", "4", "--prefill", "8", "--skip-engine"]
+    bench_layer_ops.main([*argv, "--output-json", str(out)])
+    runs = json.loads(out.read_text())["ops"]
+    assert [(r["threads"], r["rows"]) for r in runs] == [(1, 4), (1, 8)]
+    for run in runs:
+        for path in ("native", "cpu"):
+            us = run["us"][path]
+            per_layer = 2 * us["add_rms_norm"] + us["silu_and_mul"] + us["rotary_embedding"]
+            per_layer += us["kv_write"]
+            assert min(us.values()) > 0
+            assert us["step_ms"] == pytest.approx(per_layer * 30 / 1e3)

@@ -50,11 +50,14 @@ class CustomOp(nn.Module):
 
     # --8<-- [start:dispatch_forward]
     def dispatch_forward(self) -> Callable[..., Any]:
-        """``forward_cpu`` where this op is enabled and the C++ kernels were
-        built on this machine, else ``forward_native``. The device is not
-        known yet (a model is built on the meta device, then moved), so
-        ``forward_cpu`` checks each input: see ``cpu_kernel_fits``."""
-        if not self.enabled():
+        """``forward_cpu`` where this op is enabled, the engine runs on the CPU
+        and the C++ kernels were built on this machine, else
+        ``forward_native`` (vLLM picks by platform the same way). The
+        tensors are not known yet (a model is built on the meta device, then
+        moved), so ``forward_cpu`` checks each input: see ``cpu_kernel_fits``."""
+        config = get_current_vllm_config()
+        device = config.device_config.device if config is not None else "cpu"
+        if not self.enabled() or device != "cpu":
             return self.forward_native
         from kernels.cpu_attn import cpu_kernels_available
 
