@@ -3,7 +3,7 @@
 vLLM ships its CPU kernels compiled into ``vllm._C``; tracevllm has no
 compiled wheel, so torch's own extension builder
 (``torch.utils.cpp_extension.load``, which drives g++ through ninja) compiles
-the C++ files the first time a process asks for them, about half a minute,
+the C++ files the first time a process asks for them, about 15 s,
 and keeps the library in torch's extension cache
 (``~/.cache/torch_extensions``, or ``TORCH_EXTENSIONS_DIR``): later starts
 only load it. The build is named after the instruction set torch detected
@@ -114,7 +114,7 @@ def cpu_kernels_available() -> bool:
             lock.unlink(missing_ok=True)
         if not (build_dir / f"{name}.so").exists():
             logger.info(
-                "Building the CPU kernels (%s) for this machine, once: about 30 s. "
+                "Building the CPU kernels (%s) for this machine, once: about 15 s. "
                 "Later starts load them from %s.",
                 ", ".join(s.name for s in SOURCES),
                 build_dir,

@@ -162,6 +162,29 @@ def test_kernels_refuse_what_they_do_not_cover() -> None:
         )
 
 
+def test_kernels_refuse_empty_rows_and_overlapping_outputs() -> None:
+    """Zero-width rows (a divide by zero in the chunk size, once) and written
+    tensors that overlap themselves or an input (threads racing on one float)
+    raise instead of crashing or racing."""
+    with pytest.raises(RuntimeError, match="n > 0"):
+        ops.rms_norm(torch.empty(2, 0), torch.empty(2, 0), torch.ones(0), 1e-6)
+    with pytest.raises(RuntimeError, match="n > 0"):
+        ops.silu_and_mul(torch.empty(2, 0), torch.empty(2, 0))
+    with pytest.raises(RuntimeError, match="rot_dim 0"):
+        ops.rotary_embedding(torch.tensor([0]), torch.randn(1, 8), None, 8, torch.randn(4, 0), True)
+    with pytest.raises(RuntimeError, match="num_kv_heads"):
+        kv = torch.randn(2, 0, 8)
+        ops.reshape_and_cache_flash(kv, kv, torch.zeros(2, 2, 4, 0, 8), torch.tensor([0, 1]), "cpu")
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        ops.fused_add_rms_norm(x, x, torch.ones(8), 1e-6)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        ops.rms_norm(torch.empty(1, 8).expand(3, 8), torch.randn(3, 8), torch.ones(8), 1e-6)
+    qk = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        ops.rotary_embedding(torch.tensor([0, 1]), qk, qk, 8, torch.randn(4, 8), True)
+
+
 def test_layers_take_the_native_path_for_what_the_kernels_do_not_cover() -> None:
     """bf16, a 3-D input (Qwen3's per-head norm), a column-strided tensor:
     ``forward_cpu`` gives the native result rather than an error."""
@@ -219,39 +242,59 @@ def test_custom_ops_picks_each_layers_path_as_vllm_does(
 
 @pytest.mark.parametrize(
     "custom_ops",
-    [["all", "none"], ["rms_norm"], ["+"], "all", [1], ["all", "all"]],
+    [["all", "none"], ["rms_norm"], ["+"], "all", [1], ["all", "all"], ["+rms_norm", "-rms_norm"]],
 )
 def test_custom_ops_is_checked_at_the_entry(custom_ops: Any) -> None:
     with pytest.raises(ValueError, match="custom_ops"):
         CompilationConfig(custom_ops=custom_ops)
 
 
-def test_an_engine_gives_the_same_tokens_either_way(tiny_model_dir: str) -> None:
-    """The tiny model's greedy tokens with every layer's kernel and with none
-    (``custom_ops=["none"]``); the first engine's layers did take the kernels."""
+def test_an_engine_gives_the_same_tokens_either_way(
+    tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny model's greedy tokens and log-probabilities with every layer's
+    kernel and with none (``custom_ops=["none"]``): the first engine called
+    each kernel, the second none."""
+    from collections import Counter
+
     from tracevllm import LLM, SamplingParams
 
+    names = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding")
+    calls: Counter[str] = Counter()
+    for name in names:
+        real = getattr(ops, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> None:
+            calls[_name] += 1
+            _real(*args)
+
+        monkeypatch.setattr(ops, name, counted)
     prompts = [{"prompt_token_ids": [1, 5, 9, 200, 17, 3] * (i + 1)} for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    tokens, paths = [], []
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    tokens, logprobs, counts = [], [], []
     for custom_ops in (["all"], ["none"]):
+        calls.clear()
         with LLM(
             tiny_model_dir,
             enable_multiprocessing=False,
             compilation_config={"custom_ops": custom_ops},
         ) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
-            runner = llm.llm_engine.engine_core.engine_core.model_executor.model_runner
-            layer = runner.model.model.layers[0]
-            paths.append(
-                {
-                    m._forward_method.__name__
-                    for m in (layer.input_layernorm, layer.mlp.act_fn, layer.self_attn.rotary_emb)
-                }
-            )
+        counts.append({name: calls[name] for name in names})
         tokens.append([o.outputs[0].token_ids for o in outs])
-    assert paths == [{"forward_cpu"}, {"forward_native"}]
+        logprobs.append(
+            [
+                lp[t].logprob
+                for o in outs
+                for lp, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids, strict=True)
+            ]
+        )
+    assert all(n > 0 for n in counts[0].values()), counts[0]
+    assert not any(counts[1].values()), counts[1]
     assert tokens[0] == tokens[1]
+    torch.testing.assert_close(
+        torch.tensor(logprobs[0]), torch.tensor(logprobs[1]), atol=1e-4, rtol=0
+    )
 
 
 def test_bench_layer_ops_times_both_paths_of_every_op(tmp_path) -> None:

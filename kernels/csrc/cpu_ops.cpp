@@ -6,7 +6,7 @@
 // (vLLM's CPU backend has its own, cpu_attn_reshape_and_cache, for its split
 // key and value caches; tracevllm's cache is one tensor). Each replaces a
 // handful of PyTorch ops that each walk the whole tensor and allocate their
-// result (an RMSNorm with its residual add is six; a neox RoPE, eleven):
+// result (an RMSNorm with its residual add is seven; a neox RoPE, fifteen):
 // on a decode step the rows are few, and those calls' fixed costs were most
 // of the time. The layers call these through tracevllm/_custom_ops.py when
 // their ``forward_cpu`` is chosen (tracevllm/model_executor/custom_op.py);
@@ -17,6 +17,7 @@
 // contiguous. Rows are split over torch's threads in chunks of at least
 // kGrain floats, so a decode step's few rows run on one thread without
 // waking the others.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -32,12 +33,18 @@ namespace {
 
 constexpr int64_t kGrain = 16384;  // floats per chunk of a parallel_for, at least
 
-int64_t grain_rows(int64_t row_floats) { return std::max<int64_t>(1, kGrain / row_floats); }
+int64_t grain_rows(int64_t row_floats) {
+  return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, row_floats));
+}
 
-void check_rows(const at::Tensor& t, const char* op, const char* name) {
+// A tensor of rows: float32, 2-D, each row contiguous and at least one float
+// wide. One the kernel writes must not overlap itself (an expanded view
+// would have two threads write one float).
+void check_rows(const at::Tensor& t, const char* op, const char* name, bool written = false) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, op, ": ", name, " must be float32");
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, op, ": ", name,
-              " must be 2-D, [num_tokens, n], each row contiguous");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.size(1) > 0, op, ": ", name,
+              " must be 2-D, [num_tokens, n] with n > 0, each row contiguous");
+  if (written) at::assert_no_internal_overlap(t);
 }
 
 // 1 / sqrt(mean(x^2) + eps) of one row: the sum in two chains of eight lanes.
@@ -72,7 +79,8 @@ inline void scale_row(float* out, const float* x, const float* w, float inv, int
 void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight,
               double epsilon) {
   check_rows(input, "rms_norm", "input");
-  check_rows(out, "rms_norm", "out");
+  check_rows(out, "rms_norm", "out", true);
+  at::assert_no_overlap(out, input);
   const int64_t rows = input.size(0), n = input.size(1);
   TORCH_CHECK(out.sizes() == input.sizes(), "rms_norm: out must be input's shape");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 1 && weight.size(0) == n &&
@@ -94,8 +102,9 @@ void rms_norm(at::Tensor& out, const at::Tensor& input, const at::Tensor& weight
 // In place, as vLLM's: residual <- input + residual, then input <- rms_norm(residual).
 void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                         double epsilon) {
-  check_rows(input, "fused_add_rms_norm", "input");
-  check_rows(residual, "fused_add_rms_norm", "residual");
+  check_rows(input, "fused_add_rms_norm", "input", true);
+  check_rows(residual, "fused_add_rms_norm", "residual", true);
+  at::assert_no_overlap(input, residual);
   const int64_t rows = input.size(0), n = input.size(1);
   TORCH_CHECK(residual.sizes() == input.sizes(),
               "fused_add_rms_norm: residual must be input's shape");
@@ -123,7 +132,8 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
 // out = silu(x[:, :d]) * x[:, d:], silu(g) = g / (1 + e^-g).
 void silu_and_mul(at::Tensor& out, const at::Tensor& input) {
   check_rows(input, "silu_and_mul", "input");
-  check_rows(out, "silu_and_mul", "out");
+  check_rows(out, "silu_and_mul", "out", true);
+  at::assert_no_overlap(out, input);
   const int64_t rows = input.size(0), d = input.size(1) / 2;
   TORCH_CHECK(input.size(1) % 2 == 0 && out.size(0) == rows && out.size(1) == d,
               "silu_and_mul: input must be [num_tokens, 2 * d] and out [num_tokens, d]");
@@ -182,7 +192,7 @@ inline void rotate_heads(float* t, int64_t num_heads, int64_t head_size, const f
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query,
                       const std::optional<at::Tensor>& key, int64_t head_size,
                       const at::Tensor& cos_sin_cache, bool is_neox) {
-  check_rows(query, "rotary_embedding", "query");
+  check_rows(query, "rotary_embedding", "query", true);
   const int64_t num_tokens = query.size(0);
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
                   positions.size(0) == num_tokens && positions.is_contiguous(),
@@ -191,12 +201,13 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query,
                   cos_sin_cache.is_contiguous(),
               "rotary_embedding: cos_sin_cache must be float32 [max_position, rot_dim]");
   const int64_t rot_dim = cos_sin_cache.size(1), half = rot_dim / 2;
-  TORCH_CHECK(head_size > 0 && rot_dim % 2 == 0 && rot_dim <= head_size &&
+  TORCH_CHECK(head_size > 0 && rot_dim > 0 && rot_dim % 2 == 0 && rot_dim <= head_size &&
                   query.size(1) % head_size == 0,
-              "rotary_embedding: rot_dim ", rot_dim, " must be even and at most head_size ",
+              "rotary_embedding: rot_dim ", rot_dim, " must be even, positive and at most head_size ",
               head_size, ", and query's width a multiple of head_size");
   if (key.has_value()) {
-    check_rows(*key, "rotary_embedding", "key");
+    check_rows(*key, "rotary_embedding", "key", true);
+    at::assert_no_overlap(query, *key);
     TORCH_CHECK(key->size(0) == num_tokens && key->size(1) % head_size == 0,
                 "rotary_embedding: key must be [num_tokens, num_kv_heads * head_size]");
   }
@@ -234,7 +245,7 @@ void reshape_and_cache_flash(const at::Tensor& key, const at::Tensor& value,
                   kv_cache.scalar_type() == at::kFloat,
               "reshape_and_cache_flash: float32 only");
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 &&
-                  value.stride(2) == 1,
+                  value.stride(2) == 1 && key.size(1) > 0 && key.size(2) > 0,
               "reshape_and_cache_flash: key and value must be [num_tokens, num_kv_heads, "
               "head_size], head_size contiguous");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.size(3) == key.size(1) &&
@@ -244,6 +255,9 @@ void reshape_and_cache_flash(const at::Tensor& key, const at::Tensor& value,
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.is_contiguous() && slot_mapping.size(0) <= key.size(0),
               "reshape_and_cache_flash: slot_mapping must be int64 [num_tokens], contiguous");
+  at::assert_no_internal_overlap(kv_cache);
+  at::assert_no_overlap(kv_cache, key);
+  at::assert_no_overlap(kv_cache, value);
   const int64_t num_tokens = slot_mapping.size(0);
   const int64_t heads = key.size(1), head_size = key.size(2);
   const int64_t block_size = kv_cache.size(2);

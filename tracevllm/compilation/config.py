@@ -182,6 +182,13 @@ class CompilationConfig:
             raise ValueError(
                 f'compilation_config.custom_ops takes one of "all" and "none", got {ops_!r}.'
             )
+        enabled = {op[1:] for op in ops_ if op[0] == "+"}
+        both = sorted(enabled & {op[1:] for op in ops_ if op[0] == "-"})
+        if both:
+            raise ValueError(
+                f"compilation_config.custom_ops cannot both enable and disable {both[0]!r}: "
+                f"got {ops_!r}."
+            )
         size = self.max_cudagraph_capture_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(

@@ -50,18 +50,24 @@ class CustomOp(nn.Module):
 
     # --8<-- [start:dispatch_forward]
     def dispatch_forward(self) -> Callable[..., Any]:
-        """``forward_cpu`` where this op is enabled, the engine runs on the CPU
-        and the C++ kernels were built on this machine, else
-        ``forward_native`` (vLLM picks by platform the same way). The
-        tensors are not known yet (a model is built on the meta device, then
-        moved), so ``forward_cpu`` checks each input: see ``cpu_kernel_fits``."""
+        """``forward_cpu`` where ``uses_own_kernel``, else ``forward_native``.
+        The tensors are not known yet (a model is built on the meta device,
+        then moved), so ``forward_cpu`` checks each input: see
+        ``cpu_kernel_fits``."""
+        return self.forward_cpu if self.uses_own_kernel() else self.forward_native
+
+    @classmethod
+    def uses_own_kernel(cls) -> bool:
+        """Whether a layer of this class built now takes its kernel: the op is
+        enabled, the engine runs on the CPU (vLLM picks by platform the same
+        way), and the C++ kernels were built on this machine."""
         config = get_current_vllm_config()
         device = config.device_config.device if config is not None else "cpu"
-        if not self.enabled() or device != "cpu":
-            return self.forward_native
+        if not cls.enabled() or device != "cpu":
+            return False
         from kernels.cpu_attn import cpu_kernels_available
 
-        return self.forward_cpu if cpu_kernels_available() else self.forward_native
+        return cpu_kernels_available()
 
     # --8<-- [end:dispatch_forward]
 

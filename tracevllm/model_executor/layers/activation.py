@@ -4,9 +4,10 @@ Mirrors vllm/model_executor/layers/activation.py (``SiluAndMul``, a
 ``CustomOp`` registered as "silu_and_mul", and ``GeluAndMul``'s
 ``forward_native``). ``SiluAndMul.forward_cpu`` runs the ``silu_and_mul``
 kernel (kernels/csrc/cpu_ops.cpp), one pass where the native path takes two
-and a tensor between them; vLLM 0.22's CPU build leaves this one to Inductor
-and has the kernel on CUDA. Left out: the other activations and their CUDA
-kernels.
+and a tensor between them. A departure: vLLM 0.22 pins ``SiluAndMul`` to
+``forward_native`` on CPU in every mode (compiled, Inductor fuses it) and
+calls ``torch.ops._C.silu_and_mul`` on CUDA only; tracevllm's eager default
+takes the kernel. Left out: the other activations and their CUDA kernels.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from tracevllm.model_executor.custom_op import CustomOp, cpu_kernel_fits
 class SiluAndMul(CustomOp):
     """``silu(x[:, :d]) * x[:, d:]`` where d = x.shape[-1] // 2."""
 
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def forward_native(x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         # [num_tokens, 2 * d] -> [num_tokens, d]
         return F.silu(x[..., :d]) * x[..., d:]

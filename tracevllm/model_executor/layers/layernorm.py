@@ -5,7 +5,7 @@ registered as "rms_norm", and ``GemmaRMSNorm``). ``forward_native`` is the
 same math in the same order as HF's ``LlamaRMSNorm`` (and ``Gemma2RMSNorm``)
 so that results match it; ``forward_cpu`` runs vLLM's two kernels,
 ``rms_norm`` and ``fused_add_rms_norm`` (kernels/csrc/cpu_ops.cpp): one pass
-over each row where the native path takes six ops, each a pass and a new
+over each row where the native path takes seven ops, each a pass and a new
 tensor. Left out: variance over a subset of the hidden size.
 """
 

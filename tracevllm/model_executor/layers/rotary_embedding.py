@@ -5,7 +5,7 @@ Mirrors vllm/model_executor/layers/rotary_embedding/ (``RotaryEmbedding``, a
 ``Phi3LongRoPEScaledRotaryEmbedding``, ``get_rope``). ``forward_native`` is
 the PyTorch path; ``RotaryEmbedding.forward_cpu`` is vLLM's: the
 ``rotary_embedding`` kernel (kernels/csrc/cpu_ops.cpp) turns query and key
-in place, one pass where the native path takes eleven ops. Left out: GPT-J
+in place, one pass where the native path takes fifteen ops. Left out: GPT-J
 style (interleaved) rotation (the kernel has it, the layers do not), partial
 rotary dims outside LongRoPE, and the other scaling types (linear, dynamic
 NTK, YaRN, M-RoPE); asking for one is an error. LongRoPE reads the engine's
@@ -332,7 +332,7 @@ def get_rope(
         frozen,
         dtype,
         long_len,
-        RotaryEmbedding.enabled(),
+        RotaryEmbedding.uses_own_kernel(),
     )
     if key not in _ROPE_DICT:
         _ROPE_DICT[key] = _build_rope(head_size, max_position, params, dtype)

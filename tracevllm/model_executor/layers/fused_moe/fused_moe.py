@@ -20,8 +20,6 @@ from tracevllm import _custom_ops as ops
 from tracevllm.model_executor.layers.activation import SiluAndMul
 from tracevllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 
-_silu_and_mul = SiluAndMul()
-
 
 def default_moe_backend(device: torch.device) -> str:
     """``"triton"`` on a GPU, else ``"torch"``, as the attention backend's default."""
@@ -85,7 +83,8 @@ def fused_experts(
         backend,
     )
     # [num_tokens * top_k, intermediate]
-    intermediate_cache2 = _silu_and_mul(intermediate_cache1.view(-1, N))
+    # PyTorch's ops (a layer's C++ kernel is chosen where a layer is built, under its config).
+    intermediate_cache2 = SiluAndMul.forward_native(intermediate_cache1.view(-1, N))
     # [num_tokens, top_k, hidden_size]: each row already is one (token, k), so top_k = 1 here.
     intermediate_cache3 = hidden_states.new_empty(M, top_k, K)
     ops.dispatch_fused_moe_kernel(
