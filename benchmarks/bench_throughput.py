@@ -154,7 +154,8 @@ WHAT = {
     "of their floor_s",
     "tracing": "per condition: tok/s of tracing off, request and full detail, back to back "
     "in each round (first level rotating), each in a fresh LLM; vs_off = the median over "
-    "rounds of (level / the same round's off) - 1",
+    "rounds of (level / the same round's off) - 1; threads: each run's worker thread "
+    "report after it (Worker.get_cpu_threads)",
 }
 
 
@@ -629,20 +630,29 @@ def measure_tracing(
     for condition in conditions:
         rates: dict[str, list[float]] = {d: [] for d in TRACING_DETAILS}
         loads: dict[str, list[list[float]]] = {d: [] for d in TRACING_DETAILS}
+        # Each run's thread count: a run that stayed at every core beside the
+        # busy process shows as a slow level, whatever tracing costs.
+        threads: dict[str, list[dict[str, Any]]] = {d: [] for d in TRACING_DETAILS}
         for round_ in range(args.tracing_rounds):
             for detail in tracing_order(round_):
                 with tempfile.TemporaryDirectory() as d, under(condition, settle_s) as load:
-                    t, n, *_ = bench_tracevllm(samples, trace_detail=detail,
-                                           trace_dir=None if detail == "off" else d,
-                                           **llm_kwargs)  # fmt: skip
+                    t, n, _, report = bench_tracevllm(samples, trace_detail=detail,
+                                                      trace_dir=None if detail == "off" else d,
+                                                      **llm_kwargs)  # fmt: skip
                 rates[detail].append(n / t)
                 loads[detail].append([load.start, load.end])
+                threads[detail].append(report)
                 console.print(
                     f"  {LABELS[condition]:<13} tracing {detail:<8} round {round_ + 1}: "
-                    f"{n / t:.1f} tok/s, {load}"
+                    f"{n / t:.1f} tok/s, {load}{_fmt_threads(report)}"
                 )
         vs_off = tracing_cost(rates)
-        out[condition] = {"tok_s": rates, "load_start_end": loads, "vs_off": vs_off}
+        out[condition] = {
+            "tok_s": rates,
+            "load_start_end": loads,
+            "threads": threads,
+            "vs_off": vs_off,
+        }
         cost = Table(
             title=f"Tracing cost, {LABELS[condition]} ({len(samples)} prompts, "
             f"{args.tracing_rounds} rounds, vs off: median of each round's ratio)"

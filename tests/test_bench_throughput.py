@@ -301,6 +301,7 @@ def test_tracing_cost_under_each_condition(monkeypatch: Any, tokenizer: Any) -> 
     assert math.isclose(out["busy"]["vs_off"]["full"], -0.2)
     assert out["busy"]["tok_s"]["off"] == [100.0, 100.0]
     assert len(out["busy"]["load_start_end"]["full"]) == 2
+    assert out["busy"]["threads"]["request"] == [REPORT, REPORT]  # each run's report kept
 
 
 @pytest.mark.timeout(120)
