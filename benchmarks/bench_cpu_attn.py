@@ -23,7 +23,6 @@ Two measurements, both on this machine, one after the other:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not cpu_kernels_available():
         sys.exit("The CPU attention kernel could not be built here (see the warning above).")
-    from bench_throughput import bench_tracevllm, machine
+    from bench_throughput import alternate_engines, machine, write_json
 
     res: dict[str, Any] = {"machine": machine(), "args": vars(args), "read": [], "engine": []}
     counts = [int(t) for t in args.threads.split(",")]
@@ -128,26 +127,14 @@ def main(argv: list[str] | None = None) -> None:
         from tracevllm.model_executor.model_loader import resolve_model
 
         samples = chat_samples(AutoTokenizer.from_pretrained(resolve_model(None)), args.num_prompts)
+        variants = {backend: {"attention_backend": backend} for backend in ("torch", "cpu_attn")}
         for threads in counts:
-            rates: dict[str, list[float]] = {"torch": [], "cpu_attn": []}
-            for _ in range(args.rounds):
-                for backend in rates:
-                    env = {"TRACEVLLM_NUM_THREADS": str(threads)}
-                    seconds, generated, _, _ = bench_tracevllm(
-                        samples, env=env, attention_backend=backend
-                    )
-                    rates[backend].append(generated / seconds)
-                    print(
-                        f"engine, {threads} thread(s), {backend}: {rates[backend][-1]:.1f} tok/s",
-                        flush=True,
-                    )
+            rates = alternate_engines(samples, threads, args.rounds, variants)
             gain = statistics.mean(rates["cpu_attn"]) / statistics.mean(rates["torch"])
             res["engine"].append({"threads": threads, "tok_s": rates, "gain": gain})
             print(f"engine, {threads} thread(s): cpu_attn / torch = {gain:.2f}x", flush=True)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
+        write_json(res, args.output_json)
 
 
 if __name__ == "__main__":

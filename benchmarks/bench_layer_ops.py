@@ -8,7 +8,7 @@ Two measurements, both on this machine, one after the other:
   ``forward_native`` (PyTorch) and ``forward_cpu`` (the kernel) for the
   residual add with RMSNorm, SiLU-and-mul and RoPE, and the K/V write
   (``reshape_and_cache_flash_torch`` against the C++ copy); microseconds per
-  call, best of 5 runs, and per step: two norms, one SiLU-and-mul, one RoPE
+  call, best of 5 runs of 200 calls, and per step: two norms, one SiLU-and-mul, one RoPE
   and one write per layer, times 30 layers.
 - The engine: make bench's workload (64 chat prompts, max_tokens 16-128,
   greedy, fp32) through ``LLM`` with ``compilation_config={"custom_ops":
@@ -24,11 +24,9 @@ Two measurements, both on this machine, one after the other:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -38,16 +36,11 @@ DEFAULT_JSON = "benchmarks/results/layer_ops.json"
 HIDDEN, HEADS, KV_HEADS, HEAD_SIZE, INTERMEDIATE, LAYERS = 576, 9, 3, 64, 1536, 30
 
 
-def _best_us(fn: Callable[[], Any], calls: int = 200, runs: int = 5) -> float:
-    for _ in range(20):
-        fn()
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
+def _best_us(fn: Callable[[], Any]) -> float:
+    """Microseconds per call, best of 5 runs of 200 calls (roofline.py's ``best_of``)."""
+    from roofline import best_of
+
+    return best_of(fn, repeats=5, inner=200) * 1e6
 
 
 def ops_alone(rows: int, threads: int) -> dict[str, Any]:
@@ -113,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if not cpu_kernels_available():
         sys.exit("The CPU kernels could not be built here (see the warning above).")
-    from bench_throughput import bench_tracevllm, machine
+    from bench_throughput import alternate_engines, machine, write_json
 
     res: dict[str, Any] = {"machine": machine(), "args": vars(args), "ops": [], "engine": []}
     counts = [int(t) for t in args.threads.split(",")]
@@ -137,27 +130,15 @@ def main(argv: list[str] | None = None) -> None:
         from tracevllm.model_executor.model_loader import resolve_model
 
         samples = chat_samples(AutoTokenizer.from_pretrained(resolve_model(None)), args.num_prompts)
+        # The keys are custom_ops' values: "none" (PyTorch ops) and "all" (the kernels).
+        variants = {ops: {"compilation_config": {"custom_ops": [ops]}} for ops in ("none", "all")}
         for threads in counts:
-            rates: dict[str, list[float]] = {"none": [], "all": []}
-            for _ in range(args.rounds):
-                for custom_ops in rates:
-                    env = {"TRACEVLLM_NUM_THREADS": str(threads)}
-                    seconds, generated, _, _ = bench_tracevllm(
-                        samples, env=env, compilation_config={"custom_ops": [custom_ops]}
-                    )
-                    rates[custom_ops].append(generated / seconds)
-                    print(
-                        f"engine, {threads} thread(s), custom_ops [{custom_ops!r}]: "
-                        f"{rates[custom_ops][-1]:.1f} tok/s",
-                        flush=True,
-                    )
+            rates = alternate_engines(samples, threads, args.rounds, variants)
             gain = statistics.mean(rates["all"]) / statistics.mean(rates["none"])
             res["engine"].append({"threads": threads, "tok_s": rates, "gain": gain})
             print(f"engine, {threads} thread(s): kernels / PyTorch ops = {gain:.2f}x", flush=True)
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(res, f, indent=1)
-            f.write("\n")
+        write_json(res, args.output_json)
 
 
 if __name__ == "__main__":

@@ -361,6 +361,22 @@ def bench_tracevllm(
     return elapsed, generated, sum(o.num_cached_tokens for o in outs), threads
 
 
+def alternate_engines(
+    samples: list[Any], threads: int, rounds: int, variants: dict[str, dict[str, Any]]
+) -> dict[str, list[float]]:
+    """tok/s of each variant (its ``LLM`` keyword arguments), alternating,
+    ``rounds`` runs each, every run a fresh engine at ``threads`` threads
+    (``TRACEVLLM_NUM_THREADS``); each run's line printed as it ends."""
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, llm_kwargs in variants.items():
+            env = {"TRACEVLLM_NUM_THREADS": str(threads)}
+            seconds, generated, _, _ = bench_tracevllm(samples, env=env, **llm_kwargs)
+            rates[name].append(generated / seconds)
+            print(f"engine, {threads} thread(s), {name}: {rates[name][-1]:.1f} tok/s", flush=True)
+    return rates
+
+
 def bench_vllm(venv: str, model_dir: str, samples: list[Any], config: dict[str, Any]) -> dict:
     """The same prompt token ids and max_tokens through vLLM's LLM (another process)."""
     job = {
