@@ -13,7 +13,10 @@ bench_tracing_cost.py (the CPU's name is roofline.py's).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,13 +81,22 @@ class Load:
         return f"load {self.start:.2f}->{self.end:.2f}"
 
 
+def _die_with_parent() -> None:
+    """Run in the busy loop's process before it starts: SIGTERM it when the
+    benchmark's process dies (Linux's ``PR_SET_PDEATHSIG``), so that a
+    benchmark killed mid-run leaves no core busy behind it."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such call
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 @contextmanager
 def busy_core(busy: bool, settle_s: float = SETTLE_S) -> Iterator[None]:
-    """One busy-loop process for the block's duration (nothing when not ``busy``)."""
+    """One busy-loop process for the block's duration (nothing when not
+    ``busy``); it ends with the block, or with this process if it is killed."""
     if not busy:
         yield
         return
-    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], preexec_fn=_die_with_parent)
     try:
         time.sleep(settle_s)  # let it take its core
         yield

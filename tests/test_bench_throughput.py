@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,33 @@ def _busy_loops() -> int:
         with contextlib.suppress(psutil.NoSuchProcess):
             n += busy.BUSY_LOOP in " ".join(child.cmdline())
     return n
+
+
+def test_a_killed_benchmark_leaves_no_busy_loop_behind() -> None:
+    """A benchmark killed inside a busy run (SIGKILL: no finally runs) takes
+    its busy loop with it. Mutation caught: preexec_fn dropped (the loop
+    outlived a killed benchmark and halved the next runs' figures)."""
+    script = (
+        "import sys, time; sys.path.insert(0, 'benchmarks'); import busy\n"
+        "with busy.busy_core(True, settle_s=0):\n"
+        "    print('in', flush=True); time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    loops: list[psutil.Process] = []
+    try:
+        assert parent.stdout is not None and parent.stdout.readline() == "in\n"
+        loops = psutil.Process(parent.pid).children()
+        assert len(loops) == 1
+        parent.kill()
+        parent.wait(timeout=10)
+        loops[0].wait(timeout=10)  # psutil.TimeoutExpired if it outlived the parent
+    finally:
+        parent.kill()
+        for loop in loops:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                loop.kill()
 
 
 def test_condition_loop_runs_each_engine_beside_its_own_busy_loop() -> None:

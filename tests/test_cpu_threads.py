@@ -12,7 +12,14 @@ import torch
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tracevllm.worker.cpu_threads import AdaptiveThreadPolicy, StepShape, probe_at_warm_up
+from tracevllm.worker.cpu_threads import (
+    AdaptiveThreadPolicy,
+    ProbeRecord,
+    StepShape,
+    format_probe,
+    probe_at_warm_up,
+    sign_test,
+)
 
 DECODE = StepShape(num_reqs=8, num_tokens=8)
 
@@ -186,6 +193,101 @@ def test_under_noise_a_clear_gain_is_still_taken() -> None:
     policy = AdaptiveThreadPolicy(2)
     drive(policy, lambda t, s: {2: 1.0, 1: 0.4}[t] * (1 + rng.uniform(-0.25, 0.25)), 20)
     assert policy.threads == 1
+
+
+def stalling_core(rng: random.Random) -> Callable[[int, StepShape], float]:
+    """Step times beside one busy core, as measured (make bench, tracing
+    full): at two threads a step is stalled or not, 2.2 or 1.0 (+-10 %), at
+    one thread 0.8 (+-30 %): a pair's ratio from 0.25 to 1.1."""
+
+    def seconds(threads: int, shape: StepShape) -> float:
+        if threads == 1:
+            return 0.8 * (1 + rng.uniform(-0.3, 0.3))
+        return (2.2 if rng.random() < 0.5 else 1.0) * (1 + rng.uniform(-0.1, 0.1))
+
+    return seconds
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_beside_a_stalling_core_one_thread_is_taken(seed: int) -> None:
+    """The two-thread steps vary twofold, so five pairs' median can be
+    within the noise allowance, and a pair can favour two threads: the probe
+    goes on to more pairs and takes one thread, with no second probe.
+    Mutation caught: EXTEND_PAIRS 1 (seeds 10 and 15 keep two threads after
+    40 steps: the run that made 110 tok/s, not 210)."""
+    policy = AdaptiveThreadPolicy(2, first_probe=0)
+    drive(policy, stalling_core(random.Random(seed)), 40)
+    assert policy.threads == 1 and policy.probes == 1
+    (record,) = policy.probe_log
+    assert (record.threads, record.candidate, record.kept) == (2, 1, 1)
+
+
+def test_five_pairs_all_favouring_the_other_count_are_enough() -> None:
+    """A probe measured beside a busy core (make bench, tracing full; it
+    kept two threads at 110 tok/s where one ran 210): one thread won all
+    five pairs (0.45 0.45 0.88 0.78 0.77), but the two-thread steps before
+    it varied 2.2x step to step, so the median is within the noise
+    allowance. The sign test (five of five: 1 in 32 by chance) takes one
+    thread at the first look. Mutation caught: SIGN_TEST_P 0 (the probe
+    goes on past ten steps)."""
+    before = [1.0, 2.2] * 16  # the 32 steps before the probe, at two threads
+    at_two = [2.0, 2.0, 1.0, 1.1, 1.1]  # each pair's two-thread step
+    ratios = [0.45, 0.45, 0.88, 0.78, 0.77]
+    policy = AdaptiveThreadPolicy(2, first_probe=len(before))
+    times = iter(before)
+    drive(policy, lambda t, s: next(times), len(before))
+    assert policy.candidate is None and policy.threads == 2
+    for two, ratio in zip(at_two, ratios, strict=True):
+        for _ in range(2):  # a pair: one step at each count, in either order
+            threads = policy.threads_for_step(DECODE)
+            policy.record_step(two if threads == 2 else two * ratio)
+    assert policy._noise_allowance() * 0.77 > 0.95  # within the noise by the median test
+    assert policy.threads == 1 and policy.candidate is None
+    assert policy.probe_log[-1].ratios == pytest.approx(ratios)
+
+
+def test_sign_test() -> None:
+    """The chance of k or more of n pairs favouring the other count when
+    each is a coin toss."""
+    assert sign_test([0.9] * 5) == 1 / 32
+    assert sign_test([0.9] * 4 + [1.1]) == 6 / 32
+    assert sign_test([0.9] * 9 + [1.1]) == 11 / 1024
+    assert sign_test([1.1, 1.0]) == 1.0  # a tie favours neither
+
+
+def test_a_probe_runs_at_most_three_times_its_pairs() -> None:
+    """A tie under heavy noise: however often the median leans to the other
+    count, no probe takes more than 3 * pairs pairs (steps at the other
+    count). Mutation caught: the bound dropped (`out_of_pairs` False: a
+    leaning probe with unlike pairs among its like ones never ends)."""
+    rng = random.Random(0)
+    shapes = [DECODE, StepShape(9, 9)]
+    policy = AdaptiveThreadPolicy(2, first_probe=0, pairs=5)
+    for _ in range(50):
+        steps = 0
+        while True:  # one probe, its shapes like and unlike at random
+            policy.threads_for_step(rng.choice(shapes))
+            policy.record_step(1.0 + rng.uniform(-0.6, 0.6))
+            steps += 1
+            if policy.candidate is None:
+                break
+            assert steps <= 2 * 3 * policy.pairs, policy.probe_log
+        policy.probe_next_step()
+    lengths = [len(r.ratios) + r.unlike_pairs for r in policy.probe_log]
+    assert max(lengths) <= 3 * policy.pairs
+
+
+def test_each_probe_is_recorded_with_its_ratios() -> None:
+    """probe_log keeps each probe's pairs, how it ended and what it kept;
+    format_probe writes the line get_cpu_threads reports."""
+    policy = AdaptiveThreadPolicy(2, first_probe=0)
+    drive(policy, per_thread({2: 1.0, 1: 2.5}), 1 + 1)  # a much slower neighbour
+    (record,) = policy.probe_log
+    assert record == ProbeRecord(2, 1, (2.5,), 0, "slower", 2)
+    assert format_probe(record) == "2 vs 1: 2.50 -> 2 (slower)"
+    policy.probe_next_step()
+    drive(policy, per_thread({2: 1.0, 1: 0.4}), 6)  # then much faster
+    assert format_probe(policy.probe_log[-1]) == "2 vs 1: 0.40 0.40 0.40 -> 1 (faster)"
 
 
 def test_a_costly_probe_waits_longer() -> None:
@@ -414,12 +516,16 @@ def test_engine_step_spans_show_the_count_the_policy_changed_to(
     fixed = engine_runs["fixed"]
     assert fixed.policy is None
     assert set(fixed.counts) == {1}
-    # What the worker reports (make bench records it): the count it ended at
-    # and every change, in order.
+    # What the worker reports (make bench records it): the count it ended at,
+    # every change in order, and each probe's line (the warm-up's first).
     assert run.report == {"threads": 1, "adaptive": True, "probes": policy.probes,
-                          "changes": [[2, 1], *[list(c) for c in policy.changes[1:]]]}  # fmt: skip
+                          "changes": [[2, 1], *[list(c) for c in policy.changes[1:]]],
+                          "probe_log": [format_probe(r) for r in policy.probe_log]}  # fmt: skip
+    assert run.report["probe_log"][0] == "2 vs 1: 0.10 0.10 0.10 -> 1 (faster)"
     assert policy.changes and policy.changes[0] == (2, 1) and policy.changes[-1][1] == 1
-    assert fixed.report == {"threads": 1, "adaptive": False, "changes": [], "probes": 0}
+    assert fixed.report == {
+        "threads": 1, "adaptive": False, "changes": [], "probes": 0, "probe_log": []
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["adaptive", "fixed"])

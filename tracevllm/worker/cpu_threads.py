@@ -26,12 +26,22 @@ median of the pairs' time ratios decides: the neighbour is taken only when
 it is faster by more than the hysteresis plus two standard errors of the
 steps' own noise (measured on neighbouring steps of one shape at one count,
 and on the pairs' scatter), so that on a busy machine, where step times
-vary by tens of percent, the count does not flap. A probe stops at its
+vary by tens of percent, the count does not flap. Beside a busy core,
+though, the steps at the count that stalls vary twofold from one to the
+next, and that allowance outgrew a twofold gain (five pairs, 2 vs 1: 0.45
+0.45 0.88 0.78 0.77, kept two threads at 110 tok/s where one ran 210). So a
+median beyond the hysteresis also wins when the pairs favour the neighbour
+more often than chance would (a sign test: five of five, 1 in 32 were the
+counts equally fast), which a twofold stall cannot inflate; and one that
+passes neither test gets more pairs, looked at again after each ``pairs``
+(up to ``3 * pairs`` pairs in all), as the allowance shrinks with the
+square root of their number. A probe stops at its
 first pair when the neighbour is more than 1.25x slower (so a bad
 neighbour costs one step), and after three pairs when it is more than
 1.25x faster all three times. A probe that finds no like-shaped pairs
 (arrivals in serving, chunked prefills beside decodes) ends after
-``pairs`` unlike pairs: at most ``2 * pairs`` steps at the other count.
+``pairs`` unlike pairs. No probe runs more than ``3 * pairs`` steps at the
+other count.
 After a probe that kept the count the next one comes twice as late, or
 later still when the probe's slow steps cost more than 3% of the steps
 until the next one (up to ``max_interval`` steps); after a change, after
@@ -82,6 +92,14 @@ EARLY_SWITCH_PAIRS = 3
 # errors of the step times' noise; over this many recent tied pairs.
 NOISE_SIGMAS = 2.0
 NOISE_SAMPLES = 64
+# A probe whose median is faster but within the noise goes on, up to this
+# many times its ``pairs`` in all (like and unlike).
+EXTEND_PAIRS = 3
+# Or the pairs must favour the other count more often than chance would but
+# this often (a sign test; 1/32: five pairs of five).
+SIGN_TEST_P = 1 / 32
+# How many finished probes the policy remembers (ProbeRecord), for reports.
+PROBE_LOG = 16
 
 logger = init_logger(__name__)
 
@@ -91,6 +109,19 @@ class StepShape(NamedTuple):
 
     num_reqs: int
     num_tokens: int
+
+
+class ProbeRecord(NamedTuple):
+    """One finished probe: the counts it compared, its pairs' time ratios
+    (steps at ``candidate`` over steps at ``threads``), how it ended and
+    what it kept."""
+
+    threads: int
+    candidate: int
+    ratios: tuple[float, ...]
+    unlike_pairs: int
+    ended: str  # "slower", "faster", "median", "unlike"
+    kept: int
 
 
 class AdaptiveThreadPolicy:
@@ -131,6 +162,8 @@ class AdaptiveThreadPolicy:
         self.probes = 0
         # Each decided change, (old, new), in order.
         self.changes: list[tuple[int, int]] = []
+        # The last probes, oldest first: what each measured and why it ended.
+        self.probe_log: deque[ProbeRecord] = deque(maxlen=PROBE_LOG)
         self._go_up = False  # the direction of the next probe when both are open
         # The probe in progress: its other count, the pairs' ratios, the
         # half-finished pair, and how many steps it has taken.
@@ -215,19 +248,34 @@ class AdaptiveThreadPolicy:
     def _maybe_decide(self) -> None:
         assert self.candidate is not None
         ratios = self._ratios
+        out_of_pairs = len(ratios) + self._unlike_pairs >= EXTEND_PAIRS * self.pairs
         if ratios and min(ratios) > self.abort_ratio:
-            self._end_probe(None)  # clearly slower: stop paying for it at once
+            self._end_probe(None, "slower")  # clearly slower: stop paying for it at once
         elif len(ratios) >= EARLY_SWITCH_PAIRS and max(ratios) < 1 / self.abort_ratio:
             # Clearly faster three times over (so their median is too).
-            self._end_probe(statistics.median(ratios))
-        elif len(ratios) >= self.pairs:
+            self._end_probe(statistics.median(ratios), "faster")
+        elif len(ratios) >= self.pairs and (len(ratios) % self.pairs == 0 or out_of_pairs):
+            # Looked at after every `pairs` like pairs (fewer looks, fewer
+            # chances for noise to pass), or when the probe is out of pairs.
             ratio = statistics.median(ratios)
-            faster = ratio * self._noise_allowance() < 1 - self.hysteresis
-            self._end_probe(ratio if faster else None)
-        elif self._unlike_pairs >= self.pairs:
+            leaning = ratio < 1 - self.hysteresis
+            if leaning and (
+                ratio * self._noise_allowance() < 1 - self.hysteresis
+                or sign_test(ratios) <= SIGN_TEST_P
+            ):
+                self._end_probe(ratio, "median")
+            elif not leaning or out_of_pairs:
+                self._end_probe(None, "median")
+            # Else faster by its median, not yet beyond the noise: more pairs
+            # (the allowance shrinks as one over their root). Beside a busy
+            # core the steps at the count that stalls vary twofold and five
+            # pairs (2 vs 1: 0.45 0.45 0.88 0.78 0.77) kept two threads at
+            # 110 tok/s where one ran 210; the extra steps run at the count
+            # that looks faster, so they cost little when it is.
+        elif len(ratios) < self.pairs and self._unlike_pairs >= self.pairs:
             # As many pairs of unlike shapes as a probe has pairs: the steps
             # at the other count (at most 2 * pairs) decided nothing; later.
-            self._end_probe(None)
+            self._end_probe(None, "unlike")
 
     def _noise_allowance(self) -> float:
         """How much faster than its median the other count might look by
@@ -239,10 +287,16 @@ class AdaptiveThreadPolicy:
         sigma = 1.4826 * statistics.median(spread)  # robust: a load change is an outlier
         return math.exp(NOISE_SIGMAS * 1.2533 * sigma / math.sqrt(len(logs)))
 
-    def _end_probe(self, faster_ratio: float | None) -> None:
+    def _end_probe(self, faster_ratio: float | None, ended: str) -> None:
         assert self.candidate is not None
         candidate, self.candidate = self.candidate, None
         self._first = None
+        kept = self.threads if faster_ratio is None else candidate
+        record = ProbeRecord(
+            self.threads, candidate, tuple(self._ratios), self._unlike_pairs, ended, kept
+        )
+        self.probe_log.append(record)
+        logger.debug("CPU threads probe: %s", format_probe(record))
         if faster_ratio is None:
             # What the probe's slower steps cost, in steps at the kept count:
             # the wait grows so that probing stays within the budget.
@@ -258,6 +312,15 @@ class AdaptiveThreadPolicy:
             if self.on_change is not None:
                 self.on_change(old, candidate, faster_ratio)
         self.steps_to_probe = self.interval
+
+
+def sign_test(ratios: list[float]) -> float:
+    """How likely, were the two counts equally fast, as many of the pairs
+    or more would favour the other count (ratio < 1) as did: each pair is
+    then a coin toss. Blind to how far a pair leans, so a stalled step
+    twice as long counts no more than any other."""
+    n, k = len(ratios), sum(r < 1 for r in ratios)
+    return sum(math.comb(n, i) for i in range(k, n + 1)) / 2**n
 
 
 def run_step(
@@ -323,6 +386,16 @@ def probe_at_warm_up(
         finally:
             torch.set_num_threads(policy.threads)  # not a candidate's, even on an error
     return steps
+
+
+def format_probe(record: ProbeRecord) -> str:
+    """One line for a probe: ``2 vs 1: 0.52 0.55 0.49 -> 1 (faster)``."""
+    ratios = " ".join(f"{r:.2f}" for r in record.ratios) or "no like pairs"
+    unlike = f", {record.unlike_pairs} unlike" if record.unlike_pairs else ""
+    return (
+        f"{record.threads} vs {record.candidate}: {ratios}{unlike} "
+        f"-> {record.kept} ({record.ended})"
+    )
 
 
 def log_change(old: int, new: int, ratio: float) -> None:

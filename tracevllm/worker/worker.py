@@ -21,6 +21,7 @@ import torch
 
 from tracevllm.worker.cpu_threads import (
     AdaptiveThreadPolicy,
+    format_probe,
     log_change,
     probe_at_warm_up,
     run_step,
@@ -91,8 +92,10 @@ class Worker(WorkerBase):
     def get_cpu_threads(self) -> dict[str, Any]:
         """tracevllm's: this worker's thread count (the adaptive policy's
         choice, not a probe's count in passing), whether it adapts, and the
-        changes the policy made, ``[old, new]`` in order (for
-        ``LLM.collective_rpc("get_cpu_threads")``; ``make bench`` records it)."""
+        changes the policy made, ``[old, new]`` in order, and its last probes,
+        one line each (``cpu_threads.format_probe``: the pairs' time ratios and
+        the decision) (for ``LLM.collective_rpc("get_cpu_threads")``; ``make
+        bench`` records it)."""
         policy = self.thread_policy
         if policy is None:
             return {
@@ -100,12 +103,14 @@ class Worker(WorkerBase):
                 "adaptive": False,
                 "changes": [],
                 "probes": 0,
+                "probe_log": [],
             }
         return {
             "threads": policy.threads,
             "adaptive": True,
             "changes": [list(c) for c in policy.changes],
             "probes": policy.probes,
+            "probe_log": [format_probe(r) for r in policy.probe_log],
         }
 
     def load_model(self) -> None:
