@@ -41,6 +41,7 @@ from tracevllm import tracing
 from tracevllm.engine import LogprobsLists
 from tracevllm.labs import lab_hook
 from tracevllm.sample.metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
+from tracevllm.sample.ops.argmax import argmax_last_dim
 from tracevllm.sample.ops.penalties import apply_all_penalties
 from tracevllm.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from tracevllm.sample.sampler import Sampler
@@ -243,7 +244,7 @@ def rejection_sample(
         assert md.temperature is not None
         is_greedy = (md.temperature == GREEDY_TEMPERATURE).tolist()
     draft_ids = draft_token_ids.tolist()
-    target_argmax = target_logits.argmax(dim=-1).tolist()
+    target_argmax = argmax_last_dim(target_logits).tolist()
     target_p = draft_q = uniform = recovered = None
     if not md.all_greedy:
         uniform_probs = generate_uniform_probs(

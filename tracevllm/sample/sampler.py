@@ -24,6 +24,7 @@ from torch import nn
 from tracevllm import tracing
 from tracevllm.sample.logits_processor import MinTokensLogitsProcessor
 from tracevllm.sample.metadata import LogprobsTensors, SamplerOutput, SamplingMetadata
+from tracevllm.sample.ops.argmax import argmax_last_dim
 from tracevllm.sample.ops.penalties import apply_all_penalties
 from tracevllm.sample.ops.topk_topp_sampler import apply_top_k_top_p, random_sample
 
@@ -122,7 +123,9 @@ class Sampler(nn.Module):
 
     @staticmethod
     def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(dim=-1).view(-1)
+        # vLLM's is logits.argmax(dim=-1): the same indices, in two passes on
+        # the CPU (sample/ops/argmax.py).
+        return argmax_last_dim(logits).view(-1)
 
     def sample(
         self, logits: torch.Tensor, sampling_metadata: SamplingMetadata

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tracevllm.labs import lab_hook
+from tracevllm.sample.ops.argmax import argmax_last_dim
 
 
 # --8<-- [start:apply_top_k_top_p]
@@ -91,7 +92,7 @@ def random_sample(
         q.exponential_()
     for i, generator in generators.items():
         q[i].exponential_(generator=generator)
-    return probs.div_(q).argmax(dim=-1).view(-1)  # [num_reqs]
+    return argmax_last_dim(probs.div_(q)).view(-1)  # [num_reqs]: argmax, in two passes
 
 
 # --8<-- [end:random_sample]
