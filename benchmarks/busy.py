@@ -13,10 +13,7 @@ bench_tracing_cost.py (the CPU's name is roofline.py's).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -81,12 +78,18 @@ class Load:
         return f"load {self.start:.2f}->{self.end:.2f}"
 
 
-def _die_with_parent() -> None:
-    """Run in the busy loop's process before it starts: SIGTERM it when the
-    benchmark's process dies (Linux's ``PR_SET_PDEATHSIG``), so that a
-    benchmark killed mid-run leaves no core busy behind it."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such call
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+def _busy_script(parent: int) -> str:
+    """The busy loop, after two lines that tie it to ``parent``: Linux sends
+    it SIGTERM when ``parent`` dies (``PR_SET_PDEATHSIG``), so that a benchmark
+    killed mid-run leaves no core busy behind it; and it ends at once if
+    ``parent`` is already gone. Set in the child itself: ``preexec_fn`` may
+    deadlock in a parent with threads (torch's, the engine's)."""
+    return (
+        "import ctypes, os, signal\n"
+        "ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG\n"
+        f"if os.getppid() != {parent}: raise SystemExit\n"
+        f"{BUSY_LOOP}\n"
+    )
 
 
 @contextmanager
@@ -96,7 +99,7 @@ def busy_core(busy: bool, settle_s: float = SETTLE_S) -> Iterator[None]:
     if not busy:
         yield
         return
-    proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], preexec_fn=_die_with_parent)
+    proc = subprocess.Popen([sys.executable, "-c", _busy_script(os.getpid())])
     try:
         time.sleep(settle_s)  # let it take its core
         yield

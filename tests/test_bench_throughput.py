@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,13 +201,23 @@ def _busy_loops() -> int:
     return n
 
 
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_a_killed_benchmark_leaves_no_busy_loop_behind() -> None:
     """A benchmark killed inside a busy run (SIGKILL: no finally runs) takes
-    its busy loop with it. Mutation caught: preexec_fn dropped (the loop
-    outlived a killed benchmark and halved the next runs' figures)."""
+    its busy loop with it. Mutation caught: the prctl line dropped from the
+    loop's script (the loop outlived a killed benchmark and halved the next
+    runs' figures)."""
     script = (
         "import sys, time; sys.path.insert(0, 'benchmarks'); import busy\n"
-        "with busy.busy_core(True, settle_s=0):\n"
+        # settle_s: the loop is past its two lines before the kill (were it
+        # not, the parent check alone would end it).
+        "with busy.busy_core(True, settle_s=0.5):\n"
         "    print('in', flush=True); time.sleep(60)\n"
     )
     parent = subprocess.Popen(
@@ -219,7 +230,11 @@ def test_a_killed_benchmark_leaves_no_busy_loop_behind() -> None:
         assert len(loops) == 1
         parent.kill()
         parent.wait(timeout=10)
-        loops[0].wait(timeout=10)  # psutil.TimeoutExpired if it outlived the parent
+        # Gone, or a zombie where no init reaps orphans (a container's PID 1).
+        deadline = time.monotonic() + 10
+        while _running(loops[0]):
+            assert time.monotonic() < deadline, "the busy loop outlived its benchmark"
+            time.sleep(0.05)
     finally:
         parent.kill()
         for loop in loops:

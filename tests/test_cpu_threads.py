@@ -255,6 +255,27 @@ def test_sign_test() -> None:
     assert sign_test([1.1, 1.0]) == 1.0  # a tie favours neither
 
 
+def test_a_leaning_probe_is_looked_at_once_per_pairs_like_pairs() -> None:
+    """Five like pairs leaning to one thread but not convincing (four of
+    five, within the noise), then unlike pairs: one look at the five, none
+    at each unlike pair (each look is another chance for noise to pass).
+    Mutation caught: the `_looked_at` guard dropped (a look per unlike pair)."""
+    policy = AdaptiveThreadPolicy(2, first_probe=0)
+    looks = []
+    allowance = policy._noise_allowance
+    policy._noise_allowance = lambda: looks.append(len(policy._ratios)) or allowance()  # type: ignore[method-assign]
+    at_two = [1.0, 2.0, 1.0, 2.0, 1.0]
+    for two, ratio in zip(at_two, [0.8, 0.7, 1.1, 0.85, 0.75], strict=True):
+        for _ in range(2):
+            threads = policy.threads_for_step(DECODE)
+            policy.record_step(two if threads == 2 else two * ratio)
+    assert looks == [5] and policy.candidate == 1  # leaning: the probe goes on
+    for i in range(8):  # four unlike pairs
+        policy.threads_for_step(StepShape(i + 20, i + 20))
+        policy.record_step(1.0)
+    assert looks == [5] and policy.candidate == 1 and policy._unlike_pairs == 4
+
+
 def test_a_probe_runs_at_most_three_times_its_pairs() -> None:
     """A tie under heavy noise: however often the median leans to the other
     count, no probe takes more than 3 * pairs pairs (steps at the other
@@ -374,6 +395,30 @@ def test_warm_up_probe_takes_a_much_faster_count_before_any_step(torch_threads: 
     assert torch.get_num_threads() == 1
     assert policy.threads_for_step(DECODE) == 1  # no second probe yet
     assert policy.candidate is None
+
+
+def test_warm_up_probe_beside_a_stalling_core_ends_before_the_first_request(
+    torch_threads: None,
+) -> None:
+    """Beside a busy core (``stalling_core``'s timings) a probe can need more
+    than five pairs: the warm-up runs each to its end and leaves no probe
+    half done for the first requests; nearly every seed takes one thread.
+    Mutation caught: the loop's bound at its old 2 * pairs + 2 steps (seed
+    11 left running)."""
+    took_one = 0
+    for seed in range(16):
+        seconds = stalling_core(random.Random(seed))
+
+        def step(num_tokens: int, seconds: Callable[..., float] = seconds) -> None:
+            FAKE_CLOCK[0] += seconds(torch.get_num_threads(), DECODE)
+
+        torch.set_num_threads(2)
+        policy = AdaptiveThreadPolicy(2)
+        probe_at_warm_up(policy, step, 64)
+        assert policy.candidate is None, (seed, policy.probe_log)
+        assert torch.get_num_threads() == policy.threads
+        took_one += policy.threads == 1
+    assert took_one >= 14
 
 
 def test_warm_up_probe_keeps_a_faster_count_for_one_pair(torch_threads: None) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tracevllm.sample.metadata import SamplingMetadata
 from tracevllm.sample.ops.argmax import CHUNK, argmax_last_dim
 from tracevllm.sample.sampler import Sampler
 
@@ -38,6 +39,15 @@ def test_ties_take_the_first_index() -> None:
     assert argmax_last_dim(x).tolist() == [5, CHUNK + 1, CHUNK - 1, 4 * CHUNK - 1, 0, 2 * CHUNK + 3]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64, torch.int32])
+def test_other_dtypes(dtype: torch.dtype) -> None:
+    """Low precision makes ties common: still the first index."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(16, 4 * CHUNK, generator=gen) * 4).to(dtype)
+    x[3, [CHUNK + 2, 3 * CHUNK]] = x.max() + 1  # a tie across chunks
+    check(x)
+
+
 def test_nan_and_infinities_as_torch() -> None:
     x = torch.randn(5, 3 * CHUNK, generator=torch.Generator().manual_seed(0))
     x[0, [2 * CHUNK + 7, CHUNK + 9]] = float("nan")  # two NaNs: the first
@@ -55,7 +65,6 @@ def test_nan_and_infinities_as_torch() -> None:
     "x",
     [
         torch.randn(4, 50257),  # not whole chunks
-        torch.randn(4, CHUNK),  # one chunk
         torch.randn(8, 2 * CHUNK)[::2],  # rows not contiguous
         torch.randn(2, 3, 2 * CHUNK),  # not 2-D
         torch.randn(2 * CHUNK, 4).t(),  # transposed
@@ -66,10 +75,10 @@ def test_other_shapes_fall_back(x: torch.Tensor) -> None:
 
 
 def test_the_samplers_pick_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Greedy rows and the random draw's race go through the two passes,
-    with argmax's indices (the rejection sampler's target argmax calls it
-    too; its own tests check the tokens). Mutation caught: greedy_sample
-    back to `logits.argmax` (no call)."""
+    """Greedy rows, the random draw's race and the rejection sampler's
+    target argmax go through the two passes, with argmax's indices.
+    Mutations caught: greedy_sample, random_sample or rejection_sample back
+    to `.argmax` (no call)."""
     from tracevllm.sample import rejection_sampler, sampler
     from tracevllm.sample.ops import topk_topp_sampler
 
@@ -92,6 +101,18 @@ def test_the_samplers_pick_through_it(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     assert torch.equal(topk_topp_sampler.random_sample(probs.clone(), {}), want)
     assert calls[-1] == (64, 49152)
+    # The rejection sampler, all greedy: two drafts, the second rejected.
+    md = SamplingMetadata(
+        temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None,
+        generators={}, max_num_logprobs=None,
+    )  # fmt: skip
+    first = int(x[0].argmax())
+    out = rejection_sampler.rejection_sample(
+        torch.tensor([first, 5], dtype=torch.int32), [2], 2,
+        torch.tensor([2], dtype=torch.int32), None, x[:2].clone(), torch.tensor([[9]]), md,
+    )  # fmt: skip
+    assert out.tolist() == [[first, int(x[1].argmax()), -1]]
+    assert calls[-1] == (2, 49152)
 
 
 def test_bench_greedy_times_both_picks(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

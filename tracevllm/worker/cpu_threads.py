@@ -32,7 +32,8 @@ next, and that allowance outgrew a twofold gain (five pairs, 2 vs 1: 0.45
 0.45 0.88 0.78 0.77, kept two threads at 110 tok/s where one ran 210). So a
 median beyond the hysteresis also wins when the pairs favour the neighbour
 more often than chance would (a sign test: five of five, 1 in 32 were the
-counts equally fast), which a twofold stall cannot inflate; and one that
+counts equally fast; at most about 6% over a probe's three looks), which a
+twofold stall cannot inflate; and one that
 passes neither test gets more pairs, looked at again after each ``pairs``
 (up to ``3 * pairs`` pairs in all), as the allowance shrinks with the
 square root of their number. A probe stops at its
@@ -172,6 +173,7 @@ class AdaptiveThreadPolicy:
         self._first: tuple[StepShape, int, float] | None = None
         self._probe_steps = 0
         self._unlike_pairs = 0
+        self._looked_at = 0  # how many like pairs the last look had
         self._pending: tuple[StepShape, int] | None = None
         # The noise: log time ratios of neighbouring steps of one shape at one
         # count, in a probe or not (what a pair's ratio is when counts tie).
@@ -226,7 +228,7 @@ class AdaptiveThreadPolicy:
                 self._ratios.append(on_candidate / on_current)
             else:
                 self._unlike_pairs += 1
-        self._maybe_decide()
+            self._maybe_decide()  # a pair is complete
 
     def probe_next_step(self) -> None:
         """Start a probe at the next ``threads_for_step``, whatever the wait left."""
@@ -243,6 +245,7 @@ class AdaptiveThreadPolicy:
         self._first = None
         self._probe_steps = 0
         self._unlike_pairs = 0
+        self._looked_at = 0
         self.probes += 1
 
     def _maybe_decide(self) -> None:
@@ -254,9 +257,12 @@ class AdaptiveThreadPolicy:
         elif len(ratios) >= EARLY_SWITCH_PAIRS and max(ratios) < 1 / self.abort_ratio:
             # Clearly faster three times over (so their median is too).
             self._end_probe(statistics.median(ratios), "faster")
-        elif len(ratios) >= self.pairs and (len(ratios) % self.pairs == 0 or out_of_pairs):
-            # Looked at after every `pairs` like pairs (fewer looks, fewer
-            # chances for noise to pass), or when the probe is out of pairs.
+        elif len(ratios) >= self.pairs and (
+            (len(ratios) % self.pairs == 0 and len(ratios) != self._looked_at) or out_of_pairs
+        ):
+            # Looked at once after every `pairs` like pairs (fewer looks, fewer
+            # chances for noise to pass), and when the probe is out of pairs.
+            self._looked_at = len(ratios)
             ratio = statistics.median(ratios)
             leaning = ratio < 1 - self.hysteresis
             if leaning and (
@@ -360,7 +366,8 @@ def probe_at_warm_up(
     the busy core in one run of two (TTFT p50 5.3 s against 2.7). The dummy
     steps all have one shape, so every pair counts: a neighbour much slower
     costs one pair (quiet: two dummy steps), one much faster is taken after
-    three, else the probe's ``pairs``. The count it keeps then holds for the
+    three, else the probe's ``pairs`` (up to three times as many when it
+    leans but has not yet convinced). The count it keeps then holds for the
     first requests, and the probes between steps go on as before.
     """
     if policy.max_threads == 1:
@@ -374,7 +381,7 @@ def probe_at_warm_up(
             policy.probe_next_step()
             steps = 0
             # Bounded by the probe's own rules; the bound here only guards them.
-            while steps < 2 * policy.pairs + 2:
+            while steps < 2 * EXTEND_PAIRS * policy.pairs + 2:
                 threads = policy.threads_for_step(shape)
                 torch.set_num_threads(threads)
                 start = time.perf_counter()

@@ -3,7 +3,7 @@
 tracevllm's own, for the CPU: vLLM's ``Sampler.greedy_sample`` is
 ``logits.argmax(dim=-1)``. On the CPU that reduction carries the index
 with each value and runs far slower than ``amax``, which does not: at batch
-64 over SmolLM2's 49152 logits, 1.3 ms on two threads (2.6 on one), where
+64 over SmolLM2's 49152 logits, 1.4 ms on two threads (2.6 on one), where
 the two passes below take 0.18 (0.32) (``python benchmarks/bench_greedy.py``).
 
 So the row is cut into chunks of ``CHUNK`` values: each chunk's max
@@ -24,12 +24,11 @@ CHUNK = 128
 
 def argmax_last_dim(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for a 2-D CPU tensor ``[rows, vocab]``, in two
-    passes when the rows split into at least two whole chunks; else that
-    argmax itself."""
+    passes when the rows split into whole chunks; else that argmax itself."""
     if x.dim() != 2 or not x.is_cpu or not x.is_contiguous():
         return x.argmax(dim=-1)
     rows, vocab = x.shape
-    if vocab % CHUNK or vocab < 2 * CHUNK:
+    if vocab % CHUNK:
         return x.argmax(dim=-1)
     chunks = x.view(rows, vocab // CHUNK, CHUNK)
     first = chunks.amax(dim=-1).argmax(dim=-1)  # [rows]: the first chunk with the max
