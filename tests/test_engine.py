@@ -186,7 +186,7 @@ def test_collective_rpc_reaches_the_worker_in_either_mode(mp_llm: LLM, inproc_ll
     worker's report stays empty, in test_cpu_threads)."""
     for llm in (mp_llm, inproc_llm):
         (report,) = llm.collective_rpc("get_cpu_threads")
-        assert set(report) == {"threads", "adaptive", "changes", "probes"}
+        assert set(report) == {"threads", "adaptive", "changes", "probes", "probe_log"}
         assert report["threads"] >= 1 and isinstance(report["changes"], list)
     # In this process: the very worker (its wrapper, as in vLLM), args passed through.
     wrapper = inproc_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
