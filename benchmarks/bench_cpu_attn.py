@@ -68,20 +68,7 @@ def read_alone(batch: int, threads: int, seed: int = 0) -> dict[str, Any]:
         for cache in caches:
             ops.cpu_attention_with_kv_cache(q, cache, out, qsl, lens, scale, table)
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        ms = {}
-        for name, fn in (("reference", reference), ("kernel", kernel)):
-            fn()
-            best = float("inf")
-            for _ in range(5):
-                start = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - start)
-            ms[name] = best * 1e3
-    finally:
-        torch.set_num_threads(before)
+    ms = _best_ms({"reference": reference, "kernel": kernel}, threads)
     return {
         "threads": threads,
         "batch": batch,
@@ -91,6 +78,96 @@ def read_alone(batch: int, threads: int, seed: int = 0) -> dict[str, Any]:
         "speedup": ms["reference"] / ms["kernel"],
         "max_abs_diff": float((ref_out - out).abs().max()),
     }
+
+
+# (name, requests, query tokens, seq_len): make bench's prefill step (its chat
+# prompts past the shared first page), two shapes at SMALL_QUERY_LIMIT, and
+# longer prompts and chunks, which stay with SDPA.
+PREFILL_SHAPES = [
+    ("make bench's prefill step", 64, 24, 40),
+    ("prompt of 64", 1, 64, 64),
+    ("chunk of 16 over 256", 1, 16, 256),
+    ("prompt of 512", 1, 512, 512),
+    ("chunk of 512 over 2048", 1, 512, 2048),
+]
+
+
+def prefill_alone(
+    requests: int, q_len: int, seq_len: int, threads: int, seed: int = 0
+) -> dict[str, Any]:
+    """ms for every layer of the default model's shape, attending ``requests``
+    queries of ``q_len`` tokens over ``seq_len`` keys each: one SDPA call per
+    request (the CPU backend's path past SMALL_QUERY_LIMIT) against one call
+    of the kernel for all of them; best of 5."""
+    import torch
+
+    from tracevllm import _custom_ops as ops
+    from tracevllm.platforms.cpu import tune_malloc
+
+    tune_malloc()
+    layers, num_heads, num_kv_heads, head_size, block_size = 30, 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(seed)
+    pages = -(-seq_len // block_size)
+    num_blocks = requests * pages + 1
+    caches = [
+        torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
+        for _ in range(layers)
+    ]
+    table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(requests, pages)
+    table = table.to(torch.int32)
+    q = torch.randn(requests * q_len, num_heads, head_size, generator=gen)
+    qsl = torch.arange(0, requests * q_len + 1, q_len, dtype=torch.int32)
+    lens = torch.full((requests,), seq_len, dtype=torch.int32)
+    one = torch.tensor([0, q_len], dtype=torch.int32)
+    scale = head_size**-0.5
+    sdpa_out, out = torch.empty_like(q), torch.empty_like(q)
+
+    def sdpa() -> None:
+        for cache in caches:
+            for r in range(requests):
+                rows = slice(r * q_len, (r + 1) * q_len)
+                ops.unified_attention(
+                    q=q[rows], kv_cache=cache, out=sdpa_out[rows], query_start_loc=one,
+                    seq_lens=lens[r : r + 1], max_query_len=q_len, max_seq_len=seq_len,
+                    block_table=table[r : r + 1], softmax_scale=scale,
+                )  # fmt: skip
+
+    def kernel() -> None:
+        for cache in caches:
+            ops.cpu_attention_with_kv_cache(q, cache, out, qsl, lens, scale, table, q_len * seq_len)
+
+    ms = _best_ms({"sdpa": sdpa, "kernel": kernel}, threads)
+    return {
+        "threads": threads,
+        "requests": requests,
+        "query_tokens": q_len,
+        "seq_len": seq_len,
+        "sdpa_ms": ms["sdpa"],
+        "kernel_ms": ms["kernel"],
+        "speedup": ms["sdpa"] / ms["kernel"],
+        "max_abs_diff": float((sdpa_out - out).abs().max()),
+    }
+
+
+def _best_ms(fns: dict[str, Any], threads: int) -> dict[str, float]:
+    """Each function's best of 5 (after one untimed call), in ms, at ``threads``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ms = {}
+        for name, fn in fns.items():
+            fn()
+            best = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - start)
+            ms[name] = best * 1e3
+    finally:
+        torch.set_num_threads(before)
+    return ms
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,6 +197,18 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['kernel_ms']:.1f} ms ({r['speedup']:.2f}x), max |diff| {r['max_abs_diff']:.1e}",
             flush=True,
         )
+    res["prefill"] = []
+    for threads in counts:
+        for name, requests, q_len, seq_len in PREFILL_SHAPES:
+            r = {"shape": name, **prefill_alone(requests, q_len, seq_len, threads)}
+            res["prefill"].append(r)
+            print(
+                f"prefill alone, {threads} thread(s), {name} ({requests} x {q_len} tokens over "
+                f"{seq_len}), 30 layers: SDPA per request {r['sdpa_ms']:.1f} ms, kernel "
+                f"{r['kernel_ms']:.1f} ms ({r['speedup']:.2f}x), max |diff| "
+                f"{r['max_abs_diff']:.1e}",
+                flush=True,
+            )
     if not args.skip_engine:
         from transformers import AutoTokenizer
 

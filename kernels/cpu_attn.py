@@ -141,19 +141,23 @@ def cpu_kernels_available() -> bool:
 def cpu_attention_with_kv_cache(
     query: torch.Tensor,  # [num_tokens, num_heads, head_size], float32
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size], float32
-    output: torch.Tensor,  # [num_tokens, num_heads, head_size], written for the decodes
+    output: torch.Tensor,  # [num_tokens, num_heads, head_size], written for the queries it takes
     query_start_loc: torch.Tensor,  # [num_reqs + 1], int32
     seq_lens: torch.Tensor,  # [num_reqs], int32
     scale: float,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
+    small_query_limit: int = 0,
 ) -> None:
-    """Attention of every single-token query over its request's pages, read in place.
+    """Causal attention of each query over its request's pages, read in place.
 
-    Requests with a longer query (prefill chunks) are skipped: their rows of
-    ``output`` are left as they were, for the caller to fill.
+    Every single-token query (a decode) is taken, and a longer one (a prompt,
+    a chunk of one, a speculative verify) when its query tokens times its
+    seq_len is at most ``small_query_limit``; the others are skipped, their
+    rows of ``output`` left as they were, for the caller to fill (0: decodes
+    only).
     """
     torch.ops.tracevllm_C.cpu_attention_with_kv_cache(
-        query, kv_cache, output, query_start_loc, seq_lens, scale, block_table
+        query, kv_cache, output, query_start_loc, seq_lens, scale, block_table, small_query_limit
     )
 
 

@@ -31,11 +31,12 @@ CASES = [
 ]
 
 
-def _run_kernel(c: dict, scale: float) -> torch.Tensor:
+def _run_kernel(c: dict, scale: float, small_query_limit: int = 0) -> torch.Tensor:
     out = torch.full_like(c["q"], float("nan"))
     ops.cpu_attention_with_kv_cache(
-        c["q"], c["kv_cache"], out, c["qsl"], c["seq_lens"], scale, c["block_table"]
-    )
+        c["q"], c["kv_cache"], out, c["qsl"], c["seq_lens"], scale, c["block_table"],
+        small_query_limit,
+    )  # fmt: skip
     return out
 
 
@@ -45,21 +46,47 @@ def _run_kernel(c: dict, scale: float) -> torch.Tensor:
 # 76 and 6: a scalar tail.
 @pytest.mark.parametrize("head_size", [64, 128, 72, 76, 6])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_kernel_matches_naive_on_decodes_and_leaves_prefills(
-    block_size: int, heads: tuple[int, int], head_size: int, case: int
+# 0: decodes only; 60: the 5x5, 3x19, 2x2 prefills but not 9x40; all of them.
+@pytest.mark.parametrize("limit", [0, 60, 4096])
+def test_kernel_matches_naive_and_leaves_longer_queries(
+    block_size: int, heads: tuple[int, int], head_size: int, case: int, limit: int
 ) -> None:
     num_heads, num_kv_heads = heads
     q_lens, seq_lens = CASES[case]
     c = build_case(q_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, seed=case)
     scale = head_size**-0.5
-    out = _run_kernel(c, scale)
+    out = _run_kernel(c, scale, limit)
     for r, q_len in enumerate(q_lens):
         a, b = int(c["qsl"][r]), int(c["qsl"][r + 1])
-        if q_len == 1:
+        if q_len == 1 or q_len * seq_lens[r] <= limit:
             ref = naive_attention(c["q"][a:b], c["ks"][r], c["vs"][r], scale)
             torch.testing.assert_close(out[a:b], ref, atol=1e-5, rtol=1e-5)
-        else:  # not a decode: the kernel leaves it to the caller
+        else:  # over the limit: the kernel leaves it to the caller
             assert out[a:b].isnan().all()
+
+
+def test_kernel_takes_prompts_longer_than_a_tile_and_chunks_over_a_cache() -> None:
+    """A prompt cut into several tiles (16 tokens each), a chunk whose first keys are
+    cached, an empty query and a decode: each causal row as the naive attention's."""
+    q_lens, seq_lens = [40, 17, 0, 1], [40, 50, 3, 9]
+    c = build_case(q_lens, seq_lens, 9, 3, 64, 16, seed=8)
+    out = _run_kernel(c, 0.125, 4096)
+    for r in (0, 1, 3):
+        a, b = int(c["qsl"][r]), int(c["qsl"][r + 1])
+        ref = naive_attention(c["q"][a:b], c["ks"][r], c["vs"][r], 0.125)
+        torch.testing.assert_close(out[a:b], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prompts_token_and_the_same_token_decoded_get_the_same_bits() -> None:
+    """The kernel's arithmetic for a token depends only on its keys: the last token
+    of a prompt and that token as a decode over the same cache agree bit for bit
+    (a speculative verify and plain decoding attend the same)."""
+    c = build_case([21], [30], 9, 3, 64, 16, seed=9)
+    prompt = _run_kernel(c, 0.125, 4096)
+    for i in (0, 7, 20):  # the tokens at positions 9, 16 and 29
+        one = {**c, "q": c["q"][i : i + 1].clone(), "qsl": torch.tensor([0, 1], dtype=torch.int32),
+               "seq_lens": torch.tensor([30 - 20 + i], dtype=torch.int32)}  # fmt: skip
+        torch.testing.assert_close(_run_kernel(one, 0.125), prompt[i : i + 1], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("sharpness", [30.0, 1e3])
@@ -88,14 +115,15 @@ def test_kernel_reads_no_slot_past_seq_len() -> None:
 
 
 def test_kernel_splits_its_work_over_torchs_threads() -> None:
-    """Same result on one thread and on two (the requests' KV heads split between them)."""
-    c = build_case([1] * 6, [3, 30, 17, 64, 1, 9], 9, 3, 64, 16, seed=4)
+    """Same result on one thread and on two (the requests' tiles and KV heads split
+    between them)."""
+    c = build_case([1] * 6 + [33], [3, 30, 17, 64, 1, 9, 40], 9, 3, 64, 16, seed=4)
     before = torch.get_num_threads()
     try:
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs.append(_run_kernel(c, 0.125))
+            outs.append(_run_kernel(c, 0.125, 4096))
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
@@ -137,6 +165,10 @@ def test_kernel_checks_the_tables_before_reading_the_cache() -> None:
     past[-1] = c["q"].shape[0] + 1
     with pytest.raises(RuntimeError, match="past the query"):
         _run_kernel({**c, "qsl": past}, 0.125)
+    short = build_case([4], [6], 4, 2, 64, 4, seed=6)
+    short["seq_lens"][0] = 3  # fewer keys than the query's tokens
+    with pytest.raises(RuntimeError, match="seq_len 3 of request 0 needs 4"):
+        _run_kernel(short, 0.125, 4096)
 
 
 # --- the backend --------------------------------------------------------------------------
@@ -165,15 +197,32 @@ def _forward(impl_cls: type, c: dict, q_lens: list[int], **impl_kwargs: object) 
     return out
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_backend_forward_matches_the_reference_backend(case: int) -> None:
-    """Decodes through the kernel, prefills through SDPA one by one: each row as the reference."""
-    from tracevllm.attention.backends.cpu_attn import CPUAttentionImpl
+# With a prompt past SMALL_QUERY_LIMIT (70 x 70 = 4900 > 4096) and a chunk at it (64 x 64).
+BACKEND_CASES = [*CASES, ([1, 70, 5, 64, 1], [30, 70, 20, 64, 8])]
+
+
+@pytest.mark.parametrize("case", range(len(BACKEND_CASES)))
+def test_backend_forward_matches_the_reference_backend(
+    case: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decodes and small prefills through the kernel, the longer prompts through SDPA one
+    by one: each row as the reference, and SDPA called for the long ones alone."""
+    from tracevllm.attention.backends import cpu_attn as backend
     from tracevllm.attention.backends.torch_attn import TorchAttentionImpl
 
-    q_lens, seq_lens = CASES[case]
+    q_lens, seq_lens = BACKEND_CASES[case]
     c = build_case(q_lens, seq_lens, 9, 3, 64, 16, seed=10 + case)
-    got = _forward(CPUAttentionImpl, c, q_lens)
+    sdpa_lens = []
+    unified_attention = ops.unified_attention
+
+    def counted(**kwargs: object) -> None:
+        sdpa_lens.append(kwargs["max_query_len"])
+        unified_attention(**kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(backend.ops, "unified_attention", counted)
+        got = _forward(backend.CPUAttentionImpl, c, q_lens)
+    assert sdpa_lens == [q for q, s in zip(q_lens, seq_lens) if q * s > backend.SMALL_QUERY_LIMIT]
     want = _forward(TorchAttentionImpl, c, q_lens)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -201,9 +250,20 @@ def test_backend_names_the_launch_it_takes() -> None:
 
     c = build_case([1, 3], [20, 5], 4, 2, 64, 4, seed=7)
     impl = CPUAttentionImpl(4, 64, 0.125, 2)
-    meta = types.SimpleNamespace(max_query_len=3)
+
+    def meta_of(q_lens: list[int], seq_lens: list[int]) -> types.SimpleNamespace:
+        qsl = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return types.SimpleNamespace(
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl,
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
+        )  # fmt: skip
+
+    meta = meta_of([1, 3], [2000, 1500])  # 3 x 1500 > 4096
     assert impl.launch_name(meta).startswith("cpu_attention_with_kv_cache")
-    assert "SDPA per prefill" in impl.launch_name(meta)
+    assert "SDPA per long prefill" in impl.launch_name(meta)
+    # Small prompts, decodes alone, and the two maxima from different requests.
+    for m in (meta_of([3], [20]), meta_of([1, 1], [20000, 3]), meta_of([3, 1], [20, 2000])):
+        assert impl.launch_name(m) == "cpu_attention_with_kv_cache (pages read in place)"
     windowed = CPUAttentionImpl(4, 64, 0.125, 2, sliding_window=8)
     assert windowed.launch_name(meta).startswith("unified_attention_torch")
     impl._kernel_covers(c["kv_cache"].double())  # a forward on a float64 cache
@@ -325,19 +385,28 @@ def test_the_pip_installed_ninja_is_on_path_while_torch_builds(
     assert os.environ["PATH"] == before
 
 
-def test_bench_cpu_attn_times_both_reads_and_checks_they_agree(tmp_path) -> None:
-    """benchmarks/bench_cpu_attn.py, the read alone, small: both sides timed, their
-    outputs compared, the figures in its JSON."""
+def test_bench_cpu_attn_times_both_reads_and_checks_they_agree(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """benchmarks/bench_cpu_attn.py, the reads alone, small: both sides timed, their
+    outputs compared, the figures in its JSON (decodes, and prefills both ways)."""
     import json
     import sys
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     import bench_cpu_attn
 
+    monkeypatch.setattr(bench_cpu_attn, "PREFILL_SHAPES", [("small", 3, 5, 20)])
     out = tmp_path / "cpu_attn.json"
     bench_cpu_attn.main(["--batch", "4", "--skip-engine", "--output-json", str(out)])
-    (read,) = json.loads(out.read_text())["read"]
+    res = json.loads(out.read_text())
+    (read,) = res["read"]
     assert read["threads"] == 1 and read["batch"] == 4
     assert read["reference_ms"] > 0 and read["kernel_ms"] > 0
     assert read["speedup"] == pytest.approx(read["reference_ms"] / read["kernel_ms"])
     assert read["max_abs_diff"] < 1e-5
+    (prefill,) = res["prefill"]
+    assert (prefill["requests"], prefill["query_tokens"], prefill["seq_len"]) == (3, 5, 20)
+    assert prefill["sdpa_ms"] > 0 and prefill["kernel_ms"] > 0
+    assert prefill["speedup"] == pytest.approx(prefill["sdpa_ms"] / prefill["kernel_ms"])
+    assert prefill["max_abs_diff"] < 1e-5

@@ -121,15 +121,17 @@ def cpu_attention_with_kv_cache(
     seq_lens: torch.Tensor,  # [num_reqs], int32
     scale: float,
     block_table: torch.Tensor,  # [num_reqs, max_num_blocks_per_req], int32
+    small_query_limit: int = 0,
 ) -> None:
-    """The decodes' paged attention on CPU (vLLM's ``cpu_attention_with_kv_cache``).
+    """Paged attention on CPU (vLLM's ``cpu_attention_with_kv_cache``).
 
-    vLLM's op takes the key and value caches apart, and prefills, sliding
-    windows, soft caps and ALiBi too; this one tracevllm's one-tensor cache
-    and single-token queries only (kernels/csrc/cpu_attn.cpp).
+    vLLM's op takes the key and value caches apart, and every query, sliding
+    windows, soft caps and ALiBi too; this one tracevllm's one-tensor cache,
+    the decodes, and the queries of more than one token whose tokens times
+    seq_len is at most ``small_query_limit`` (kernels/csrc/cpu_attn.cpp).
     """
     _cpu_attention_with_kv_cache(
-        query, kv_cache, output, query_start_loc, seq_lens, scale, block_table
+        query, kv_cache, output, query_start_loc, seq_lens, scale, block_table, small_query_limit
     )
 
 

@@ -1,15 +1,20 @@
-// Paged attention for decodes on CPU: each single-token query reads its
-// request's keys and values where they lie in the paged KV cache.
+// Paged attention on CPU: each query token reads its request's keys and
+// values where they lie in the paged KV cache, up to its own position.
 //
 // Plays the part of vLLM's csrc/cpu/ attention kernel
 // (torch.ops._C.cpu_attention_with_kv_cache, called by
-// vllm/v1/attention/backends/cpu_attn.py), for the decodes only: requests
-// whose query is longer than one token are left to the caller (vLLM's CPU
-// backend sends prefills to SDPA the same way). The plain-PyTorch reference,
-// kernels/unified_attention.py's unified_attention_torch, copies every
-// decode's pages into one padded tensor first (index_select) and hands it
-// to SDPA with a mask; reading the pages in place skips that copy and the
-// padding. Built on first use by kernels/cpu_attn.py.
+// vllm/v1/attention/backends/cpu_attn.py, which on x86 and Arm sends it every
+// request, prompts included). Here it takes the decodes (one-token queries)
+// and the queries of more than one token whose tokens times seq_len is at
+// most small_query_limit: a short prompt, a chunk, a speculative verify. It
+// walks each token's keys one after another, as a decode's, where SDPA's
+// matmuls are twice as fast per key once past their fixed cost, so the longer
+// ones are left to the caller, which sends them to SDPA one request at a time.
+// The plain-PyTorch reference, kernels/unified_attention.py's
+// unified_attention_torch, copies every decode's pages into one padded tensor
+// first (index_select) and hands it to SDPA with a mask; reading the pages in
+// place skips that copy and the padding. Built on first use by
+// kernels/cpu_attn.py.
 //
 // Layout (tracevllm's, as the Triton kernel's):
 //   query, output: [num_tokens, num_heads, head_size], float32
@@ -21,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -98,7 +104,7 @@ inline void weighted_sum_fixed(float* o, const float* p, float inv, const float*
 void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_cache,
                                  at::Tensor& output, const at::Tensor& query_start_loc,
                                  const at::Tensor& seq_lens, double scale,
-                                 const at::Tensor& block_table) {
+                                 const at::Tensor& block_table, int64_t small_query_limit) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
                   output.scalar_type() == at::kFloat,
               "cpu_attention_with_kv_cache: float32 only");
@@ -142,82 +148,97 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_c
               "cpu_attention_with_kv_cache: query_start_loc and block_table must cover "
               "every request of seq_lens");
   const int64_t num_blocks = kv_cache.size(0), max_pages = block_table.size(1);
+  // The work: each request's query cut into tiles of at most TILE tokens (a
+  // decode is one tile of one), so that a long prompt is split between
+  // threads too.
+  constexpr int64_t TILE = 16;
+  std::vector<std::array<int32_t, 3>> tiles;  // (request, first token, end)
+  tiles.reserve(num_reqs);
   for (int64_t r = 0; r < num_reqs; ++r) {
     TORCH_CHECK(qsl[r] >= 0 && qsl[r] <= qsl[r + 1] && qsl[r + 1] <= query.size(0),
                 "cpu_attention_with_kv_cache: query_start_loc out of order or past the query");
-    if (qsl[r + 1] - qsl[r] != 1) continue;
+    const int64_t q_len = qsl[r + 1] - qsl[r];
+    if (q_len == 0 || (q_len > 1 && q_len * lens[r] > small_query_limit)) continue;  // the caller's
     const int64_t pages = (static_cast<int64_t>(lens[r]) + block_size - 1) / block_size;
-    TORCH_CHECK(lens[r] >= 1 && pages <= max_pages,
+    TORCH_CHECK(lens[r] >= q_len && pages <= max_pages,
                 "cpu_attention_with_kv_cache: seq_len ", lens[r], " of request ", r,
-                " needs 1 to ", max_pages * block_size, " tokens");
+                " needs ", q_len, " (its query) to ", max_pages * block_size, " tokens");
     for (int64_t p = 0; p < pages; ++p) {
       const int32_t b = table[r * t_req + p];
       TORCH_CHECK(b >= 0 && b < num_blocks, "cpu_attention_with_kv_cache: block ", b,
                   " of request ", r, " is not in the cache's ", num_blocks, " blocks");
     }
+    for (int64_t t = qsl[r]; t < qsl[r + 1]; t += TILE)
+      tiles.push_back({static_cast<int32_t>(r), static_cast<int32_t>(t),
+                       static_cast<int32_t>(std::min<int64_t>(t + TILE, qsl[r + 1]))});
   }
 
-  // One work item per (request, KV head): its group of query heads read that
-  // head's keys and values one after another (after the first, from cache).
+  // One work item per (tile, KV head): for each token of the tile, its group
+  // of query heads read that head's keys and values one after another (after
+  // the first, from cache). Token tok of request r sits at position
+  // lens[r] - (qsl[r + 1] - tok) and sees the keys up to its own (causal).
   // Torch's thread count splits the items.
   // --8<-- [start:decode_items]
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(head_size), inv(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
-      if (qsl[r + 1] - qsl[r] != 1) continue;  // not a decode: the caller's
-      const int64_t len = lens[r], tok = qsl[r];
-      const float* qh = q + tok * q_tok + h * group * q_head;
-      const int32_t* pages = table + r * t_req;
-      scores.resize(group * len);
-      // Scores, a page at a time: key t sits in page t / block_size, slot t % block_size.
-      const float* keys = kv + h * c_head;
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        const float* qg = qh + g * q_head;
-        if (head_size == 64) {
-          scores_fixed<64>(sg, qg, keys, pages, len, block_size, c_block, c_slot, sc);
-        } else if (head_size == 128) {
-          scores_fixed<128>(sg, qg, keys, pages, len, block_size, c_block, c_slot, sc);
-        } else {
-          for (int64_t t = 0; t < len; ++t) {
-            const float* k = keys + pages[t / block_size] * c_block + (t % block_size) * c_slot;
-            sg[t] = dot(qg, k, head_size) * sc;
+      const auto& [r, first, last] = tiles[item / num_kv_heads];
+      const int64_t h = item % num_kv_heads;
+      for (int64_t tok = first; tok < last; ++tok) {
+        const int64_t len = lens[r] - (qsl[r + 1] - tok) + 1;
+        const float* qh = q + tok * q_tok + h * group * q_head;
+        const int32_t* pages = table + r * t_req;
+        scores.resize(group * len);
+        // Scores, a page at a time: key t sits in page t / block_size, slot t % block_size.
+        const float* keys = kv + h * c_head;
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * len;
+          const float* qg = qh + g * q_head;
+          if (head_size == 64) {
+            scores_fixed<64>(sg, qg, keys, pages, len, block_size, c_block, c_slot, sc);
+          } else if (head_size == 128) {
+            scores_fixed<128>(sg, qg, keys, pages, len, block_size, c_block, c_slot, sc);
+          } else {
+            for (int64_t t = 0; t < len; ++t) {
+              const float* k = keys + pages[t / block_size] * c_block + (t % block_size) * c_slot;
+              sg[t] = dot(qg, k, head_size) * sc;
+            }
           }
         }
-      }
-      // Softmax per query head: subtract the max so exp cannot overflow.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        const float m = *std::max_element(s, s + len);
-        v8 sum8 = {0};
-        int64_t t = 0;
-        for (; t + 8 <= len; t += 8) {
-          const v8 e = exp8(load8(s + t) - m);
-          store8(s + t, e);
-          sum8 += e;
-        }
-        float sum = 0.f;
-        for (int i = 0; i < 8; ++i) sum += sum8[i];
-        for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
-        inv[g] = 1.f / sum;
-      }
-      // The weighted sum of the values, page by page as the keys.
-      const float* values = kv + c_kv + h * c_head;
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = out + tok * o_tok + (h * group + g) * o_head;
-        const float* p = scores.data() + g * len;
-        if (head_size == 64) {
-          weighted_sum_fixed<64>(o, p, inv[g], values, pages, len, block_size, c_block, c_slot);
-        } else if (head_size == 128) {
-          weighted_sum_fixed<128>(o, p, inv[g], values, pages, len, block_size, c_block, c_slot);
-        } else {
-          std::fill(acc.begin(), acc.end(), 0.f);
-          for (int64_t t = 0; t < len; ++t) {
-            const float* v = values + pages[t / block_size] * c_block + (t % block_size) * c_slot;
-            axpy(acc.data(), p[t], v, head_size);
+        // Softmax per query head: subtract the max so exp cannot overflow.
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + g * len;
+          const float m = *std::max_element(s, s + len);
+          v8 sum8 = {0};
+          int64_t t = 0;
+          for (; t + 8 <= len; t += 8) {
+            const v8 e = exp8(load8(s + t) - m);
+            store8(s + t, e);
+            sum8 += e;
           }
-          for (int64_t d = 0; d < head_size; ++d) o[d] = acc[d] * inv[g];
+          float sum = 0.f;
+          for (int i = 0; i < 8; ++i) sum += sum8[i];
+          for (; t < len; ++t) sum += (s[t] = std::exp(s[t] - m));
+          inv[g] = 1.f / sum;
+        }
+        // The weighted sum of the values, page by page as the keys.
+        const float* values = kv + c_kv + h * c_head;
+        for (int64_t g = 0; g < group; ++g) {
+          float* o = out + tok * o_tok + (h * group + g) * o_head;
+          const float* p = scores.data() + g * len;
+          if (head_size == 64) {
+            weighted_sum_fixed<64>(o, p, inv[g], values, pages, len, block_size, c_block, c_slot);
+          } else if (head_size == 128) {
+            weighted_sum_fixed<128>(o, p, inv[g], values, pages, len, block_size, c_block, c_slot);
+          } else {
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t t = 0; t < len; ++t) {
+              const float* v = values + pages[t / block_size] * c_block + (t % block_size) * c_slot;
+              axpy(acc.data(), p[t], v, head_size);
+            }
+            for (int64_t d = 0; d < head_size; ++d) o[d] = acc[d] * inv[g];
+          }
         }
       }
     }
@@ -230,7 +251,8 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_c
 TORCH_LIBRARY(tracevllm_C, m) {
   m.def(
       "cpu_attention_with_kv_cache(Tensor query, Tensor kv_cache, Tensor(a!) output, "
-      "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor block_table) -> ()");
+      "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor block_table, "
+      "int small_query_limit) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tracevllm_C, CPU, m) {

@@ -1,15 +1,17 @@
-"""The CPU backend: decodes through a C++ kernel that reads the pages in place.
+"""The CPU backend: a C++ kernel that reads the pages in place.
 
 Mirrors vllm/v1/attention/backends/cpu_attn.py (``CPUAttentionBackend``,
 ``CPU_ATTN``), vLLM's default on CPU: its ``forward`` writes the step's keys
-and values into the cache, sends prefills to SDPA and everything else to
-``ops.cpu_attention_with_kv_cache``, a compiled kernel. Here the kernel
+and values into the cache and sends the queries to
+``ops.cpu_attention_with_kv_cache``, a compiled kernel (on x86 and Arm all
+of them, prompts included; elsewhere the prompts go to SDPA). Here the kernel
 (kernels/csrc/cpu_attn.cpp) takes the decodes (single-token queries), the
-bulk of a serving step; requests with a longer query (a prompt, a chunk of
-one, a speculative verify) go one at a time to the plain-PyTorch reference,
-which runs each through SDPA. A layer the kernel does not cover (not fp32,
-a sliding window, a soft cap) or a run with lab 04's paged read plugged in
-takes the reference backend's ``forward`` whole.
+bulk of a serving step, and each longer query (a prompt, a chunk of one, a
+speculative verify) whose tokens times its seq_len is at most
+``SMALL_QUERY_LIMIT``; the longer ones go one at a time to the plain-PyTorch
+reference, which runs each through SDPA. A layer the kernel does not cover
+(not fp32, a sliding window, a soft cap) or a run with lab 04's paged read
+plugged in takes the reference backend's ``forward`` whole.
 
 What the kernel saves (benchmarks/bench_cpu_attn.py, a 2-core AMD EPYC): the
 reference gathers each decode's pages into one padded tensor, then runs SDPA
@@ -17,7 +19,9 @@ with a mask over the padding; the kernel reads each key once, where it lies.
 One decode step's attention over 30 layers at batch 64: 148 ms for the
 reference against 40 ms on one thread; make bench's workload through the
 engine, 1.18 times the reference backend's tokens per second on one thread
-and 1.24 times on two.
+and 1.24 times on two. Its prefill step (64 prompts of 24 new tokens over 40),
+one SDPA call per request against the kernel: 279 ms against 50 on two
+threads, most of SDPA's the fixed cost of 1920 small calls.
 """
 
 from __future__ import annotations
@@ -33,6 +37,38 @@ from tracevllm.labs import selected_labs
 
 if TYPE_CHECKING:
     from tracevllm.model_executor.layers.attention import Attention
+
+
+# A query of more than one token goes through the kernel when its tokens times
+# its seq_len is at most this, through SDPA otherwise. The kernel walks each
+# query token's keys as a decode's; SDPA's matmuls run about twice as fast per
+# key once past a fixed cost of about 0.1 ms a call, and the two tie about
+# here (benchmarks/bench_cpu_attn.py's prefill rows: 16 tokens over 256, 0.92x
+# on one thread and 1.13x on two; a 64-token prompt 1.65x and 1.91x; a
+# 512-token prompt 0.87x and 0.62x).
+SMALL_QUERY_LIMIT = 4096
+
+
+def takes_long_prefills(attn_metadata: AttentionMetadata) -> bool:
+    """Whether some request's query is too long for the kernel (SDPA's, one by one)."""
+    q = attn_metadata.max_query_len
+    if q <= 1 or q * attn_metadata.max_seq_len <= SMALL_QUERY_LIMIT:
+        return False  # what most steps end at: no tensor read
+    qsl, seq_lens = _query_start_loc_and_seq_lens(attn_metadata)
+    q_lens = qsl[1:] - qsl[:-1]
+    return bool(((q_lens > 1) & (q_lens * seq_lens > SMALL_QUERY_LIMIT)).any())
+
+
+def _query_start_loc_and_seq_lens(
+    attn_metadata: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU copies where the runner made them (the same tensors on CPU)."""
+    qsl = attn_metadata.query_start_loc_cpu
+    seq_lens = attn_metadata.seq_lens_cpu
+    return (
+        qsl if qsl is not None else attn_metadata.query_start_loc,
+        seq_lens if seq_lens is not None else attn_metadata.seq_lens,
+    )
 
 
 class CPUAttentionImpl(TorchAttentionImpl):
@@ -56,9 +92,9 @@ class CPUAttentionImpl(TorchAttentionImpl):
             or "unified_attention_torch" in selected_labs()
         ):
             return super().launch_name(attn_metadata)
-        if attn_metadata.max_query_len > 1:
-            return "cpu_attention_with_kv_cache (decodes, pages read in place) + SDPA per prefill"
-        return "cpu_attention_with_kv_cache (decodes, pages read in place)"
+        if takes_long_prefills(attn_metadata):
+            return "cpu_attention_with_kv_cache (pages read in place) + SDPA per long prefill"
+        return "cpu_attention_with_kv_cache (pages read in place)"
 
     def do_kv_cache_update(
         self,
@@ -92,21 +128,19 @@ class CPUAttentionImpl(TorchAttentionImpl):
         if not self._kernel_covers(kv_cache):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
         n = attn_metadata.num_actual_tokens
-        qsl = attn_metadata.query_start_loc_cpu
-        qsl = qsl if qsl is not None else attn_metadata.query_start_loc
-        seq_lens = attn_metadata.seq_lens_cpu
-        seq_lens = seq_lens if seq_lens is not None else attn_metadata.seq_lens
+        qsl, seq_lens = _query_start_loc_and_seq_lens(attn_metadata)
         block_table = attn_metadata.block_table
-        # Every single-token query, its pages read where they lie.
+        # Every decode and small prefill, its pages read where they lie.
         ops.cpu_attention_with_kv_cache(
-            query[:n], kv_cache, output[:n], qsl, seq_lens, self.scale, block_table
-        )
-        if attn_metadata.max_query_len > 1:
+            query[:n], kv_cache, output[:n], qsl, seq_lens, self.scale, block_table,
+            SMALL_QUERY_LIMIT,
+        )  # fmt: skip
+        if takes_long_prefills(attn_metadata):
             # The rest, one request at a time, through the reference (SDPA).
             starts, lens = qsl.tolist(), seq_lens.tolist()
             for r, seq_len in enumerate(lens):
                 start, end = starts[r], starts[r + 1]
-                if end - start <= 1:
+                if end - start <= 1 or (end - start) * seq_len <= SMALL_QUERY_LIMIT:
                     continue
                 ops.unified_attention(
                     q=query[start:end],
