@@ -40,11 +40,14 @@ def _bench() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def smoke(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
-    out = tmp_path_factory.mktemp("bench-disagg") / "disagg.json"
+def smoke(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, str]:
+    """The script's JSON, its output, and the servers' log."""
+    folder = tmp_path_factory.mktemp("bench-disagg")
+    out = folder / "disagg.json"
     args = ["--model", tiny_model_dir, "--num-short", "2", "--short-output-len", str(SHORT_OUT),
             "--num-long", "1", "--long-len", "96", "--long-output-len", str(LONG_OUT),
-            "--long-start", "0.2", "--max-model-len", "256", "--output-json", str(out)]  # fmt: skip
+            "--long-start", "0.2", "--max-model-len", "256", "--output-json", str(out),
+            "--log", str(folder / "servers.log")]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         cwd=ROOT,
@@ -54,12 +57,21 @@ def smoke(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> tupl
         timeout=1200,  # seven processes start at once: 8-12 minutes at a load of 15-40
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stdout
+    servers_log = (folder / "servers.log").read_text(errors="replace")
+    return json.loads(out.read_text()), proc.stdout, servers_log
+
+
+def _warnings(servers_log: str) -> str:
+    """The servers' warnings and errors, for an assertion's message: a split
+    whose decode server computed prompts it should have loaded says why there
+    (once seen in CI, not reproduced: 159 prompt tokens computed)."""
+    lines = [line for line in servers_log.splitlines() if "WARNING" in line or "ERROR" in line]
+    return "\n".join(lines[-40:]) or "(the servers logged no warning)"
 
 
 @pytest.mark.timeout(1260)
-def test_each_configuration_counts_its_requests(smoke: tuple[dict, str]) -> None:
-    result, stdout = smoke
+def test_each_configuration_counts_its_requests(smoke: tuple[dict, str, str]) -> None:
+    result, stdout, servers_log = smoke
     one, split = result["configs"]
     assert (one["config"], split["config"]) == ("one engine", "P/D split")
     for config in (one, split):
@@ -96,7 +108,7 @@ def test_each_configuration_counts_its_requests(smoke: tuple[dict, str]) -> None
     # local prefix hit (the chat template's first blocks) was loaded.
     metrics = split["decode_server_metrics"]
     loaded = metrics[by.format("external_kv_transfer")]
-    assert metrics[by.format("local_compute")] == 0
+    assert metrics[by.format("local_compute")] == 0, _warnings(servers_log)
     assert loaded == prompt_tokens - metrics[by.format("local_cache_hit")] > 96
     # vLLM's external prefix-cache counters: what the connector was asked
     # after the local hit, and what it had (all of it).

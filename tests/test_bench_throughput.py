@@ -552,3 +552,47 @@ def test_bench_compile_alternates_modes_and_divides_by_hand(
     assert res["compiled_over_eager"] == pytest.approx({"quiet": want, "busy": want})
     assert [r["threads"] for r in res["runs"]] == [REPORT] * 8
     assert "one busy core: compiled / eager" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rates", [(100.0, 150.0), (150.0, 100.0)], ids=["faster", "slower"])
+def test_floors_take_sgemms_faster_measurement(
+    rates: tuple[float, float], monkeypatch: Any, tiny_model_dir: str, tmp_path: Path
+) -> None:
+    """sgemm measured before and after the engines: every floor, share and the
+    ceiling at the faster rate, the earlier one kept beside it (a slow minute on
+    a shared machine flattered a run's shares: 79% of a floor at 153 GFLOP/s)."""
+    import roofline
+
+    measured = iter(rates)
+    monkeypatch.setattr(
+        roofline, "measure_sgemm_squares",
+        lambda sizes: [{"n": sizes[0], "seconds": 1.0, "gflops": next(measured)}],
+    )  # fmt: skip
+    monkeypatch.setattr(roofline, "measure_bandwidth", lambda: {"read_gbps": 10.0})
+    monkeypatch.setattr(bt, "bench_tracevllm", lambda samples, env=None, **kw: (
+        2.0, sum(s.expected_output_len for s in samples), 3, {"threads": 1, "adaptive": False}))  # fmt: skip
+    monkeypatch.delenv("VLLM_VENV", raising=False)
+    out = tmp_path / "bench.json"
+    bt.main(["--model", tiny_model_dir, "--conditions", "quiet", "--num-prompts", "2",
+             "--skip-hf", "--skip-tracing", "--skip-fixed-threads", "--sgemm-sizes", "128",
+             "--output-json", str(out)])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert res["sgemm"]["gflops_before"] == rates[0]
+    assert res["sgemm"]["gflops"] == 150.0
+    assert [s["gflops"] for s in res["sgemm"]["squares_after"]] == [rates[1]]
+    flops = res["floor"]["linear_flops"]
+    assert math.isclose(res["floor"]["seconds"], flops / 150e9)
+    at_shapes = res["linears_at_shapes"]
+    assert math.isclose(at_shapes["floor_share_ceiling"], flops / 150e9 / at_shapes["seconds"])
+    requests = [tuple(r) for r in res["workload"]["requests"]]
+    shapes = model_shapes(tiny_model_dir)
+    assert math.isclose(
+        res["roofline_floor"]["seconds"], bt.roofline_seconds(shapes, requests, 150.0, 10.0)
+    )
+    ran_s = (flops - 2 * 73728 * 3) / 150e9  # less the 3 cached prompt tokens
+    for r in res["conditions"]["quiet"]["runs"]:
+        assert math.isclose(r["floor_s"], ran_s)
+        assert math.isclose(r["floor_share"], ran_s / 2.0)
+        roof = bt.roofline_seconds(shapes, requests, 150.0, 10.0, 3)
+        assert math.isclose(r["roofline_s"], roof)
+    assert math.isclose(res["conditions"]["quiet"]["summary"]["floor_share"], ran_s / 2.0)
