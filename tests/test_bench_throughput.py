@@ -569,8 +569,9 @@ def test_floors_take_sgemms_faster_measurement(
         lambda sizes: [{"n": sizes[0], "seconds": 1.0, "gflops": next(measured)}],
     )  # fmt: skip
     monkeypatch.setattr(roofline, "measure_bandwidth", lambda: {"read_gbps": 10.0})
+    report = {"threads": 1, "adaptive": False}
     monkeypatch.setattr(bt, "bench_tracevllm", lambda samples, env=None, **kw: (
-        2.0, sum(s.expected_output_len for s in samples), 3, {"threads": 1, "adaptive": False}))  # fmt: skip
+        2.0, sum(s.expected_output_len for s in samples), 3, report))  # fmt: skip
     monkeypatch.delenv("VLLM_VENV", raising=False)
     out = tmp_path / "bench.json"
     bt.main(["--model", tiny_model_dir, "--conditions", "quiet", "--num-prompts", "2",
