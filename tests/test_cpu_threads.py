@@ -17,6 +17,7 @@ from tracevllm.worker.cpu_threads import (
     ProbeRecord,
     StepShape,
     format_probe,
+    near_ratio,
     probe_at_warm_up,
     sign_test,
 )
@@ -613,3 +614,70 @@ def test_overlapping_in_process_workers_give_back_the_count_the_process_had(
         assert torch.get_num_threads() == before
     finally:
         torch.set_num_threads(user)
+
+
+def shrinking(start: int) -> Callable[[int], StepShape]:
+    """A run's tail: one request fewer every step, so no two steps share a shape."""
+    return lambda i: StepShape(start - i, start - i)
+
+
+def per_token(table: dict[int, float]) -> Callable[[int, StepShape], float]:
+    return lambda threads, shape: table[threads] * shape.num_tokens
+
+
+def test_near_decode_pairs_stop_a_slower_probe_at_its_first_pair() -> None:
+    """Decode batches one request smaller each step: no pair is like, but each
+    pair is near (64 and 63), and per token the other count is 1.8x slower:
+    the probe ends after one step at it, not after `pairs` unlike pairs.
+    Mutation caught: the near pairs left out of the first test (five steps at
+    1 thread)."""
+    policy = AdaptiveThreadPolicy(2, first_probe=0, pairs=5)
+    asked = drive(policy, per_token({2: 1.0, 1: 1.8}), 2, shape=shrinking(64))
+    assert asked.count(1) == 1 and policy.candidate is None and policy.threads == 2
+    (record,) = policy.probe_log
+    assert record.ratios == () and record.unlike_pairs == 1 and record.ended == "slower"
+    assert record.near == pytest.approx((1.8,))
+    assert format_probe(record) == "2 vs 1: no like pairs, 1 unlike (1.80 per token) -> 2 (slower)"
+
+
+def test_near_pairs_never_make_a_switch() -> None:
+    """Per token twice as fast at 1 thread, but only near pairs to show it: the
+    probe ends after its unlike pairs and the count stays (a per-token ratio is
+    off by a few percent; it may stop a probe, not change the count). Mutation
+    caught: near pairs counted as like (then 1 thread is taken)."""
+    changes: list[Any] = []
+    policy = AdaptiveThreadPolicy(2, first_probe=0, pairs=5, on_change=lambda *c: changes.append(c))
+    drive(policy, per_token({2: 1.0, 1: 0.5}), 12, shape=shrinking(64))
+    assert changes == [] and policy.threads == 2
+    (record,) = policy.probe_log
+    assert record.ended == "unlike" and record.unlike_pairs == 5
+    assert record.near == pytest.approx((0.5,) * 5)
+
+
+def test_near_ratio_compares_decode_batches_within_an_eighth() -> None:
+    """Per token, decode steps only, sizes within an eighth of the larger."""
+    assert near_ratio((StepShape(63, 63), 6.3), (StepShape(64, 64), 3.2)) == pytest.approx(2.0)
+    assert near_ratio((StepShape(56, 56), 5.6), (StepShape(64, 64), 6.4)) == pytest.approx(1.0)
+    assert near_ratio((StepShape(55, 55), 5.5), (StepShape(64, 64), 6.4)) is None  # 9 of 64
+    assert near_ratio((StepShape(1, 40), 1.0), (StepShape(40, 40), 1.0)) is None  # a prefill
+    assert near_ratio((StepShape(0, 32), 1.0), (StepShape(0, 32), 1.0)) is None  # dummy steps
+
+
+def test_sim_probe_cost_compares_near_pairs_off_and_on() -> None:
+    """benchmarks/sim_probe_cost.py, small: under both conditions the probes
+    cost less with the near pairs, and the module's NEAR_SHAPES is put back.
+    Mutation caught: the script's switch ignored (both rows the same)."""
+    import sys
+    from pathlib import Path
+
+    from tracevllm.worker import cpu_threads
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import sim_probe_cost
+
+    out = sim_probe_cost.main(["--seeds", "20", "--runs", "1"])
+    for condition in ("quiet", "busy"):
+        off, on = out[f"{condition}, near pairs off"], out[f"{condition}, near pairs on"]
+        assert 0 < on["cost"] < off["cost"]
+        assert on["other_steps_per_run"] < off["other_steps_per_run"]
+    assert cpu_threads.NEAR_SHAPES == 1 / 8

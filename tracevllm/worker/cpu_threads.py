@@ -39,7 +39,17 @@ passes neither test gets more pairs, looked at again after each ``pairs``
 square root of their number. A probe stops at its
 first pair when the neighbour is more than 1.25x slower (so a bad
 neighbour costs one step), and after three pairs when it is more than
-1.25x faster all three times. A probe that finds no like-shaped pairs
+1.25x faster all three times. For that first test only, a pair of two
+decode steps whose batches differ by at most an eighth counts too, time
+per token against time per token (``near_ratio``): as requests finish, a
+run's last steps seldom repeat a shape, and a probe there went on through
+its ``pairs`` unlike pairs, every one a step at the slower count
+(``python benchmarks/sim_probe_cost.py``, the policy on make bench's step
+shapes with made-up times: the probes cost 1.2% of the run quiet and 2.3%
+beside a busy core, 0.35% and 0.9% with these pairs). Such
+a pair can only stop a probe, never make a switch: a per-token ratio is
+off by a few percent, which the 1.25x margin covers and a median decided
+within the hysteresis would not. A probe that finds no like-shaped pairs
 (arrivals in serving, chunked prefills beside decodes) ends after
 ``pairs`` unlike pairs. No probe runs more than ``3 * pairs`` steps at the
 other count.
@@ -123,6 +133,8 @@ class ProbeRecord(NamedTuple):
     unlike_pairs: int
     ended: str  # "slower", "faster", "median", "unlike"
     kept: int
+    # The unlike pairs of near shapes: per-token time ratios (near_ratio).
+    near: tuple[float, ...] = ()
 
 
 class AdaptiveThreadPolicy:
@@ -173,6 +185,7 @@ class AdaptiveThreadPolicy:
         self._first: tuple[StepShape, int, float] | None = None
         self._probe_steps = 0
         self._unlike_pairs = 0
+        self._near: list[float] = []  # the unlike pairs' per-token ratios, where near
         self._looked_at = 0  # how many like pairs the last look had
         self._pending: tuple[StepShape, int] | None = None
         # The noise: log time ratios of neighbouring steps of one shape at one
@@ -218,16 +231,20 @@ class AdaptiveThreadPolicy:
         else:
             first_shape, first_threads, first_seconds = self._first
             self._first = None
-            like = first_shape == shape and first_threads != threads
-            if like and min(seconds, first_seconds) > 0:
-                on_candidate, on_current = (
-                    (seconds, first_seconds)
-                    if threads == self.candidate
-                    else (first_seconds, seconds)
-                )
-                self._ratios.append(on_candidate / on_current)
+            on_candidate, on_current = (
+                ((shape, seconds), (first_shape, first_seconds))
+                if threads == self.candidate
+                else ((first_shape, first_seconds), (shape, seconds))
+            )
+            if first_threads == threads or min(seconds, first_seconds) <= 0:
+                self._unlike_pairs += 1  # a step that never reported broke the pair
+            elif first_shape == shape:
+                self._ratios.append(on_candidate[1] / on_current[1])
             else:
                 self._unlike_pairs += 1
+                near = near_ratio(on_candidate, on_current)
+                if near is not None:
+                    self._near.append(near)
             self._maybe_decide()  # a pair is complete
 
     def probe_next_step(self) -> None:
@@ -245,6 +262,7 @@ class AdaptiveThreadPolicy:
         self._first = None
         self._probe_steps = 0
         self._unlike_pairs = 0
+        self._near = []
         self._looked_at = 0
         self.probes += 1
 
@@ -252,7 +270,8 @@ class AdaptiveThreadPolicy:
         assert self.candidate is not None
         ratios = self._ratios
         out_of_pairs = len(ratios) + self._unlike_pairs >= EXTEND_PAIRS * self.pairs
-        if ratios and min(ratios) > self.abort_ratio:
+        compared = ratios + self._near
+        if compared and min(compared) > self.abort_ratio:
             self._end_probe(None, "slower")  # clearly slower: stop paying for it at once
         elif len(ratios) >= EARLY_SWITCH_PAIRS and max(ratios) < 1 / self.abort_ratio:
             # Clearly faster three times over (so their median is too).
@@ -299,8 +318,9 @@ class AdaptiveThreadPolicy:
         self._first = None
         kept = self.threads if faster_ratio is None else candidate
         record = ProbeRecord(
-            self.threads, candidate, tuple(self._ratios), self._unlike_pairs, ended, kept
-        )
+            self.threads, candidate, tuple(self._ratios), self._unlike_pairs, ended, kept,
+            tuple(self._near),
+        )  # fmt: skip
         self.probe_log.append(record)
         logger.debug("CPU threads probe: %s", format_probe(record))
         if faster_ratio is None:
@@ -318,6 +338,27 @@ class AdaptiveThreadPolicy:
             if self.on_change is not None:
                 self.on_change(old, candidate, faster_ratio)
         self.steps_to_probe = self.interval
+
+
+# Two decode batches whose sizes differ by at most this fraction of the
+# larger are compared per token (near_ratio).
+NEAR_SHAPES = 1 / 8
+
+
+def near_ratio(
+    on_candidate: tuple[StepShape, float], on_current: tuple[StepShape, float]
+) -> float | None:
+    """A pair of steps of unlike shapes, (shape, seconds) at the candidate
+    count and at the current one: their time per token's ratio when both are
+    decode steps (a token per request) and their sizes differ by at most
+    ``NEAR_SHAPES`` (off by a few percent: a step also reads every weight
+    once, whatever its batch); else None."""
+    (a, a_s), (b, b_s) = on_candidate, on_current
+    decodes = a.num_reqs == a.num_tokens > 0 and b.num_reqs == b.num_tokens > 0
+    apart = abs(a.num_tokens - b.num_tokens) / max(a.num_tokens, b.num_tokens, 1)
+    if not decodes or apart > NEAR_SHAPES:
+        return None
+    return (a_s / a.num_tokens) / (b_s / b.num_tokens)
 
 
 def sign_test(ratios: list[float]) -> float:
@@ -399,6 +440,8 @@ def format_probe(record: ProbeRecord) -> str:
     """One line for a probe: ``2 vs 1: 0.52 0.55 0.49 -> 1 (faster)``."""
     ratios = " ".join(f"{r:.2f}" for r in record.ratios) or "no like pairs"
     unlike = f", {record.unlike_pairs} unlike" if record.unlike_pairs else ""
+    if record.near:
+        unlike += f" ({' '.join(f'{r:.2f}' for r in record.near)} per token)"
     return (
         f"{record.threads} vs {record.candidate}: {ratios}{unlike} "
         f"-> {record.kept} ({record.ended})"
