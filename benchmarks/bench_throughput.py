@@ -142,7 +142,8 @@ WHAT = {
     "as the engine's, random weights and inputs, best of 3, this process's threads, quiet, "
     "before any engine ran): seconds, and floor_share_ceiling = floor seconds / these "
     "seconds, the most of the linear floor an engine with these matmuls can reach if "
-    "nothing else took time",
+    "nothing else took time (its floor at the final sgemm rate, its seconds timed before "
+    "the engines: the two may come from different spells of a shared machine)",
     "roofline_floor": "the workload in the fewest steps (every prompt in one step, then "
     "one decode step per generated position with the requests still running), each step "
     "at max(its FLOPs at sgemm's gflops, its bytes at bandwidth read_gbps) "

@@ -33,7 +33,7 @@ from tracevllm.logger import init_logger
 logger = init_logger("tracevllm.kernels.cpu_attn")
 
 CSRC = Path(__file__).parent / "csrc"
-# The decodes' attention, and the small ops between the matmuls (RMSNorm,
+# The paged attention, and the small ops between the matmuls (RMSNorm,
 # SiLU-and-mul, RoPE, the K/V write): one library, torch.ops.tracevllm_C.
 SOURCES = [CSRC / "cpu_attn.cpp", CSRC / "cpu_ops.cpp"]
 # What they include. torch rebuilds when a source or a flag changes, not a

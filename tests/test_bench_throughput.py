@@ -373,6 +373,12 @@ def test_bench_throughput_smoke(
     import roofline
 
     monkeypatch.setattr(roofline, "measure_bandwidth", lambda: {"read_gbps": 10.0})
+    # One rate before and after the engines: the lines printed first then
+    # hold the final floors (a faster rate after is the next test's).
+    monkeypatch.setattr(
+        roofline, "measure_sgemm_squares",
+        lambda sizes: [{"n": sizes[0], "seconds": 1.0, "gflops": 100.0}],
+    )  # fmt: skip
     monkeypatch.delenv("VLLM_VENV", raising=False)
     out = tmp_path / "bench.json"
     argv = ["--model", tiny_model_dir, "--conditions", "busy", "--num-prompts", "2",

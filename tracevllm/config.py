@@ -615,7 +615,7 @@ class DeviceConfig:
 
 @dataclass(slots=True)
 class AttentionConfig:
-    # "cpu_attn" (decodes through a C++ kernel, CPU default), "torch"
+    # "cpu_attn" (decodes, short prompts: a C++ kernel; CPU default), "torch"
     # (reference) or "triton" (kernels/, CUDA default). None: by device.
     backend: str | None = None
 

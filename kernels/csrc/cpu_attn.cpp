@@ -3,8 +3,8 @@
 //
 // Plays the part of vLLM's csrc/cpu/ attention kernel
 // (torch.ops._C.cpu_attention_with_kv_cache, called by
-// vllm/v1/attention/backends/cpu_attn.py, which on x86 and Arm sends it every
-// request, prompts included). Here it takes the decodes (one-token queries)
+// vllm/v1/attention/backends/cpu_attn.py, which on x86, Arm, s390x, RISC-V and
+// PowerPC sends it every request, prompts included). Here it takes the decodes (one-token queries)
 // and the queries of more than one token whose tokens times seq_len is at
 // most small_query_limit: a short prompt, a chunk, a speculative verify. It
 // walks each token's keys one after another, as a decode's, where SDPA's
@@ -135,7 +135,7 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_c
   const int64_t t_req = block_table.stride(0);
   const float sc = static_cast<float>(scale);
 
-  // Every decode's bounds, checked before any thread reads the cache: a bad
+  // The bounds of every query taken, checked before any thread reads the cache: a bad
   // table would otherwise read (or write) arbitrary memory, where the
   // reference's indexing raises.
   TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(),

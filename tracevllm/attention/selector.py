@@ -2,8 +2,8 @@
 
 Mirrors vllm/v1/attention/selector.py (``get_attn_backend``), which asks the
 platform for the best backend for the model and device. Three backends here:
-``cpu_attn`` (vLLM's CPU_ATTN: decodes through a C++ kernel, the default on
-CPU when it builds), ``torch`` (the readable reference, the CPU default
+``cpu_attn`` (vLLM's CPU_ATTN: decodes and short prompts through a C++
+kernel, the default on CPU when it builds), ``torch`` (the readable reference, the CPU default
 without a compiler) and ``triton`` (kernels/, default on CUDA).
 """
 

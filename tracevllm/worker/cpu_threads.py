@@ -39,17 +39,19 @@ passes neither test gets more pairs, looked at again after each ``pairs``
 square root of their number. A probe stops at its
 first pair when the neighbour is more than 1.25x slower (so a bad
 neighbour costs one step), and after three pairs when it is more than
-1.25x faster all three times. For that first test only, a pair of two
-decode steps whose batches differ by at most an eighth counts too, time
-per token against time per token (``near_ratio``): as requests finish, a
+1.25x faster all three times. For that first test only, and only while a
+probe has no like pair, a pair of two decode steps whose batches differ by
+at most an eighth stands in (``near_ratio``, which errs toward a tie): as
+requests finish, a
 run's last steps seldom repeat a shape, and a probe there went on through
 its ``pairs`` unlike pairs, every one a step at the slower count
 (``python benchmarks/sim_probe_cost.py``, the policy on make bench's step
 shapes with made-up times: the probes cost 1.2% of the run quiet and 2.3%
-beside a busy core, 0.35% and 0.9% with these pairs). Such
-a pair can only stop a probe, never make a switch: a per-token ratio is
-off by a few percent, which the 1.25x margin covers and a median decided
-within the hysteresis would not. A probe that finds no like-shaped pairs
+beside a busy core, 0.35% and 0.8% with these pairs). Such
+a pair can only stop a probe, never make a switch or keep a like pair
+from stopping one: its ratio is an estimate (up to a tenth off for batches
+of 7 and 8), which the 1.25x margin covers and a median decided within the
+hysteresis would not. A probe that finds no like-shaped pairs
 (arrivals in serving, chunked prefills beside decodes) ends after
 ``pairs`` unlike pairs. No probe runs more than ``3 * pairs`` steps at the
 other count.
@@ -133,7 +135,7 @@ class ProbeRecord(NamedTuple):
     unlike_pairs: int
     ended: str  # "slower", "faster", "median", "unlike"
     kept: int
-    # The unlike pairs of near shapes: per-token time ratios (near_ratio).
+    # The unlike pairs of near shapes: their estimated ratios (near_ratio).
     near: tuple[float, ...] = ()
 
 
@@ -270,7 +272,8 @@ class AdaptiveThreadPolicy:
         assert self.candidate is not None
         ratios = self._ratios
         out_of_pairs = len(ratios) + self._unlike_pairs >= EXTEND_PAIRS * self.pairs
-        compared = ratios + self._near
+        # Near pairs stand in for like ones only while there are none.
+        compared = ratios or self._near
         if compared and min(compared) > self.abort_ratio:
             self._end_probe(None, "slower")  # clearly slower: stop paying for it at once
         elif len(ratios) >= EARLY_SWITCH_PAIRS and max(ratios) < 1 / self.abort_ratio:
@@ -326,7 +329,7 @@ class AdaptiveThreadPolicy:
         if faster_ratio is None:
             # What the probe's slower steps cost, in steps at the kept count:
             # the wait grows so that probing stays within the budget.
-            cost = sum(max(r - 1, 0.0) for r in self._ratios)
+            cost = sum(max(r - 1, 0.0) for r in (*self._ratios, *self._near))
             wait = max(self.interval * 2, math.ceil(cost / self.probe_budget))
             self.interval = min(wait, self.max_interval)
         else:
@@ -349,16 +352,21 @@ def near_ratio(
     on_candidate: tuple[StepShape, float], on_current: tuple[StepShape, float]
 ) -> float | None:
     """A pair of steps of unlike shapes, (shape, seconds) at the candidate
-    count and at the current one: their time per token's ratio when both are
-    decode steps (a token per request) and their sizes differ by at most
-    ``NEAR_SHAPES`` (off by a few percent: a step also reads every weight
-    once, whatever its batch); else None."""
+    count and at the current one, when both are decode steps (a token per
+    request) whose sizes differ by at most ``NEAR_SHAPES``: how much slower
+    the candidate's step was, estimated toward a tie; else None.
+
+    A step's time grows with its batch, but less than in proportion (it
+    also reads every weight once): the ratio of the two times errs toward
+    the step on the smaller batch, the ratio of times per token toward the
+    larger one. The candidate's true ratio lies between the two, so the
+    smaller of them never overstates how much slower it was."""
     (a, a_s), (b, b_s) = on_candidate, on_current
     decodes = a.num_reqs == a.num_tokens > 0 and b.num_reqs == b.num_tokens > 0
     apart = abs(a.num_tokens - b.num_tokens) / max(a.num_tokens, b.num_tokens, 1)
     if not decodes or apart > NEAR_SHAPES:
         return None
-    return (a_s / a.num_tokens) / (b_s / b.num_tokens)
+    return min(a_s / b_s, (a_s / a.num_tokens) / (b_s / b.num_tokens))
 
 
 def sign_test(ratios: list[float]) -> float:
@@ -441,7 +449,7 @@ def format_probe(record: ProbeRecord) -> str:
     ratios = " ".join(f"{r:.2f}" for r in record.ratios) or "no like pairs"
     unlike = f", {record.unlike_pairs} unlike" if record.unlike_pairs else ""
     if record.near:
-        unlike += f" ({' '.join(f'{r:.2f}' for r in record.near)} per token)"
+        unlike += f" ({' '.join(f'{r:.2f}' for r in record.near)} near)"
     return (
         f"{record.threads} vs {record.candidate}: {ratios}{unlike} "
         f"-> {record.kept} ({record.ended})"

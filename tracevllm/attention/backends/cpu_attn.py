@@ -3,8 +3,9 @@
 Mirrors vllm/v1/attention/backends/cpu_attn.py (``CPUAttentionBackend``,
 ``CPU_ATTN``), vLLM's default on CPU: its ``forward`` writes the step's keys
 and values into the cache and sends the queries to
-``ops.cpu_attention_with_kv_cache``, a compiled kernel (on x86 and Arm all
-of them, prompts included; elsewhere the prompts go to SDPA). Here the kernel
+``ops.cpu_attention_with_kv_cache``, a compiled kernel (on x86, Arm, s390x,
+RISC-V and PowerPC all of them, prompts included; elsewhere the prompts go
+to SDPA). Here the kernel
 (kernels/csrc/cpu_attn.cpp) takes the decodes (single-token queries), the
 bulk of a serving step, and each longer query (a prompt, a chunk of one, a
 speculative verify) whose tokens times its seq_len is at most
