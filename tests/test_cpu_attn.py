@@ -174,7 +174,11 @@ def test_kernel_checks_the_tables_before_reading_the_cache() -> None:
 # --- the backend --------------------------------------------------------------------------
 
 
-def _forward(impl_cls: type, c: dict, q_lens: list[int], **impl_kwargs: object) -> torch.Tensor:
+def _forward(
+    impl_cls: type, c: dict, q_lens: list[int], cpu_copies: bool = True, **impl_kwargs: object
+) -> torch.Tensor:
+    """``impl_cls``'s forward on case ``c``; ``cpu_copies=False``: metadata
+    without the runner's CPU copies of query_start_loc and seq_lens."""
     from tracevllm.attention.backends.abstract import AttentionMetadata
 
     num_heads, head_size = c["q"].shape[1:]
@@ -189,8 +193,8 @@ def _forward(impl_cls: type, c: dict, q_lens: list[int], **impl_kwargs: object) 
         seq_lens=c["seq_lens"],
         block_table=c["block_table"],
         slot_mapping=torch.full((n,), -1, dtype=torch.long),
-        query_start_loc_cpu=c["qsl"],
-        seq_lens_cpu=c["seq_lens"],
+        query_start_loc_cpu=c["qsl"] if cpu_copies else None,
+        seq_lens_cpu=c["seq_lens"] if cpu_copies else None,
     )
     out = torch.full_like(c["q"], float("nan"))
     impl.forward(None, c["q"], None, None, c["kv_cache"], meta, out)
@@ -225,6 +229,18 @@ def test_backend_forward_matches_the_reference_backend(
     assert sdpa_lens == [q for q, s in zip(q_lens, seq_lens) if q * s > backend.SMALL_QUERY_LIMIT]
     want = _forward(TorchAttentionImpl, c, q_lens)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_reads_the_metadata_without_its_cpu_copies() -> None:
+    """Metadata whose CPU copies are not set (another runner's): the same rows,
+    the long prompt's route found from query_start_loc and seq_lens."""
+    from tracevllm.attention.backends.cpu_attn import CPUAttentionImpl
+
+    q_lens, seq_lens = BACKEND_CASES[-1]
+    c = build_case(q_lens, seq_lens, 9, 3, 64, 16, seed=20)
+    want = _forward(CPUAttentionImpl, c, q_lens)
+    got = _forward(CPUAttentionImpl, c, q_lens, cpu_copies=False)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_backend_hands_what_the_kernel_does_not_cover_to_the_reference(
