@@ -34,6 +34,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_JSON = "benchmarks/results/cpu_attn.json"
 
 
+# The default model's attention: layers, query heads, KV heads, head size; 16-token pages.
+LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 30, 9, 3, 64, 16
+
+
+def _layer_caches(gen: Any, requests: int, pages: int) -> tuple[list[Any], Any]:
+    """A random paged cache per layer (so that a forward reads them from memory,
+    as the engine's does) and a block table giving each request ``pages``
+    pages of its own, in shuffled order (block 0 unused)."""
+    import torch
+
+    num_blocks = requests * pages + 1
+    caches = [
+        torch.randn(num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+        for _ in range(LAYERS)
+    ]
+    table = torch.randperm(num_blocks - 1, generator=gen)[: requests * pages] + 1
+    return caches, table.view(requests, pages).to(torch.int32)
+
+
 def read_alone(batch: int, threads: int, seed: int = 0) -> dict[str, Any]:
     """ms per step (every layer) of the reference and of the kernel, best of 5."""
     import torch
@@ -44,20 +63,12 @@ def read_alone(batch: int, threads: int, seed: int = 0) -> dict[str, Any]:
 
     tune_malloc()  # as the engine's worker: the gather's buffers come from the heap
 
-    layers, num_heads, num_kv_heads, head_size, block_size = 30, 9, 3, 64, 16
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(40, 171, (batch,), dtype=torch.int32, generator=gen)
-    pages = -(-int(lens.max()) // block_size)
-    num_blocks = batch * pages + 1
-    caches = [
-        torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
-        for _ in range(layers)
-    ]
-    table = (torch.randperm(num_blocks - 1, generator=gen)[: batch * pages] + 1).view(batch, pages)
-    table = table.to(torch.int32)
-    q = torch.randn(batch, num_heads, head_size, generator=gen)
+    caches, table = _layer_caches(gen, batch, -(-int(lens.max()) // BLOCK_SIZE))
+    q = torch.randn(batch, NUM_HEADS, HEAD_SIZE, generator=gen)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    scale = head_size**-0.5
+    scale = HEAD_SIZE**-0.5
     ref_out, out = torch.empty_like(q), torch.empty_like(q)
 
     def reference() -> None:
@@ -105,21 +116,13 @@ def prefill_alone(
     from tracevllm.platforms.cpu import tune_malloc
 
     tune_malloc()
-    layers, num_heads, num_kv_heads, head_size, block_size = 30, 9, 3, 64, 16
     gen = torch.Generator().manual_seed(seed)
-    pages = -(-seq_len // block_size)
-    num_blocks = requests * pages + 1
-    caches = [
-        torch.randn(num_blocks, 2, block_size, num_kv_heads, head_size, generator=gen)
-        for _ in range(layers)
-    ]
-    table = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(requests, pages)
-    table = table.to(torch.int32)
-    q = torch.randn(requests * q_len, num_heads, head_size, generator=gen)
+    caches, table = _layer_caches(gen, requests, -(-seq_len // BLOCK_SIZE))
+    q = torch.randn(requests * q_len, NUM_HEADS, HEAD_SIZE, generator=gen)
     qsl = torch.arange(0, requests * q_len + 1, q_len, dtype=torch.int32)
     lens = torch.full((requests,), seq_len, dtype=torch.int32)
     one = torch.tensor([0, q_len], dtype=torch.int32)
-    scale = head_size**-0.5
+    scale = HEAD_SIZE**-0.5
     sdpa_out, out = torch.empty_like(q), torch.empty_like(q)
 
     def sdpa() -> None:

@@ -4,9 +4,10 @@
 // Plays the part of vLLM's csrc/cpu/ attention kernel
 // (torch.ops._C.cpu_attention_with_kv_cache, called by
 // vllm/v1/attention/backends/cpu_attn.py, which on x86, Arm, s390x, RISC-V and
-// PowerPC sends it every request, prompts included). Here it takes the decodes (one-token queries)
-// and the queries of more than one token whose tokens times seq_len is at
-// most small_query_limit: a short prompt, a chunk, a speculative verify. It
+// PowerPC sends it every request, prompts included). Here it takes the decodes
+// (one-token queries) and the queries of more than one token whose tokens
+// times seq_len is at most small_query_limit: a short prompt, a chunk, a
+// speculative verify. It
 // walks each token's keys one after another, as a decode's, where SDPA's
 // matmuls are twice as fast per key once past their fixed cost, so the longer
 // ones are left to the caller, which sends them to SDPA one request at a time.
@@ -135,9 +136,9 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_c
   const int64_t t_req = block_table.stride(0);
   const float sc = static_cast<float>(scale);
 
-  // The bounds of every query taken, checked before any thread reads the cache: a bad
-  // table would otherwise read (or write) arbitrary memory, where the
-  // reference's indexing raises.
+  // The bounds of every query taken, checked before any thread reads the
+  // cache: a bad table would otherwise read (or write) arbitrary memory, where
+  // the reference's indexing raises.
   TORCH_CHECK(query.dim() == 3 && output.sizes() == query.sizes(),
               "cpu_attention_with_kv_cache: output must be query's shape, "
               "[num_tokens, num_heads, head_size]");

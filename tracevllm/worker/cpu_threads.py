@@ -187,7 +187,7 @@ class AdaptiveThreadPolicy:
         self._first: tuple[StepShape, int, float] | None = None
         self._probe_steps = 0
         self._unlike_pairs = 0
-        self._near: list[float] = []  # the unlike pairs' per-token ratios, where near
+        self._near: list[float] = []  # the unlike pairs' estimated ratios, where near
         self._looked_at = 0  # how many like pairs the last look had
         self._pending: tuple[StepShape, int] | None = None
         # The noise: log time ratios of neighbouring steps of one shape at one
@@ -344,7 +344,7 @@ class AdaptiveThreadPolicy:
 
 
 # Two decode batches whose sizes differ by at most this fraction of the
-# larger are compared per token (near_ratio).
+# larger are compared (near_ratio).
 NEAR_SHAPES = 1 / 8
 
 

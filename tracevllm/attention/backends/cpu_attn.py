@@ -50,11 +50,17 @@ if TYPE_CHECKING:
 SMALL_QUERY_LIMIT = 4096
 
 
+def _may_take_long_prefills(attn_metadata: AttentionMetadata) -> bool:
+    """From the step's two maxima, without reading a tensor: False when no
+    request's query can be too long for the kernel (most steps)."""
+    q = attn_metadata.max_query_len
+    return q > 1 and q * attn_metadata.max_seq_len > SMALL_QUERY_LIMIT
+
+
 def takes_long_prefills(attn_metadata: AttentionMetadata) -> bool:
     """Whether some request's query is too long for the kernel (SDPA's, one by one)."""
-    q = attn_metadata.max_query_len
-    if q <= 1 or q * attn_metadata.max_seq_len <= SMALL_QUERY_LIMIT:
-        return False  # what most steps end at: no tensor read
+    if not _may_take_long_prefills(attn_metadata):
+        return False
     qsl, seq_lens = _query_start_loc_and_seq_lens(attn_metadata)
     q_lens = qsl[1:] - qsl[:-1]
     return bool(((q_lens > 1) & (q_lens * seq_lens > SMALL_QUERY_LIMIT)).any())
@@ -136,7 +142,7 @@ class CPUAttentionImpl(TorchAttentionImpl):
             query[:n], kv_cache, output[:n], qsl, seq_lens, self.scale, block_table,
             SMALL_QUERY_LIMIT,
         )  # fmt: skip
-        if takes_long_prefills(attn_metadata):
+        if _may_take_long_prefills(attn_metadata):
             # The rest, one request at a time, through the reference (SDPA).
             starts, lens = qsl.tolist(), seq_lens.tolist()
             for r, seq_len in enumerate(lens):
