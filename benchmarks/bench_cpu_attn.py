@@ -92,14 +92,17 @@ def read_alone(batch: int, threads: int, seed: int = 0) -> dict[str, Any]:
 
 
 # (name, requests, query tokens, seq_len): make bench's prefill step (its chat
-# prompts past the shared first page), two shapes at SMALL_QUERY_LIMIT, and
-# longer prompts and chunks, which stay with SDPA.
+# prompts past the shared first page), shapes under SMALL_QUERY_LIMIT's pairs
+# (a fresh prompt attends half its square: 128 tokens, 8256 pairs), two near
+# it, and two past it, which stay with SDPA.
 PREFILL_SHAPES = [
     ("make bench's prefill step", 64, 24, 40),
     ("prompt of 64", 1, 64, 64),
-    ("chunk of 16 over 256", 1, 16, 256),
+    ("prompt of 128", 1, 128, 128),
+    ("chunk of 64 over 256", 1, 64, 256),
+    ("chunk of 16 over 1024", 1, 16, 1024),
+    ("chunk of 64 over 1024", 1, 64, 1024),
     ("prompt of 512", 1, 512, 512),
-    ("chunk of 512 over 2048", 1, 512, 2048),
 ]
 
 
@@ -137,6 +140,7 @@ def prefill_alone(
 
     def kernel() -> None:
         for cache in caches:
+            # A limit past any query's pairs: the kernel takes every shape here.
             ops.cpu_attention_with_kv_cache(q, cache, out, qsl, lens, scale, table, q_len * seq_len)
 
     ms = _best_ms({"sdpa": sdpa, "kernel": kernel}, threads)

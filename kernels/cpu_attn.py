@@ -151,10 +151,10 @@ def cpu_attention_with_kv_cache(
     """Causal attention of each query over its request's pages, read in place.
 
     Every single-token query (a decode) is taken, and a longer one (a prompt,
-    a chunk of one, a speculative verify) when its query tokens times its
-    seq_len is at most ``small_query_limit``; the others are skipped, their
-    rows of ``output`` left as they were, for the caller to fill (0: decodes
-    only).
+    a chunk of one, a speculative verify) when the (query token, key) pairs it
+    attends, each token its keys up to its own, are at most
+    ``small_query_limit``; the others are skipped, their rows of ``output``
+    left as they were, for the caller to fill (0: decodes only).
     """
     torch.ops.tracevllm_C.cpu_attention_with_kv_cache(
         query, kv_cache, output, query_start_loc, seq_lens, scale, block_table, small_query_limit

@@ -31,6 +31,12 @@ CASES = [
 ]
 
 
+def causal_pairs(q_len: int, seq_len: int) -> int:
+    """The (query token, key) pairs a query attends, counted token by token: its
+    i-th token (of q_len, the last at position seq_len - 1) sees seq_len - q_len + i + 1 keys."""
+    return sum(seq_len - q_len + i + 1 for i in range(q_len))
+
+
 def _run_kernel(c: dict, scale: float, small_query_limit: int = 0) -> torch.Tensor:
     out = torch.full_like(c["q"], float("nan"))
     ops.cpu_attention_with_kv_cache(
@@ -40,7 +46,7 @@ def _run_kernel(c: dict, scale: float, small_query_limit: int = 0) -> torch.Tens
     return out
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)], ids=["mha", "gqa3", "gqa8"])
 # 64 and 128: compiled for their size; 72: dot()'s 8-wide step after the 16-wide;
 # 76 and 6: a scalar tail.
@@ -58,7 +64,7 @@ def test_kernel_matches_naive_and_leaves_longer_queries(
     out = _run_kernel(c, scale, limit)
     for r, q_len in enumerate(q_lens):
         a, b = int(c["qsl"][r]), int(c["qsl"][r + 1])
-        if q_len == 1 or q_len * seq_lens[r] <= limit:
+        if q_len == 1 or causal_pairs(q_len, seq_lens[r]) <= limit:
             ref = naive_attention(c["q"][a:b], c["ks"][r], c["vs"][r], scale)
             torch.testing.assert_close(out[a:b], ref, atol=1e-5, rtol=1e-5)
         else:  # over the limit: the kernel leaves it to the caller
@@ -201,8 +207,9 @@ def _forward(
     return out
 
 
-# With a prompt past SMALL_QUERY_LIMIT (70 x 70 = 4900 > 4096) and a chunk at it (64 x 64).
-BACKEND_CASES = [*CASES, ([1, 70, 5, 64, 1], [30, 70, 20, 64, 8])]
+# With a prompt past SMALL_QUERY_LIMIT (181 tokens: 181 x 182 / 2 = 16471 pairs > 16384),
+# one at it (180: 16290) and a chunk past it (20 over 900: 17790).
+BACKEND_CASES = [*CASES, ([1, 181, 5, 180, 1, 20], [30, 181, 20, 180, 8, 900])]
 
 
 @pytest.mark.parametrize("case", range(len(BACKEND_CASES)))
@@ -226,7 +233,8 @@ def test_backend_forward_matches_the_reference_backend(
     with monkeypatch.context() as m:
         m.setattr(backend.ops, "unified_attention", counted)
         got = _forward(backend.CPUAttentionImpl, c, q_lens)
-    assert sdpa_lens == [q for q, s in zip(q_lens, seq_lens) if q * s > backend.SMALL_QUERY_LIMIT]
+    limit = backend.SMALL_QUERY_LIMIT
+    assert sdpa_lens == [q for q, s in zip(q_lens, seq_lens) if causal_pairs(q, s) > limit]
     want = _forward(TorchAttentionImpl, c, q_lens)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -274,11 +282,11 @@ def test_backend_names_the_launch_it_takes() -> None:
             seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
         )  # fmt: skip
 
-    meta = meta_of([1, 3], [2000, 1500])  # 3 x 1500 > 4096
+    meta = meta_of([1, 20], [2000, 1500])  # 20 x 1480 + 20 x 21 / 2 pairs > 16384
     assert impl.launch_name(meta).startswith("cpu_attention_with_kv_cache")
     assert "SDPA per long prefill" in impl.launch_name(meta)
     # Small prompts, decodes alone, and the two maxima from different requests.
-    for m in (meta_of([3], [20]), meta_of([1, 1], [20000, 3]), meta_of([3, 1], [20, 2000])):
+    for m in (meta_of([20], [200]), meta_of([1, 1], [20000, 3]), meta_of([20, 1], [30, 2000])):
         assert impl.launch_name(m) == "cpu_attention_with_kv_cache (pages read in place)"
     windowed = CPUAttentionImpl(4, 64, 0.125, 2, sliding_window=8)
     assert windowed.launch_name(meta).startswith("unified_attention_torch")

@@ -127,8 +127,8 @@ def cpu_attention_with_kv_cache(
 
     vLLM's op takes the key and value caches apart, and every query, sliding
     windows, soft caps and ALiBi too; this one tracevllm's one-tensor cache,
-    the decodes, and the queries of more than one token whose tokens times
-    seq_len is at most ``small_query_limit`` (kernels/csrc/cpu_attn.cpp).
+    the decodes, and the queries of more than one token that attend at most
+    ``small_query_limit`` (query token, key) pairs (kernels/csrc/cpu_attn.cpp).
     """
     _cpu_attention_with_kv_cache(
         query, kv_cache, output, query_start_loc, seq_lens, scale, block_table, small_query_limit

@@ -8,8 +8,8 @@ RISC-V and PowerPC all of them, prompts included; elsewhere the prompts go
 to SDPA). Here the kernel
 (kernels/csrc/cpu_attn.cpp) takes the decodes (single-token queries), the
 bulk of a serving step, and each longer query (a prompt, a chunk of one, a
-speculative verify) whose tokens times its seq_len is at most
-``SMALL_QUERY_LIMIT``; the longer ones go one at a time to the plain-PyTorch
+speculative verify) that attends at most ``SMALL_QUERY_LIMIT`` (query token,
+key) pairs; the longer ones go one at a time to the plain-PyTorch
 reference, which runs each through SDPA. A layer the kernel does not cover
 (not fp32, a sliding window, a soft cap) or a run with lab 04's paged read
 plugged in takes the reference backend's ``forward`` whole.
@@ -18,16 +18,17 @@ What the kernel saves (benchmarks/bench_cpu_attn.py, a 2-core AMD EPYC): the
 reference gathers each decode's pages into one padded tensor, then runs SDPA
 with a mask over the padding; the kernel reads each key once, where it lies.
 One decode step's attention over 30 layers at batch 64: 148 ms for the
-reference against 40 ms on one thread; make bench's workload through the
+reference against 29 ms on one thread; make bench's workload through the
 engine, 1.18 times the reference backend's tokens per second on one thread
-and 1.24 times on two. Its prefill step (64 prompts of 24 new tokens over 40),
-one SDPA call per request against the kernel: 279 ms against 50 on two
-threads, most of SDPA's the fixed cost of 1920 small calls.
+and 1.24 times on two (with the kernel's walk of 2026-12-04, 40 ms). Its
+prefill step (64 prompts of 24 new tokens over 40), one SDPA call per request
+against the kernel: 277 ms against 38 on two threads, most of SDPA's the
+fixed cost of 1920 small calls.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -39,22 +40,37 @@ from tracevllm.labs import selected_labs
 if TYPE_CHECKING:
     from tracevllm.model_executor.layers.attention import Attention
 
+T = TypeVar("T", int, torch.Tensor)
 
-# A query of more than one token goes through the kernel when its tokens times
-# its seq_len is at most this, through SDPA otherwise. The kernel walks each
-# query token's keys as a decode's; SDPA's matmuls run about twice as fast per
-# key once past a fixed cost of about 0.1 ms a call, and the two tie about
-# here (benchmarks/bench_cpu_attn.py's prefill rows: 16 tokens over 256, 0.92x
-# on one thread and 1.13x on two; a 64-token prompt 1.65x and 1.91x; a
-# 512-token prompt 0.87x and 0.62x).
-SMALL_QUERY_LIMIT = 4096
+
+# A query of more than one token goes through the kernel when the (query
+# token, key) pairs it attends (causal_pairs) are at most this many, through
+# SDPA otherwise. The kernel's time follows the pairs (about 1.5 ms per
+# thousand over 30 layers, one thread); SDPA's follows the query's tokens
+# times its keys, the masked half of a fresh prompt included (about 1 ms per
+# thousand, after a fixed cost of about 0.1 ms a call): a fresh prompt, half
+# its square in pairs, goes faster through the kernel, a chunk over a long
+# cache through SDPA. benchmarks/bench_cpu_attn.py's prefill rows, kernel
+# against SDPA, one thread and two: a 128-token prompt (8256 pairs) 1.66x and
+# 1.56x; 64 tokens over 256 (14368) 0.94x and 1.15x; 16 over 1024 (16264)
+# 0.97x and 0.98x; past the limit, 64 over 1024 (63520) 0.77x and 0.89x and a
+# 512-token prompt (131328) 1.16x and 0.86x.
+SMALL_QUERY_LIMIT = 16384
+
+
+def causal_pairs(q_len: T, seq_len: T) -> T:
+    """The (query token, key) pairs a query of ``q_len`` tokens attends when its
+    last token is at position ``seq_len - 1``: each token sees the keys up to
+    its own. Ints or int64 tensors."""
+    return q_len * (seq_len - q_len) + q_len * (q_len + 1) // 2
 
 
 def _may_take_long_prefills(attn_metadata: AttentionMetadata) -> bool:
     """From the step's two maxima, without reading a tensor: False when no
-    request's query can be too long for the kernel (most steps)."""
+    request's query can be too long for the kernel (most steps). The pairs
+    grow with each of the two (a query is never longer than its seq_len)."""
     q = attn_metadata.max_query_len
-    return q > 1 and q * attn_metadata.max_seq_len > SMALL_QUERY_LIMIT
+    return q > 1 and causal_pairs(q, attn_metadata.max_seq_len) > SMALL_QUERY_LIMIT
 
 
 def takes_long_prefills(attn_metadata: AttentionMetadata) -> bool:
@@ -62,8 +78,8 @@ def takes_long_prefills(attn_metadata: AttentionMetadata) -> bool:
     if not _may_take_long_prefills(attn_metadata):
         return False
     qsl, seq_lens = _query_start_loc_and_seq_lens(attn_metadata)
-    q_lens = qsl[1:] - qsl[:-1]
-    return bool(((q_lens > 1) & (q_lens * seq_lens > SMALL_QUERY_LIMIT)).any())
+    q_lens = (qsl[1:] - qsl[:-1]).long()
+    return bool(((q_lens > 1) & (causal_pairs(q_lens, seq_lens.long()) > SMALL_QUERY_LIMIT)).any())
 
 
 def _query_start_loc_and_seq_lens(
@@ -147,7 +163,7 @@ class CPUAttentionImpl(TorchAttentionImpl):
             starts, lens = qsl.tolist(), seq_lens.tolist()
             for r, seq_len in enumerate(lens):
                 start, end = starts[r], starts[r + 1]
-                if end - start <= 1 or (end - start) * seq_len <= SMALL_QUERY_LIMIT:
+                if end - start <= 1 or causal_pairs(end - start, seq_len) <= SMALL_QUERY_LIMIT:
                     continue
                 ops.unified_attention(
                     q=query[start:end],
