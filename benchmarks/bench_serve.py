@@ -45,7 +45,8 @@ WHAT = {
     "'while True: pass', started before the server started and stopped after it stopped): "
     "tracevllm bench serve's figures (output_throughput: generated tokens / s over the "
     "whole run; TTFT, ITL, E2EL percentiles in ms) after a warm-up of 4 requests x 8 tokens, "
-    "with load_start / load_end, the 1-minute load average as the run started and ended",
+    "with load_start / load_end, the 1-minute load average as the run started and ended, "
+    "and steal, the share of the CPUs' time the hypervisor took meanwhile (/proc/stat)",
     "summary": "per condition: ratio_vs_X = tracevllm's output_throughput / server X's "
     "(vllm_compiled: vLLM's server as it starts by default; vllm_eager: with --enforce-eager)",
 }
@@ -95,7 +96,7 @@ def measure(
     results = []
     for condition, key, result, load in run_under(conditions, jobs, settle_s):
         result = {**result, "key": key, "condition": condition}
-        result |= {"load_start": load.start, "load_end": load.end}
+        result |= {"load_start": load.start, "load_end": load.end, "steal": load.steal}
         print(f"  {LABELS[condition]}: {result.get('label', key)}, {load}", flush=True)
         results.append(result)
     return results

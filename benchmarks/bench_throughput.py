@@ -122,7 +122,9 @@ WHAT = {
     "conditions": "per condition (quiet; busy: one busy-loop process, python3 -c 'while "
     "True: pass', started before each engine run and stopped after it), each engine run: "
     "generated tokens, seconds of the timed generate (after 2 untimed warm-up requests), "
-    "tok_s, the 1-minute load average as it started and ended; cached_tokens = the prompt "
+    "tok_s, the 1-minute load average as it started and ended, steal = the share of the "
+    "CPUs' time the hypervisor took meanwhile (/proc/stat; another virtual machine's load); "
+    "cached_tokens = the prompt "
     "tokens its prefix cache supplied in the timed generate (the sum of its RequestOutputs' "
     "num_cached_tokens; 0 for HF, which has none; null where the engine's outputs do not "
     "say), floor_s = the floor of the prompt tokens it computed (prompt tokens - "
@@ -180,6 +182,7 @@ class Run:
     # whether it adapted, the changes made; None for the other engines.
     threads: dict[str, Any] | None = None
     roofline_s: float | None = None  # this run's roofline floor (its cached tokens out)
+    steal: float | None = None  # the share of CPU time the hypervisor took (busy.Load)
 
     @property
     def roofline_share(self) -> float | None:
@@ -304,7 +307,7 @@ def run_conditions(
         roofline_s = roofline(cached) if roofline is not None else None
         out[condition].append(Run(name, keys[name], tokens, seconds, load.start, load.end,
                                   share, cached, floor_s, threads=threads,
-                                  roofline_s=roofline_s))  # fmt: skip
+                                  roofline_s=roofline_s, steal=load.steal))  # fmt: skip
         if report:
             report(condition, out[condition][-1])
     return out
@@ -442,7 +445,7 @@ def _fmt_run(condition: str, run: Run) -> str:
     return (
         f"  {LABELS[condition]:<13} {run.engine}: {run.tokens} tokens in {run.seconds:.1f} s = "
         f"{run.tok_s:.1f} tok/s{share}{_fmt_threads(run.threads)}, "
-        f"load {run.load_start:.2f}->{run.load_end:.2f}"
+        f"load {run.load_start:.2f}->{run.load_end:.2f}{busy.fmt_steal(run.steal or 0.0)}"
     )
 
 

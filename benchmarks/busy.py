@@ -6,9 +6,11 @@ browser, a CI box other jobs. "One busy core" is one busy-loop process
 and stopped after it, so that every engine of a comparison (tracevllm, vLLM
 eager and compiled, HF) meets the same load. "Quiet" is only as quiet as the
 machine is: the 1-minute load average is read as each run starts and ends,
-and saved beside its figure. Standard library only; shared by
-bench_throughput.py, bench_serve.py, bench_threads.py, bench_compile.py and
-bench_tracing_cost.py (the CPU's name is roofline.py's).
+and saved beside its figure, with the share of CPU time the hypervisor stole
+meanwhile (on a virtual machine another tenant's load shows only there).
+Standard library only; shared by bench_throughput.py, bench_serve.py,
+bench_threads.py, bench_compile.py and bench_tracing_cost.py (the CPU's name
+is roofline.py's).
 """
 
 from __future__ import annotations
@@ -66,16 +68,50 @@ def procs_running() -> int:
     return 0
 
 
+def cpu_jiffies(stat: str | None = None) -> tuple[int, int]:
+    """(steal, total) time of all CPUs since boot, in clock ticks, from
+    ``/proc/stat``'s ``cpu`` line (or ``stat``, its text); (0, 0) where unknown.
+    Steal is time a virtual machine's CPU was ready to run and the hypervisor
+    ran something else: another tenant's load, which neither the load average
+    nor the run queue of this machine shows."""
+    try:
+        if stat is None:
+            with open("/proc/stat") as f:
+                stat = f.read()
+        for line in stat.splitlines():
+            fields = line.split()
+            if fields and fields[0] == "cpu":
+                ticks = [int(x) for x in fields[1:9]]  # user ... steal (guest is in user)
+                return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
+    except (OSError, ValueError):
+        pass
+    return 0, 0
+
+
+def steal_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the CPUs' time between two ``cpu_jiffies`` readings that the
+    hypervisor took (nan where unknown)."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total > 0 else float("nan")
+
+
 @dataclass
 class Load:
-    """One run's condition and the 1-minute load average as it started and ended."""
+    """One run's condition, the 1-minute load average as it started and ended,
+    and the share of the CPUs' time stolen by the hypervisor meanwhile."""
 
     condition: str
     start: float = float("nan")
     end: float = float("nan")
+    steal: float = float("nan")
 
     def __str__(self) -> str:
-        return f"load {self.start:.2f}->{self.end:.2f}"
+        return f"load {self.start:.2f}->{self.end:.2f}{fmt_steal(self.steal)}"
+
+
+def fmt_steal(steal: float) -> str:
+    """``, steal 12%`` where the hypervisor took at least half a percent, else ''."""
+    return f", steal {steal:.0%}" if steal >= 0.005 else ""
 
 
 def _busy_script(parent: int) -> str:
@@ -117,11 +153,11 @@ def under(condition: str, settle_s: float = SETTLE_S) -> Iterator[Load]:
         raise ValueError(f"unknown condition {condition!r}")
     load = Load(condition)
     with busy_core(condition == "busy", settle_s):
-        load.start = load_average()
+        load.start, jiffies = load_average(), cpu_jiffies()
         try:
             yield load
         finally:
-            load.end = load_average()
+            load.end, load.steal = load_average(), steal_share(jiffies, cpu_jiffies())
 
 
 def run_under(

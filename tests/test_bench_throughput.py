@@ -192,6 +192,24 @@ def test_run_queue_sampler_and_machine() -> None:
     assert m["cores"] == os.cpu_count() and len(m["load_average_at_start"]) == 3
 
 
+def test_steal_is_read_from_proc_stat_by_hand() -> None:
+    """/proc/stat's cpu line: user nice system idle iowait irq softirq steal
+    (guest and guest_nice are inside user and nice, not added again); the
+    share between two readings; nothing to read is (0, 0) and nan, not an error."""
+    before = busy.cpu_jiffies("cpu  100 0 50 800 10 0 5 35 7 0\ncpu0 1 2 3 4 5 6 7 8\n")
+    after = busy.cpu_jiffies("cpu  160 0 70 900 10 0 5 55 9 0\n")
+    assert before == (35, 1000) and after == (55, 1200)
+    assert busy.steal_share(before, after) == pytest.approx(0.1)
+    assert busy.cpu_jiffies("intr 5\n") == (0, 0)
+    assert math.isnan(busy.steal_share((0, 0), (0, 0)))
+    assert busy.fmt_steal(0.1) == ", steal 10%" and busy.fmt_steal(0.001) == ""
+    steal, total = busy.cpu_jiffies()  # this machine's
+    assert total > 0 and 0 <= steal <= total
+    with busy.under("quiet", settle_s=0) as load:
+        pass
+    assert 0 <= load.steal <= 1 or math.isnan(load.steal)
+
+
 def _busy_loops() -> int:
     """This process's children running the busy loop."""
     n = 0
@@ -273,6 +291,7 @@ def test_condition_loop_runs_each_engine_beside_its_own_busy_loop() -> None:
     assert [r.floor_s for r in out["busy"]] == pytest.approx([0.1, 0.5])
     assert [r.floor_share for r in out["busy"]] == pytest.approx([0.1, 0.25])
     assert all(r.load_start >= 0 and r.load_end >= 0 for rs in out.values() for r in rs)
+    assert all(r.steal is not None for rs in out.values() for r in rs)  # busy.Load's, kept
     assert bt.summarize(out["busy"])["ratio_vs_vllm_compiled"] == 2.0
 
 
