@@ -33,7 +33,14 @@ two things vLLM's CPU backend does before its worker runs a step.
   about four fifths oneDNN matmuls in both (the README's serving section);
   two half-batches on two threads of one OpenMP thread each measured 0.85x
   to 1.16x one thread beside a busy core (benchmarks/bench_split_batch.py),
-  so the engine keeps one batch.
+  so the engine keeps one batch. OpenMP's wait policy was measured too
+  (``OMP_WAIT_POLICY=PASSIVE``, waiting threads sleep at once instead of
+  spinning; ``make bench-threads``, 16 prompts, 2026-12-05): two threads
+  fixed ran 150 tok/s beside the busy process against 72 spinning, but
+  still below one thread's 157, and 209 quiet against 244: no count of
+  two threads beats one beside a busy core, since the two share what the
+  kernel gives them at every barrier, so the policy's count is what
+  matters and the spin (libgomp's default) is kept for the quiet case.
   vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.

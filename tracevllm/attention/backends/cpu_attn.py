@@ -17,13 +17,12 @@ plugged in takes the reference backend's ``forward`` whole.
 What the kernel saves (benchmarks/bench_cpu_attn.py, a 2-core AMD EPYC): the
 reference gathers each decode's pages into one padded tensor, then runs SDPA
 with a mask over the padding; the kernel reads each key once, where it lies.
-One decode step's attention over 30 layers at batch 64: 148 ms for the
-reference against 29 ms on one thread; make bench's workload through the
-engine, 1.18 times the reference backend's tokens per second on one thread
-and 1.24 times on two (with the kernel's walk of 2026-12-04, 40 ms). Its
-prefill step (64 prompts of 24 new tokens over 40), one SDPA call per request
-against the kernel: 277 ms against 38 on two threads, most of SDPA's the
-fixed cost of 1920 small calls.
+One decode step's attention over 30 layers at batch 64: 111 ms for the
+reference against 30 ms on one thread; make bench's workload through the
+engine, 1.19 times the reference backend's tokens per second on one thread
+and 1.30 times on two. Its prefill step (64 prompts of 24 new tokens over
+40), one SDPA call per request against the kernel: 274 ms against 37 on two
+threads, most of SDPA's the fixed cost of 1920 small calls.
 """
 
 from __future__ import annotations
