@@ -192,6 +192,7 @@ def test_run_queue_sampler_and_machine() -> None:
     assert m["cores"] == os.cpu_count() and len(m["load_average_at_start"]) == 3
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="no /proc/stat here")
 def test_steal_is_read_from_proc_stat_by_hand() -> None:
     """/proc/stat's cpu line: user nice system idle iowait irq softirq steal
     (guest and guest_nice are inside user and nice, not added again); the

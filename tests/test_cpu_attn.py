@@ -52,8 +52,10 @@ def _run_kernel(c: dict, scale: float, small_query_limit: int = 0) -> torch.Tens
 # 76 and 6: a scalar tail.
 @pytest.mark.parametrize("head_size", [64, 128, 72, 76, 6])
 @pytest.mark.parametrize("case", range(len(CASES)))
-# 0: decodes only; 60: the 5x5, 3x19, 2x2 prefills but not 9x40; all of them.
-@pytest.mark.parametrize("limit", [0, 60, 4096])
+# In pairs (causal_pairs): 0, decodes only; 54, the 5 over 5 (15 pairs), 3 over 19 (54,
+# though 3 x 19 = 57) and 2 over 2 (3) but not 9 over 40 (324); 53, all those but 3 over
+# 19; 4096, all of them.
+@pytest.mark.parametrize("limit", [0, 53, 54, 4096])
 def test_kernel_matches_naive_and_leaves_longer_queries(
     block_size: int, heads: tuple[int, int], head_size: int, case: int, limit: int
 ) -> None:
@@ -83,11 +85,12 @@ def test_kernel_takes_prompts_longer_than_a_tile_and_chunks_over_a_cache() -> No
         torch.testing.assert_close(out[a:b], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_prompts_token_and_the_same_token_decoded_get_the_same_bits() -> None:
+@pytest.mark.parametrize("head_size", [64, 128, 72])
+def test_a_prompts_token_and_the_same_token_decoded_get_the_same_bits(head_size: int) -> None:
     """The kernel's arithmetic for a token depends only on its keys: the last token
     of a prompt and that token as a decode over the same cache agree bit for bit
     (a speculative verify and plain decoding attend the same)."""
-    c = build_case([21], [30], 9, 3, 64, 16, seed=9)
+    c = build_case([21], [30], 9, 3, head_size, 16, seed=9)
     prompt = _run_kernel(c, 0.125, 4096)
     for i in (0, 7, 20):  # the tokens at positions 9, 16 and 29
         one = {**c, "q": c["q"][i : i + 1].clone(), "qsl": torch.tensor([0, 1], dtype=torch.int32),
@@ -173,8 +176,12 @@ def test_kernel_checks_the_tables_before_reading_the_cache() -> None:
         _run_kernel({**c, "qsl": past}, 0.125)
     short = build_case([4], [6], 4, 2, 64, 4, seed=6)
     short["seq_lens"][0] = 3  # fewer keys than the query's tokens
-    with pytest.raises(RuntimeError, match="seq_len 3 of request 0 needs 4"):
-        _run_kernel(short, 0.125, 4096)
+    for limit in (4096, 0):  # taken or not, a query longer than its seq_len is refused
+        with pytest.raises(RuntimeError, match="seq_len 3 of request 0 needs 4"):
+            _run_kernel(short, 0.125, limit)
+    no_heads = build_case([1], [5], 4, 2, 64, 4, seed=6)
+    with pytest.raises(RuntimeError, match="positive multiple of num_kv_heads"):
+        _run_kernel({**no_heads, "q": no_heads["q"][:, :0]}, 0.125)
 
 
 # --- the backend --------------------------------------------------------------------------
@@ -292,6 +299,30 @@ def test_backend_names_the_launch_it_takes() -> None:
     assert windowed.launch_name(meta).startswith("unified_attention_torch")
     impl._kernel_covers(c["kv_cache"].double())  # a forward on a float64 cache
     assert impl.launch_name(meta).startswith("unified_attention_torch")
+
+
+def test_the_maxima_never_hide_a_query_too_long_for_the_kernel() -> None:
+    """The forward's cheap gate, from the step's two maxima: whenever it says no
+    query can be too long, none is (random steps of queries no longer than their
+    seq_lens, counted token by token); and metadata whose longest query outruns
+    its longest seq_len still opens it."""
+    import random
+
+    from tracevllm.attention.backends import cpu_attn as backend
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        steps = []
+        for _ in range(rng.randint(1, 4)):
+            s = rng.randint(1, 1200)
+            steps.append((rng.randint(1, min(s, 300)), s))
+        meta = types.SimpleNamespace(
+            max_query_len=max(q for q, _ in steps), max_seq_len=max(s for _, s in steps)
+        )
+        too_long = any(q > 1 and causal_pairs(q, s) > backend.SMALL_QUERY_LIMIT for q, s in steps)
+        assert backend._may_take_long_prefills(meta) or not too_long, steps
+    odd = types.SimpleNamespace(max_query_len=400, max_seq_len=200)
+    assert backend._may_take_long_prefills(odd)
 
 
 def test_selector_defaults_to_the_kernel_on_cpu_and_falls_back_without_it(

@@ -60,9 +60,8 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {  // y += a * x
 }
 
 // Lane j of the result: the sum of a[j]'s eight lanes, added in one order,
-// ((0+1)+(2+3))+((4+5)+(6+7)), whichever j is, so a key's score does not
-// depend on which keys share its eight. Three rounds of adding neighbours
-// (pairs) instead of eight separate horizontal sums.
+// ((0+1)+(2+3))+((4+5)+(6+7)), whichever j is. Three rounds of adding
+// neighbours (pairs) instead of eight separate horizontal sums.
 inline v8 sum8x8(const v8* a) {
   const auto pairs = [](v8 x, v8 y) {  // [x0+x1, x2+x3, x4+x5, x6+x7, y0+y1, ..., y6+y7]
 #if defined(__clang__)
@@ -87,7 +86,7 @@ constexpr int64_t PREFETCH_KEYS = 16;
 // run as eight independent chains of fused multiply-adds. A row stops at
 // its own length (causal): rows[r]'s scores past rlen[r] within its last
 // eight are computed and never read. Where a head size is known when
-// compiling (64, 128: most models); any other takes dot() below.
+// compiling (64, 128: most models); any other takes dot() above.
 //
 // Eight keys in separate slots are eight streams of loads, which the
 // hardware's prefetcher does not follow as it follows one key after
@@ -176,7 +175,8 @@ void cpu_attention_with_kv_cache(const at::Tensor& query, const at::Tensor& kv_c
   const int64_t num_reqs = seq_lens.size(0);
   const int64_t num_heads = query.size(1), head_size = query.size(2);
   const int64_t block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0,
+              "num_heads must be a positive multiple of num_kv_heads");
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head (GQA)
 
   const float* q = query.data_ptr<float>();

@@ -34,13 +34,13 @@ two things vLLM's CPU backend does before its worker runs a step.
   two half-batches on two threads of one OpenMP thread each measured 0.85x
   to 1.16x one thread beside a busy core (benchmarks/bench_split_batch.py),
   so the engine keeps one batch. OpenMP's wait policy was measured too
-  (``OMP_WAIT_POLICY=PASSIVE``, waiting threads sleep at once instead of
-  spinning; ``make bench-threads``, 16 prompts, 2026-12-05): two threads
-  fixed ran 150 tok/s beside the busy process against 72 spinning, but
-  still below one thread's 157, and 209 quiet against 244: no count of
-  two threads beats one beside a busy core, since the two share what the
-  kernel gives them at every barrier, so the policy's count is what
-  matters and the spin (libgomp's default) is kept for the quiet case.
+  (``OMP_WAIT_POLICY=PASSIVE make bench-threads``: waiting threads sleep at
+  once, where libgomp's default spins a while first; 16 prompts, one round,
+  2026-12-05, not kept as a results file): two threads fixed ran 150 tok/s
+  beside the busy process against 72 with the default, still below one
+  thread's 157, and 209 quiet against 244. Two threads beside a busy core
+  share what the kernel gives them at every barrier, so the policy's count
+  is what matters, and the default wait is kept for the quiet case.
   vLLM also pins
   each thread to a core (``VLLM_CPU_OMP_THREADS_BIND``); tracevllm leaves
   placement to the OS.

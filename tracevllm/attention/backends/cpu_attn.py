@@ -49,11 +49,12 @@ T = TypeVar("T", int, torch.Tensor)
 # times its keys, the masked half of a fresh prompt included (about 1 ms per
 # thousand, after a fixed cost of about 0.1 ms a call): a fresh prompt, half
 # its square in pairs, goes faster through the kernel, a chunk over a long
-# cache through SDPA. benchmarks/bench_cpu_attn.py's prefill rows, kernel
-# against SDPA, one thread and two: a 128-token prompt (8256 pairs) 1.66x and
-# 1.56x; 64 tokens over 256 (14368) 0.94x and 1.15x; 16 over 1024 (16264)
-# 0.97x and 0.98x; past the limit, 64 over 1024 (63520) 0.77x and 0.89x and a
-# 512-token prompt (131328) 1.16x and 0.86x.
+# cache through SDPA. benchmarks/bench_cpu_attn.py's prefill rows
+# (benchmarks/results/cpu_attn.json), kernel against SDPA, one thread and
+# two: a 128-token prompt (8256 pairs) 1.61x and 1.57x; 64 tokens over 256
+# (14368) 0.92x and 1.14x; 16 over 1024 (16264) 0.98x and 0.95x; past the
+# limit, 64 over 1024 (63520) 0.75x and 0.86x and a 512-token prompt
+# (131328) 1.20x and 0.86x.
 SMALL_QUERY_LIMIT = 16384
 
 
@@ -69,7 +70,9 @@ def _may_take_long_prefills(attn_metadata: AttentionMetadata) -> bool:
     request's query can be too long for the kernel (most steps). The pairs
     grow with each of the two (a query is never longer than its seq_len)."""
     q = attn_metadata.max_query_len
-    return q > 1 and causal_pairs(q, attn_metadata.max_seq_len) > SMALL_QUERY_LIMIT
+    # max(q, ...): metadata whose longest query outran its longest seq_len
+    # would otherwise bound too low and leave a long query to no one.
+    return q > 1 and causal_pairs(q, max(q, attn_metadata.max_seq_len)) > SMALL_QUERY_LIMIT
 
 
 def takes_long_prefills(attn_metadata: AttentionMetadata) -> bool:
